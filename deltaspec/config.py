@@ -1,0 +1,156 @@
+"""Frozen configuration dataclasses: the model's architecture and the engine's settings.
+
+`ModelConfig` is the architecture as deltaspec understands it, whatever checkpoint format it came
+from (`deltaspec.model.hf_config` parses Hugging Face `config.json` into it). `EngineConfig` holds
+what the user chooses (dtype, device, cache sizes); its fields carry `help` metadata from which the
+CLI generates its flags. "auto" values are resolved in `resolve_engine_config`, one pure function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from deltaspec.errors import DeltaspecError
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLP: softmax router, top-k experts, optional shared expert."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one hybrid GDN / gated-attention model (DESIGN §1)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    attention_bias: bool
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    gdn_layout: str  # "qwen3_5": in_proj_qkv/z/b/a; "qwen3_next": grouped in_proj_qkvz/ba
+    # MLP: per layer, True where the layer's MLP is a mixture of experts
+    moe: MoEConfig | None
+    moe_layers: tuple[bool, ...]
+    # multi-token-prediction head
+    num_mtp_layers: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def gdn_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of the GDN causal conv: q | k | v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_ALIASES = {"double": "float64", "float": "float32", "fp32": "float32", "bf16": "bfloat16",
+                 "half": "float16", "fp16": "float16"}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name ("bfloat16", "bf16", "float32", ...) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        if name in DTYPES.values():
+            return name
+        name = str(name).removeprefix("torch.")
+    key = DTYPE_ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise DeltaspecError(f"Unknown dtype {name!r}; use one of {', '.join(DTYPES)}.")
+    return DTYPES[key]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user chooses about running a model. "auto" fields are resolved on load."""
+
+    model: str | None = field(default=None, metadata={
+        "help": "checkpoint directory or Hugging Face hub id (default: the embedded model)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weight and activation dtype: auto, float64, float32, bfloat16, float16"})
+    device: str = field(default="auto", metadata={"help": "torch device: auto, cpu, cuda, cuda:N"})
+    state_dtype: str = field(default="auto", metadata={
+        "help": "GDN recurrent state dtype: auto (float32, float64 for float64 models), "
+                "float32, bfloat16, float16"})
+    max_num_seqs: int = field(default=8, metadata={
+        "help": "most sequences that run at once (GDN state slots)"})
+    max_model_len: int = field(default=4096, metadata={"help": "longest sequence, prompt + output"})
+    block_size: int = field(default=16, metadata={"help": "tokens per attention KV page"})
+    num_kv_blocks: int = field(default=0, metadata={
+        "help": "attention KV pages to allocate (0: enough for max_num_seqs x max_model_len)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "most rows in one forward pass (prompt chunks + decode rows)"})
+    seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> EngineConfig:
+    """Resolve every "auto" field of `cfg`; the only place defaults depend on the machine.
+
+    dtype auto: the checkpoint's own `torch_dtype` on CUDA, float32 on CPU (bfloat16 matmuls are
+    slow there). state_dtype auto: float32, or float64 for a float64 model.
+    """
+    device = default_device() if cfg.device == "auto" else cfg.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeltaspecError(f"Device {device!r} was asked for but CUDA is not available; use --device cpu.")
+    if cfg.dtype == "auto":
+        dtype = (checkpoint_dtype or "bfloat16") if device.startswith("cuda") else "float32"
+    else:
+        dtype = cfg.dtype
+    dtype_name = str(parse_dtype(dtype)).removeprefix("torch.")
+    if cfg.state_dtype == "auto":
+        state_dtype = "float64" if dtype_name == "float64" else "float32"
+    else:
+        state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
+    for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
+        if getattr(cfg, name) < 1:
+            raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
+    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype)

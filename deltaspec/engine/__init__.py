@@ -1,0 +1,1 @@
+"""The engine: sequences, scheduler, runner, and the step loop that ties them together."""

@@ -1,0 +1,179 @@
+"""Engine: loads a model and runs requests. `step()` = schedule -> execute -> update (DESIGN §3)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+from deltaspec.cache.manager import CacheManager
+from deltaspec.config import EngineConfig, parse_dtype, resolve_engine_config
+from deltaspec.engine.runner import Runner, StepOutput
+from deltaspec.engine.scheduler import Scheduled, Scheduler
+from deltaspec.engine.sequence import Sequence
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
+from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.model.weights import load_model, resolve_model_path
+from deltaspec.ops.dispatch import ops_for
+from deltaspec.sample.logprobs import gather_logprobs
+from deltaspec.sample.params import SamplingParams
+from deltaspec.sample.sampler import apply_penalties, make_generator, sample
+
+
+def default_model_path() -> Path:
+    """The embedded default model, shipped inside the package."""
+    return Path(__file__).resolve().parent.parent / "default_model" / "target"
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        model_dir = self._model_dir(config.model)
+        raw = read_config_json(model_dir)
+        self.model_config = parse_model_config(raw)
+        self.config = resolve_engine_config(config, checkpoint_dtype(raw))
+        self.model_dir = model_dir
+        self.device = torch.device(self.config.device)
+        self.dtype = parse_dtype(self.config.dtype)
+        self.model = load_model(model_dir, self.model_config, raw, self.dtype, self.device,
+                                ops_for(self.device), progress=progress)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.max_model_len = self.config.max_model_len
+        cfg = self.config
+        num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
+                                  cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device)
+        self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens)
+        self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
+        self.eos_ids = frozenset(eos)
+        self._seed_counter = itertools.count(cfg.seed)
+
+    @staticmethod
+    def _model_dir(model: str | None) -> Path:
+        if model is not None:
+            return resolve_model_path(model)
+        path = default_model_path()
+        if not (path / "config.json").is_file():
+            raise DeltaspecError("No model was given and the embedded default model is not installed; "
+                                 "pass a checkpoint directory or hub id with --model / LLM(model=...).")
+        return path
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise DeltaspecError(f"The checkpoint at {self.model_dir} has no tokenizer.json, so text prompts "
+                                 "cannot be encoded; pass {'prompt_token_ids': [...]} instead.")
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                    params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise DeltaspecError("The prompt is empty; give at least one token.")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise DeltaspecError(f"Prompt token ids must lie in [0, {vocab}); got one outside it.")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise DeltaspecError(
+                f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens; shorten the prompt, lower max_tokens, or raise --max-model-len.")
+        seed = params.seed if params.seed is not None else next(self._seed_counter)
+        seq = Sequence(request_id, prompt, list(prompt_ids), params, self.eos_ids,
+                       generator=None if params.greedy else make_generator(seed, self.device))
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """One forward pass over every runnable sequence; returns the sequences that finished."""
+        schedule = self.scheduler.schedule()
+        result = self.runner.execute(schedule)
+        return self._update(schedule, result)
+
+    def _update(self, schedule: list[Scheduled], result: StepOutput) -> list[Sequence]:
+        for i, logits in result.prompt_logits.items():
+            self._record_prompt_logprobs(schedule[i], logits)
+        for item in schedule:
+            item.seq.num_computed += item.num_rows
+        if not result.sample_index:
+            return []
+        seqs = [schedule[i].seq for i in result.sample_index]
+        params = [s.params for s in seqs]
+        logits = apply_penalties(result.sample_logits, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
+                                 params, [s.eos_ids for s in seqs])
+        tokens = sample(logits, params, [s.generator for s in seqs]).tolist()
+        wanted = [p.logprobs for p in params]
+        logprobs = gather_logprobs(result.sample_logits, torch.tensor(tokens, device=logits.device), wanted) \
+            if any(w is not None for w in wanted) else [None] * len(seqs)
+        now = time.perf_counter()
+        finished = []
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            seq.output_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(self._with_text(lp))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._check_stop(seq, token):
+                seq.finish_time = now
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _record_prompt_logprobs(self, item: Scheduled, logits: torch.Tensor) -> None:
+        """Logprob of each next prompt token given its prefix (the first prompt token gets None)."""
+        seq, start = item.seq, item.seq.num_computed
+        if start == 0:
+            seq.prompt_logprobs.append(None)
+        targets = seq.prompt_ids[start + 1:start + 1 + logits.shape[0]]
+        if not targets:
+            return
+        rows = logits[:len(targets)]
+        got = gather_logprobs(rows, torch.tensor(targets, device=rows.device),
+                              [seq.params.prompt_logprobs] * len(targets))
+        seq.prompt_logprobs.extend(self._with_text(lp) for lp in got)
+
+    def _with_text(self, logprobs: dict) -> dict:
+        if self.tokenizer is None:
+            return logprobs
+        return {t: type(lp)(lp.logprob, lp.rank, self.tokenizer.decode_token(t)) for t, lp in logprobs.items()}
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        n = len(seq.output_ids)
+        if n >= params.min_tokens:
+            if not params.ignore_eos and token in seq.eos_ids:
+                seq.finish_reason = "stop"
+                return True
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return True
+            if params.stop and self.tokenizer is not None and self._match_stop_string(seq):
+                return True
+        if n >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _match_stop_string(self, seq: Sequence) -> bool:
+        text = self.decode(seq.output_ids, seq.params.skip_special_tokens)
+        newest = len(self.decode(seq.output_ids[:-1], seq.params.skip_special_tokens))
+        longest = max(len(s) for s in seq.params.stop)
+        for stop in seq.params.stop:
+            at = text.find(stop, max(newest - longest, 0))
+            if at != -1:
+                end = at + len(stop) if seq.params.include_stop_str_in_output else at
+                seq.finish_reason, seq.stop_reason, seq.stop_text = "stop", stop, text[:end]
+                return True
+        return False

@@ -1,0 +1,71 @@
+"""A sequence: one prompt and the tokens generated for it, with its place in the caches."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from deltaspec.sample.params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    state_slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_text: str | None = None  # output text cut at a matched stop string
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_prompt(self) -> int:
+        return max(len(self.prompt_ids) - self.num_computed, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def metrics(self) -> dict:
+        """Time to first token, decode time and decode tok/s by DESIGN §6."""
+        n_new = len(self.output_ids)
+        out = {"arrival_time": self.arrival_time, "num_prompt_tokens": len(self.prompt_ids),
+               "num_generated_tokens": n_new, "time_to_first_token": None, "decode_time": None,
+               "decode_tok_s": None}
+        if self.first_token_time is not None:
+            out["time_to_first_token"] = self.first_token_time - self.arrival_time
+        if self.first_token_time is not None and self.finish_time is not None:
+            decode_time = self.finish_time - self.first_token_time
+            out["decode_time"] = decode_time
+            if n_new > 1 and decode_time > 0:
+                out["decode_tok_s"] = (n_new - 1) / decode_time
+        return out

@@ -1,0 +1,1 @@
+"""The hybrid model: config parsing, weight loading, tokenizer, layers, and the MTP head."""

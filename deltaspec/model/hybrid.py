@@ -1,0 +1,79 @@
+"""The hybrid decoder: embeddings, GDN / attention blocks, final norm, LM head, optional MTP head.
+
+`HybridModel.forward(batch, caches)` runs every sequence of a `ForwardBatch` in one pass and
+returns the final (normed) hidden state of every row; `compute_logits` applies the LM head to
+the rows the caller needs. Parameter names follow the Hugging Face checkpoint names
+(`model.layers.N...`, `lm_head.weight`, `mtp...`) so that loading is a name lookup.
+"""
+
+import torch
+from torch import nn
+
+from deltaspec.config import LINEAR_ATTENTION, ModelConfig
+from deltaspec.model.decoder import DecoderLayer, ModelCaches
+from deltaspec.model.forward_batch import ForwardBatch
+from deltaspec.model.layers import RMSNorm, make_mlp
+from deltaspec.model.mtp import MTPHead
+from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.norms import compute_dtype
+from deltaspec.ops.rope import cos_sin, inv_frequencies
+
+
+class RotaryTable(nn.Module):
+    """Inverse frequencies of the partial RoPE, computed once in the compute dtype."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("inv_freq", inv_frequencies(config.rotary_dim, config.rope_theta,
+                                                         compute_dtype(dtype), device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos_sin(positions, self.inv_freq, self.dtype)
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: OpTable):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        gdn_index = attn_index = 0
+        layers = []
+        for i, kind in enumerate(config.layer_types):
+            is_gdn = kind == LINEAR_ATTENTION
+            layers.append(DecoderLayer(config, gdn_index if is_gdn else attn_index, ops, is_gdn,
+                                       make_mlp(config, config.moe_layers[i])))
+            gdn_index, attn_index = gdn_index + is_gdn, attn_index + (not is_gdn)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device, num_mtp_layers: int):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config, ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTPHead(config, num_mtp_layers, len(config.attention_layer_ids), ops) if num_mtp_layers else None
+        self.rotary = RotaryTable(config, dtype, device)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Attention layers with a KV cache: the model's, then the MTP head's."""
+        return len(self.config.attention_layer_ids) + (len(self.mtp.layers) if self.mtp else 0)
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """All rows of `batch` through the stack -> final hidden states [T, hidden]."""
+        h = self.model.embed_tokens(batch.token_ids)
+        cos, sin = self.rotary(batch.positions)
+        for layer in self.model.layers:
+            h = layer(h, batch, caches, cos, sin)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]."""
+        return self.lm_head(hidden)
+
+    def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor, caches: ModelCaches) -> torch.Tensor:
+        """The MTP head on rows (token t_{i+1}, hidden h_i) -> its hidden states [T, hidden]."""
+        cos, sin = self.rotary(batch.positions)
+        return self.mtp(self.model.embed_tokens(batch.token_ids), hidden, batch, caches, cos, sin)

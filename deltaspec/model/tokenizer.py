@@ -1,0 +1,259 @@
+"""Text <-> token ids and chat-template rendering for a checkpoint directory.
+
+Owns loading `tokenizer.json` (through the `tokenizers` library, never `transformers`), the special tokens and
+end-of-sequence ids named by `tokenizer_config.json` and `generation_config.json`, and rendering the model's Jinja
+chat template exactly as Hugging Face `apply_chat_template(..., tokenize=False)` does.
+"""
+
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+from deltaspec.errors import DeltaspecError
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _read_json(path: Path) -> Any:
+    """Parse a JSON file, or return None when it does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DeltaspecError(f"{path} is not valid JSON ({exc}); restore it from the original checkpoint.") from exc
+
+
+def _token_content(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config.json as text: a plain string or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    """`raise_exception` for templates: the template refuses the conversation with its own message."""
+    raise DeltaspecError(f"The chat template refused these messages: {message}")
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    """Hugging Face's `tojson` filter: plain `json.dumps`, without Jinja's HTML escaping."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """`strftime_now` for templates: the current local time formatted with `format`."""
+    return datetime.now().strftime(format)
+
+
+def _template_message(message: Any) -> dict:
+    """A message as Hugging Face hands it to the template: None-valued keys dropped, reasoning aliased.
+
+    Reasoning passed as `thinking` or `reasoning` is also exposed as `reasoning_content` (which templates read),
+    and `reasoning_content` is also exposed as `thinking`.
+    """
+    if not isinstance(message, Mapping):
+        raise DeltaspecError(f"Chat messages must be dicts with 'role' and 'content', but got {message!r}.")
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encoding, decoding, end-of-sequence ids and the chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        source: str,
+        special_tokens: dict[str, str],
+        eos_token_ids: frozenset[int],
+        chat_templates: dict[str, str],
+    ) -> None:
+        """Wrap a loaded `tokenizers.Tokenizer`; use `Tokenizer.from_dir` to load one from a checkpoint."""
+        self._backend = backend
+        self._source = source
+        self._special_tokens = special_tokens
+        self._eos_token_ids = eos_token_ids
+        self._chat_templates = chat_templates
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer | None":
+        """Load the tokenizer of the checkpoint at `path`, or return None when it has no `tokenizer.json`.
+
+        Reads `tokenizer_config.json` (special tokens, added tokens, chat template), `chat_template.jinja` and
+        `additional_chat_templates/*.jinja` (which replace the config's templates, as in transformers), and
+        `generation_config.json` (`eos_token_id`), each only when present.
+        """
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            return None
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:
+            raise DeltaspecError(
+                f"{tokenizer_file} could not be read as a tokenizer ({exc}); restore it from the original checkpoint."
+            ) from exc
+
+        config = _read_json(path / "tokenizer_config.json") or {}
+        for _, entry in sorted((config.get("added_tokens_decoder") or {}).items(), key=lambda e: int(e[0])):
+            content = _token_content(entry)
+            if content is not None and backend.token_to_id(content) is None:
+                added = tokenizers.AddedToken(content, special=bool(entry.get("special", True)), normalized=False)
+                if added.special:
+                    backend.add_special_tokens([added])
+                else:
+                    backend.add_tokens([added])
+        special_tokens = {
+            key: content for key in _SPECIAL_TOKEN_KEYS if (content := _token_content(config.get(key))) is not None
+        }
+
+        eos_token_ids: set[int] = set()
+        generation_eos = (_read_json(path / "generation_config.json") or {}).get("eos_token_id")
+        if isinstance(generation_eos, int):
+            eos_token_ids.add(generation_eos)
+        elif isinstance(generation_eos, list):
+            eos_token_ids.update(i for i in generation_eos if isinstance(i, int))
+        if "eos_token" in special_tokens and (eos_id := backend.token_to_id(special_tokens["eos_token"])) is not None:
+            eos_token_ids.add(eos_id)
+
+        return cls(
+            backend,
+            source=str(path),
+            special_tokens=special_tokens,
+            eos_token_ids=frozenset(eos_token_ids),
+            chat_templates=cls._read_chat_templates(path, config),
+        )
+
+    @staticmethod
+    def _read_chat_templates(path: Path, config: Mapping[str, Any]) -> dict[str, str]:
+        """Named chat templates: from `.jinja` files when any exist, else from tokenizer_config.json."""
+        templates = {}
+        if (path / "chat_template.jinja").is_file():
+            templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        for template_file in sorted((path / "additional_chat_templates").glob("*.jinja")):
+            templates[template_file.stem] = template_file.read_text(encoding="utf-8")
+        if templates:
+            return templates
+        configured = config.get("chat_template")
+        if isinstance(configured, str):
+            return {"default": configured}
+        if isinstance(configured, list):
+            return {entry["name"]: entry["template"] for entry in configured}
+        return {}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: generation_config's `eos_token_id` plus tokenizer_config's `eos_token`."""
+        return self._eos_token_ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the checkpoint ships a chat template."""
+        return bool(self._chat_templates)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are encoded as single ids."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; `skip_special_tokens` drops special tokens such as `<|im_end|>` (not `<think>`)."""
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        """Text of one token, special tokens included (a partial UTF-8 character decodes to U+FFFD)."""
+        return self._backend.decode([int(token_id)], skip_special_tokens=False)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry for `token_id`, or None when the id is out of range."""
+        return self._backend.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry `token`, or None when there is none."""
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` (and `tools`) with the chat template, as Hugging Face `apply_chat_template` does.
+
+        The template sees `messages`, `tools`, `documents` (None), `add_generation_prompt`, the special tokens
+        named in tokenizer_config.json (`bos_token`, `eos_token`, ...) and `template_kwargs` (e.g.
+        `enable_thinking`), which override the special tokens.
+        """
+        template = self._compile(self._select_template(tools))
+        if not messages:
+            raise DeltaspecError("Cannot apply the chat template to an empty conversation; pass at least one message.")
+        context = {
+            "documents": None,
+            **self._special_tokens,
+            **template_kwargs,
+            "messages": [_template_message(message) for message in messages],
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return template.render(**context)
+        except (jinja2.TemplateError, TypeError) as exc:
+            raise DeltaspecError(
+                f"The chat template of the model at {self._source} failed on these messages: {exc}"
+            ) from exc
+
+    def _select_template(self, tools: list[dict] | None) -> str:
+        """The template to use: `tool_use` when tools are given and one exists, else `default`."""
+        if not self._chat_templates:
+            raise DeltaspecError(
+                f"The model at {self._source} has no chat template; use generate() with a plain prompt, "
+                "or add a chat_template to tokenizer_config.json."
+            )
+        if tools is not None and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" not in self._chat_templates:
+            raise DeltaspecError(
+                f"The model at {self._source} has several chat templates ({', '.join(sorted(self._chat_templates))}) "
+                "and none is named 'default'; add a chat_template.jinja with the one to use."
+            )
+        return self._chat_templates["default"]
+
+    def _compile(self, source: str) -> jinja2.Template:
+        """Compile a template in Hugging Face's sandboxed environment, once per template."""
+        if source not in self._compiled:
+            environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
+            environment.filters["tojson"] = _tojson
+            environment.globals["raise_exception"] = _raise_exception
+            environment.globals["strftime_now"] = _strftime_now
+            try:
+                self._compiled[source] = environment.from_string(source)
+            except jinja2.TemplateSyntaxError as exc:
+                raise DeltaspecError(
+                    f"The chat template of the model at {self._source} is not valid Jinja (line {exc.lineno}: "
+                    f"{exc.message})."
+                ) from exc
+        return self._compiled[source]

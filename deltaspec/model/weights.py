@@ -1,0 +1,175 @@
+"""Find a checkpoint and load its weights into a `HybridModel`, lazily, tensor by tensor.
+
+`resolve_model_path` turns a directory or a Hugging Face hub id into a local directory.
+`load_model` builds the model on the meta device, then reads each safetensors tensor on its own
+(never a whole file), converts it to the requested dtype on the target device, and assigns it.
+Checkpoint names are mapped to the model's parameter names here: the multimodal wrapper prefix
+`model.language_model.` is dropped (the vision tower is skipped), GDN conv and norm weights are
+renamed, and per-expert MoE tensors are packed into the fused expert tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from deltaspec.config import ModelConfig
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.ops.dispatch import OpTable
+
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
+EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
+HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory for `model` (a directory, or a hub id fetched when online)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise DeltaspecError(f"{model} is a file; --model takes a checkpoint directory or a Hugging Face hub id.")
+    if not HUB_ID_RE.match(model) or model.startswith((".", "/", "~")):
+        raise DeltaspecError(f"No checkpoint directory at {model}; give an existing directory or a hub id like Qwen/Qwen3.5-27B.")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]))
+    except Exception as exc:  # noqa: BLE001 - any hub failure becomes one sentence for the user
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DeltaspecError(
+            f"Could not fetch {model} from the Hugging Face hub ({reason}); "
+            "check the id and the network, or download it and pass the directory.") from None
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name of the checkpoint to the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise DeltaspecError(f"{model_dir} has no *.safetensors weights; deltaspec loads safetensors checkpoints.")
+    names = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update({name: file for name in f.keys()})
+    return names
+
+
+def target_name(name: str) -> str | None:
+    """The model parameter a checkpoint tensor name maps to (None: skipped on purpose)."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    if name.startswith("model.language_model."):
+        name = "model." + name[len("model.language_model."):]
+    return name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv1d_weight").replace(
+        ".linear_attn.norm.weight", ".linear_attn.norm_weight")
+
+
+def count_mtp_layers(names) -> int:
+    layers = {int(m.group(1)) for n in names if (m := MTP_LAYER_RE.match(n))}
+    return max(layers) + 1 if layers else 0
+
+
+def _fit(name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Conv weights come as [C, 1, K]; fused experts sometimes as [E, H, 2I]. Other shapes must match."""
+    if tensor.shape == shape:
+        return tensor
+    if tensor.dim() == len(shape) + 1 and tensor.shape[1] == 1 and tensor.squeeze(1).shape == shape:
+        return tensor.squeeze(1)
+    if tensor.dim() == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")) \
+            and tensor.transpose(1, 2).shape == shape:
+        return tensor.transpose(1, 2)
+    raise DeltaspecError(
+        f"Tensor {name} has shape {list(tensor.shape)} in the checkpoint but the config implies {list(shape)}; "
+        "config.json and the weights do not belong together.")
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:5])
+    return shown + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+
+def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: torch.dtype, device: torch.device,
+               ops: OpTable, progress: bool = True) -> HybridModel:
+    """Build the model and fill every parameter from the checkpoint at `model_dir`."""
+    if raw_config.get("quantization_config"):
+        raise DeltaspecError(f"{model_dir} is a quantized checkpoint; deltaspec loads unquantized weights "
+                             "(bfloat16, float16 or float32) for now.")
+    files = checkpoint_files(model_dir)
+    with torch.device("meta"):
+        model = HybridModel(config, ops, dtype, device, num_mtp_layers=count_mtp_layers(files))
+    params = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    expert_parts: dict[str, set] = defaultdict(set)
+    unexpected = []
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, file in files.items():
+        by_file[file].append(name)
+    bar = tqdm(total=len(files), desc="Loading weights", unit="tensor", disable=not progress)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                bar.update(1)
+                target = target_name(name)
+                if target is None:
+                    continue
+                if expert := EXPERT_RE.match(target):
+                    _load_expert(expert, f.get_slice(name), params, loaded, expert_parts, dtype, device)
+                    continue
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                loaded[target] = _fit(name, f.get_tensor(name), params[target].shape).to(device=device, dtype=dtype)
+    bar.close()
+    if "lm_head.weight" not in loaded and config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+        loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
+    _check_experts(expert_parts, params)
+    missing = [n for n in params if n not in loaded]
+    if unexpected:
+        raise DeltaspecError(f"The checkpoint at {model_dir} has {len(unexpected)} tensors deltaspec does not "
+                             f"know: {_listing(unexpected)}.")
+    if missing:
+        raise DeltaspecError(f"The checkpoint at {model_dir} lacks {len(missing)} tensors the model needs: "
+                             f"{_listing(missing)}.")
+    model.load_state_dict(loaded, assign=True, strict=True)
+    return model.eval()
+
+
+def _load_expert(match: re.Match, source, params, loaded, expert_parts, dtype, device) -> None:
+    """Copy one per-expert projection into its slice of the fused expert tensor."""
+    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    fused_name = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+    if fused_name not in params:
+        raise DeltaspecError(f"Tensor {match.group(0)} belongs to a MoE layer but config.json describes a dense one.")
+    if fused_name not in loaded:
+        loaded[fused_name] = torch.empty(params[fused_name].shape, dtype=dtype, device=device)
+    fused = loaded[fused_name]
+    if not 0 <= expert < fused.shape[0]:
+        raise DeltaspecError(f"Tensor {match.group(0)} names expert {expert}, but config.json has "
+                             f"{fused.shape[0]} experts.")
+    half = fused.shape[1] // 2
+    rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None), "down_proj": slice(None)}[proj]
+    dest = fused[expert, rows]
+    dest.copy_(_fit(match.group(0), source[:], dest.shape).to(dtype))
+    expert_parts[fused_name].add((expert, proj))
+
+
+def _check_experts(expert_parts, params) -> None:
+    for fused_name, parts in expert_parts.items():
+        projs = ("down_proj",) if fused_name.endswith("down_proj") else ("gate_proj", "up_proj")
+        want = {(e, p) for e in range(params[fused_name].shape[0]) for p in projs}
+        if lacking := sorted(want - parts):
+            e, p = lacking[0]
+            prefix = fused_name.rsplit(".", 1)[0]
+            raise DeltaspecError(f"The checkpoint lacks {len(lacking)} expert tensors, e.g. {prefix}.{e}.{p}.weight.")

@@ -1,0 +1,49 @@
+"""The dispatch point: which implementation of each op a model on a given device calls.
+
+Every op has a torch reference (the spec, runs anywhere). A backend (the Triton kernels on CUDA)
+registers implementations with the same signature and semantics under the op's name; `ops_for`
+resolves the table once per device, so the model never looks anything up on the hot path.
+"""
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+import torch
+
+from deltaspec.ops import attention, conv, gdn, norms
+
+
+@dataclass(frozen=True)
+class OpTable:
+    rms_norm: Callable
+    gated_rms_norm: Callable
+    causal_conv1d: Callable
+    gated_delta_rule: Callable
+    write_kv: Callable
+    paged_attention: Callable
+
+
+REFERENCE = OpTable(
+    rms_norm=norms.rms_norm,
+    gated_rms_norm=norms.gated_rms_norm,
+    causal_conv1d=conv.causal_conv1d,
+    gated_delta_rule=gdn.gated_delta_rule,
+    write_kv=attention.write_kv,
+    paged_attention=attention.paged_attention,
+)
+
+_BACKENDS: dict[str, dict[str, Callable]] = {}
+
+
+def register(device_type: str, op_name: str, fn: Callable) -> None:
+    """Make `fn` the implementation of `op_name` for devices of `device_type` (e.g. "cuda")."""
+    if op_name not in {f.name for f in fields(OpTable)}:
+        raise ValueError(f"unknown op {op_name!r}")
+    _BACKENDS.setdefault(device_type, {})[op_name] = fn
+
+
+def ops_for(device: torch.device | str, reference_only: bool = False) -> OpTable:
+    """The op table for `device`: registered kernels where present, torch references elsewhere."""
+    if reference_only:
+        return REFERENCE
+    return replace(REFERENCE, **_BACKENDS.get(torch.device(device).type, {}))

@@ -1,0 +1,98 @@
+"""Gated delta rule reference over ragged sequences, with recurrent states read and written by slot.
+
+Contract (kernels keep it): rows of all sequences lie back to back, split by `query_lens`;
+sequence b continues the state `state[slots[b]]` ([Hv, Dk, Dv]) and leaves its final state there.
+Inputs are post-conv, with q and k already L2-normalised and q scaled by Dk^-0.5; value head h
+reads key head h // (Hv / Hk). Per row, with decay `g` in log space:
+
+    S <- exp(g) * S;  u = S^T k;  S <- S + k (beta * (v - u))^T;  o = S^T q
+
+Single-row segments use that step directly; longer ones the chunked form below, which is the
+same recurrence solved 64 rows at a time. Arithmetic runs in float32 (float64 for float64 inputs
+or states); the output has q's dtype.
+"""
+
+import torch
+
+CHUNK = 64
+
+
+def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
+    """[L, Hk, D] -> [L, Hv, D]: value head h reads key head h // r."""
+    return x.repeat_interleave(num_v_heads // x.shape[1], dim=1)
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """One row for a batch of states: q, k [N, Hv, Dk]; v [N, Hv, Dv]; g, beta [N, Hv];
+    state [N, Hv, Dk, Dv] (not modified). Returns (o [N, Hv, Dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    u = torch.einsum("nhkv,nhk->nhv", state, k)
+    state = state + k[..., :, None] * (beta[..., None] * (v - u))[..., None, :]
+    return torch.einsum("nhkv,nhk->nhv", state, q), state
+
+
+def chunked(q, k, v, g, beta, state):
+    """The recurrence over L rows of one sequence: q, k [L, Hv, Dk]; v [L, Hv, Dv]; g, beta [L, Hv];
+    state [Hv, Dk, Dv]. Returns (o [L, Hv, Dv], final state).
+
+    Within a chunk with cumulative decay c_i = sum_{j<=i} g_j and corrections d_i = beta_i (v_i - u_i):
+      d = (I + A)^-1 beta * (v - exp(c) K S0),  A_ij = beta_i exp(c_i - c_j) k_i.k_j  (j < i)
+      o_i = exp(c_i) S0^T q_i + sum_{j<=i} exp(c_i - c_j) (q_i.k_j) d_j
+      S  = exp(c_L) S0 + sum_j exp(c_L - c_j) k_j d_j^T
+    """
+    outputs = []
+    for start in range(0, q.shape[0], CHUNK):
+        qc, kc, vc = (t[start:start + CHUNK].transpose(0, 1) for t in (q, k, v))  # [Hv, C, D]
+        gc, bc = (t[start:start + CHUNK].transpose(0, 1) for t in (g, beta))  # [Hv, C]
+        c = gc.cumsum(-1)  # [Hv, C]
+        n = c.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [Hv, C, C]
+        a = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
+        rhs = bc[..., None] * (vc - c.exp()[..., None] * (kc @ state))  # [Hv, C, Dv]
+        eye = torch.eye(n, dtype=a.dtype, device=a.device)
+        d = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        o = c.exp()[..., None] * (qc @ state) + ((qc @ kc.transpose(1, 2)) * decay) @ d
+        outputs.append(o.transpose(0, 1))
+        tail = (c[:, -1:] - c).exp()  # [Hv, C]
+        state = c[:, -1].exp()[:, None, None] * state + (kc * tail[..., None]).transpose(1, 2) @ d
+    return torch.cat(outputs, dim=0), state
+
+
+def gated_delta_rule(
+    q: torch.Tensor,  # [T, Hk, Dk]
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv]
+    g: torch.Tensor,  # [T, Hv]
+    beta: torch.Tensor,  # [T, Hv]
+    state: torch.Tensor,  # [num_slots, Hv, Dk, Dv], updated in place
+    query_lens: list[int],
+    slots: list[int],
+) -> torch.Tensor:  # [T, Hv, Dv]
+    acc = _acc_dtype(q.dtype, state.dtype)
+    out_dtype = v.dtype
+    num_v_heads = v.shape[1]
+    q, k = (_expand_heads(t, num_v_heads).to(acc) for t in (q, k))
+    v, g, beta = (t.to(acc) for t in (v, g, beta))
+    out = torch.empty(v.shape, dtype=acc, device=v.device)
+    starts = [0]
+    for length in query_lens[:-1]:
+        starts.append(starts[-1] + length)
+    single = [i for i, length in enumerate(query_lens) if length == 1]
+    if single:
+        rows = torch.tensor([starts[i] for i in single], device=q.device)
+        slot_index = torch.tensor([slots[i] for i in single], device=q.device)
+        o, new_state = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state[slot_index].to(acc))
+        out[rows] = o
+        state.index_copy_(0, slot_index, new_state.to(state.dtype))
+    for i, length in enumerate(query_lens):
+        if length > 1:
+            rows = slice(starts[i], starts[i] + length)
+            o, new_state = chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], state[slots[i]].to(acc))
+            out[rows] = o
+            state[slots[i]].copy_(new_state)
+    return out.to(out_dtype)

@@ -1,0 +1,102 @@
+"""Tiny random checkpoints made with transformers' own model classes (test helper).
+
+Each `write_*` function saves a checkpoint directory with `save_pretrained`, plus a tiny
+tokenizer when asked, so tests can compare deltaspec against the reference implementation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+
+def _common(**overrides) -> dict:
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
+        eos_token_id=2, pad_token_id=0, bos_token_id=None,
+    )
+    base.update(overrides)
+    return base
+
+
+def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
+    """transformers initialises norm weights to constants; random ones make parity tests sharper."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if "linear_attn.norm" in name else 0.0))
+
+
+def make_model(kind: str, seed: int = 0, **overrides):
+    """Build a random transformers model: kind in qwen3_5, qwen3_5_moe, qwen3_next."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "qwen3_5":
+        config = tf.Qwen3_5TextConfig(**_common(**overrides))
+        model = tf.Qwen3_5ForCausalLM(config)
+    elif kind == "qwen3_5_moe":
+        config = tf.Qwen3_5MoeTextConfig(**_common(
+            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, **overrides))
+        model = tf.Qwen3_5MoeForCausalLM(config)
+    elif kind == "qwen3_next":
+        config = tf.Qwen3NextConfig(**_common(
+            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, decoder_sparse_step=1, norm_topk_prob=True, **overrides))
+        model = tf.Qwen3NextForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    _randomize_norms(model, seed)
+    return model.eval()
+
+
+def write_checkpoint(directory: Path, kind: str, seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
+    """Save a random model of `kind` to `directory` (float32 safetensors)."""
+    model = make_model(kind, seed, **overrides)
+    model.save_pretrained(directory)
+    if tokenizer:
+        from tests.tiny_tokenizer import write_tiny_tokenizer
+
+        write_tiny_tokenizer(directory)
+    return directory
+
+
+def add_mtp_weights(directory: Path, num_layers: int = 1, seed: int = 1) -> None:
+    """Add random `mtp.*` tensors (the layout Qwen3.5 checkpoints ship) to a saved checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((directory / "config.json").read_text())
+    h, heads, kv, d = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+                       config["head_dim"])
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.05):
+        return torch.randn(*shape, generator=gen) * scale
+
+    tensors = {"mtp.fc.weight": rand(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": rand(h),
+               "mtp.pre_fc_norm_hidden.weight": rand(h), "mtp.norm.weight": rand(h)}
+    for i in range(num_layers):
+        p = f"mtp.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": rand(h), p + "post_attention_layernorm.weight": rand(h),
+            p + "self_attn.q_proj.weight": rand(2 * heads * d, h), p + "self_attn.k_proj.weight": rand(kv * d, h),
+            p + "self_attn.v_proj.weight": rand(kv * d, h), p + "self_attn.o_proj.weight": rand(h, heads * d),
+            p + "self_attn.q_norm.weight": rand(d), p + "self_attn.k_norm.weight": rand(d),
+            p + "mlp.gate_proj.weight": rand(config["intermediate_size"], h),
+            p + "mlp.up_proj.weight": rand(config["intermediate_size"], h),
+            p + "mlp.down_proj.weight": rand(h, config["intermediate_size"]),
+        })
+    weights = load_file(directory / "model.safetensors")
+    weights.update(tensors)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    config["mtp_num_hidden_layers"] = num_layers
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
