@@ -1,0 +1,73 @@
+"""The `deltaspec` command line. Engine flags are generated from `EngineConfig`'s fields."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields
+
+from deltaspec.config import EngineConfig
+from deltaspec.errors import DeltaspecError
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field (`max_num_seqs` -> `--max-num-seqs`), help from its metadata."""
+    for f in fields(EngineConfig):
+        default = None if f.default is MISSING else f.default
+        kind = type(default) if default is not None else str
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
+                            help=f"{f.metadata.get('help', '')} (default: {default})")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from deltaspec.llm import LLM
+    from deltaspec.sample.params import SamplingParams
+
+    llm = LLM(progress=True, **vars(engine_config(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_sample, ignore_eos=args.ignore_eos)
+    out = llm.generate([args.prompt], params)[0]
+    print(args.prompt + out.outputs[0].text)
+    m = out.metrics
+    ttft = f"{m['time_to_first_token'] * 1000:.1f} ms" if m["time_to_first_token"] is not None else "n/a"
+    tok_s = f"{m['decode_tok_s']:.1f}" if m["decode_tok_s"] is not None else "n/a"
+    print(f"[prompt tokens: {m['num_prompt_tokens']} | new tokens: {m['num_generated_tokens']} | "
+          f"time to first token: {ttft} | decode tok/s: {tok_s} | finish: {out.outputs[0].finish_reason} | "
+          f"{llm.engine.config.device} {llm.engine.config.dtype}]", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltaspec", description="Inference for hybrid GDN / attention LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="complete one prompt and print the text and decode stats")
+    gen.add_argument("--prompt", required=True, help="text to complete")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely, 0: off (default: 0)")
+    gen.add_argument("--seed-sample", "--sample-seed", dest="seed_sample", type=int, default=None,
+                     help="seed of this request's sampling (default: derived from --seed)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DeltaspecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
