@@ -20,7 +20,7 @@ def _common(**overrides) -> dict:
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
         linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
-        eos_token_id=2, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0, bos_token_id=None,
     )
     base.update(overrides)
     return base

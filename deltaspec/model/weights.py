@@ -135,7 +135,7 @@ def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: to
     if "lm_head.weight" not in loaded and config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
     _check_experts(expert_parts, params)
-    missing = [n for n in params if n not in loaded]
+    missing = [re.sub(r"_weight$", ".weight", n) for n in params if n not in loaded]  # checkpoint spelling
     if unexpected:
         raise DeltaspecError(f"The checkpoint at {model_dir} has {len(unexpected)} tensors deltaspec does not "
                              f"know: {_listing(unexpected)}.")

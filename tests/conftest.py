@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random checkpoints written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import write_checkpoint
+
+# name -> (transformers family, config overrides). Together they cover r = Hv/Hk of 1, 2 and 3,
+# tied and untied embeddings, dense SwiGLU, MoE with shared expert, both GDN projection layouts,
+# and attention layers first, last and in the middle.
+VARIANTS = {
+    "qwen3_5_r1_tied": ("qwen3_5", dict(linear_num_key_heads=4, linear_num_value_heads=4,
+                                         tie_word_embeddings=True)),
+    "qwen3_5_r2": ("qwen3_5", dict(layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                "full_attention"])),
+    "qwen3_next_r3_moe": ("qwen3_next", dict(linear_num_value_heads=6, mlp_only_layers=[1])),
+    "qwen3_5_moe_r2": ("qwen3_5_moe", dict(num_hidden_layers=5)),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: write_checkpoint(root / name, kind, seed=i, **overrides)
+            for i, (name, (kind, overrides)) in enumerate(VARIANTS.items())}
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5 model with the tiny tokenizer and chat template; eos is <|im_end|>."""
+    return write_checkpoint(tmp_path_factory.mktemp("text") / "model", "qwen3_5", seed=7, tokenizer=True)
