@@ -95,7 +95,8 @@ def test_mtp_matches_a_transformers_built_oracle(engine, mtp_dir):
         x = (x @ weights["mtp.fc.weight"].T)[None]
         position_ids = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-        y = layer(x, position_embeddings=rotary(x, position_ids), attention_mask=mask, position_ids=position_ids)
+        text_positions = position_ids[None].expand(3, 1, n)  # M-RoPE's (temporal, height, width) positions
+        y = layer(x, position_embeddings=rotary(x, text_positions), attention_mask=mask, position_ids=position_ids)
         expected = norms["norm"](y)[0]
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-10)
 

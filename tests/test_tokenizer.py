@@ -266,11 +266,25 @@ def test_tiny_tokenizer_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
 
 
+def _transformers_normalises_messages() -> bool:
+    """Newer transformers (seen in 5.24, not in 5.17) drop None-valued message keys and alias
+    `reasoning` / `thinking` / `reasoning_content` before rendering; we follow the newer behaviour."""
+    try:
+        import transformers
+        from packaging.version import Version
+    except ImportError:
+        return False
+    return Version(transformers.__version__) >= Version("5.24")
+
+
+needs_message_normalisation = pytest.mark.skipif(
+    not _transformers_normalises_messages(), reason="this transformers does not normalise messages before rendering")
+
 PARITY_CASES = [
     ([{"role": "user", "content": "Hi"}], None, {}),
     ([{"role": "user", "content": "Hi"}], None, {"enable_thinking": False}),
     ([{"role": "user", "content": "Hi"}], None, {"add_generation_prompt": False}),
-    (
+    pytest.param(
         [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "2+2?"},
@@ -279,9 +293,10 @@ PARITY_CASES = [
         ],
         None,
         {"enable_thinking": True},
+        marks=needs_message_normalisation,
     ),
-    (TOOL_CONVERSATION, [WEATHER_TOOL], {}),
-    (TOOL_CONVERSATION[1:], [WEATHER_TOOL], {"enable_thinking": False}),
+    pytest.param(TOOL_CONVERSATION, [WEATHER_TOOL], {}, marks=needs_message_normalisation),
+    pytest.param(TOOL_CONVERSATION[1:], [WEATHER_TOOL], {"enable_thinking": False}, marks=needs_message_normalisation),
 ]
 
 

@@ -23,9 +23,12 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DeltaspecError(f"{model_dir} has no config.json; point --model at a Hugging Face checkpoint directory.")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DeltaspecError(f"{path} is not valid JSON ({exc}); restore the checkpoint's config.json.") from None
+    if not isinstance(raw, dict):
+        raise DeltaspecError(f"{path} must hold a JSON object; restore the checkpoint's config.json.")
+    return raw
 
 
 def text_config_of(raw: dict[str, Any]) -> dict[str, Any]:

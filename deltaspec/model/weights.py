@@ -25,6 +25,9 @@ from deltaspec.model.hybrid import HybridModel
 from deltaspec.ops.dispatch import OpTable
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
+# checkpoint spelling -> parameter name (GDN conv and gated-norm weights are plain parameters here)
+RENAMES = {".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
+           ".linear_attn.norm.weight": ".linear_attn.norm_weight"}
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
 HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -54,16 +57,29 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name of the checkpoint to the safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
+        try:
+            mapping = {name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise DeltaspecError(f"{index} is not a valid safetensors index ({type(exc).__name__}: {exc}).") from None
+        if absent := sorted({f.name for f in mapping.values() if not f.is_file()}):
+            raise DeltaspecError(f"{index} names shard files that are missing: {', '.join(absent)}.")
+        return mapping
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise DeltaspecError(f"{model_dir} has no *.safetensors weights; deltaspec loads safetensors checkpoints.")
     names = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             names.update({name: file for name in f.keys()})
     return names
+
+
+def open_safetensors(file: Path):
+    """`safe_open` with a clear error for an unreadable file."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise DeltaspecError(f"{file} is not a readable safetensors file ({exc}); download it again.") from None
 
 
 def target_name(name: str) -> str | None:
@@ -72,8 +88,18 @@ def target_name(name: str) -> str | None:
         return None
     if name.startswith("model.language_model."):
         name = "model." + name[len("model.language_model."):]
-    return name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv1d_weight").replace(
-        ".linear_attn.norm.weight", ".linear_attn.norm_weight")
+    for checkpoint_suffix, param_suffix in RENAMES.items():
+        if name.endswith(checkpoint_suffix):
+            return name[:-len(checkpoint_suffix)] + param_suffix
+    return name
+
+
+def checkpoint_name(param: str) -> str:
+    """The checkpoint spelling of a parameter name (inverse of `target_name`'s renames)."""
+    for checkpoint_suffix, param_suffix in RENAMES.items():
+        if param.endswith(param_suffix):
+            return param[:-len(param_suffix)] + checkpoint_suffix
+    return param
 
 
 def count_mtp_layers(names) -> int:
@@ -118,7 +144,7 @@ def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: to
         by_file[file].append(name)
     bar = tqdm(total=len(files), desc="Loading weights", unit="tensor", disable=not progress)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in names:
                 bar.update(1)
                 target = target_name(name)
@@ -135,7 +161,7 @@ def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: to
     if "lm_head.weight" not in loaded and config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
     _check_experts(expert_parts, params)
-    missing = [re.sub(r"_weight$", ".weight", n) for n in params if n not in loaded]  # checkpoint spelling
+    missing = [checkpoint_name(n) for n in params if n not in loaded]
     if unexpected:
         raise DeltaspecError(f"The checkpoint at {model_dir} has {len(unexpected)} tensors deltaspec does not "
                              f"know: {_listing(unexpected)}.")
