@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# MODEL=dir-or-hub-id overrides the embedded default model.
 run: $(STAMP)
-	$(VENV)/bin/deltaspec generate --prompt "def fibonacci(n):" --max-tokens 48
+	$(VENV)/bin/deltaspec generate $(if $(MODEL),--model $(MODEL)) --prompt "def fibonacci(n):" --max-tokens 48
 
 test: $(STAMP)
 	$(PY) -m pytest -q
