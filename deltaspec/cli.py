@@ -40,20 +40,79 @@ def cmd_generate(args: argparse.Namespace) -> None:
           f"{llm.engine.config.device} {llm.engine.config.dtype}]", file=sys.stderr)
 
 
+def cmd_chat(args: argparse.Namespace) -> None:
+    """One answer to --message, or a conversation on stdin (an empty line or EOF ends it)."""
+    from deltaspec.llm import LLM
+    from deltaspec.sample.params import SamplingParams
+
+    llm = LLM(progress=True, **vars(engine_config(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed_sample)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    options = {"enable_thinking": args.thinking}
+    turns = [args.message] if args.message is not None else iter(lambda: input("> "), "")
+    try:
+        for message in turns:
+            history.append({"role": "user", "content": message})
+            out = llm.chat(history, params, chat_template_kwargs=options)[0]
+            answer = out.outputs[0].text
+            history.append({"role": "assistant", "content": answer})
+            print(answer, flush=True)
+    except EOFError:
+        pass
+
+
+def cmd_ppl(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from deltaspec.evaluate import perplexity
+    from deltaspec.llm import LLM
+
+    try:
+        text = "".join(Path(f).read_text() for f in args.file)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DeltaspecError(f"Could not read the text to score ({exc}).") from None
+    llm = LLM(progress=True, **vars(engine_config(args)))
+    result = perplexity(llm, text, window=args.window, max_windows=args.max_windows)
+    print(json.dumps({"model": str(llm.engine.model_dir), "dtype": llm.engine.config.dtype,
+                      "window": args.window, **result}, indent=1))
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most new tokens (default: {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    parser.add_argument("--seed-sample", "--sample-seed", dest="seed_sample", type=int, default=None,
+                        help="seed of this request's sampling (default: derived from --seed)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaspec", description="Inference for hybrid GDN / attention LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete one prompt and print the text and decode stats")
     gen.add_argument("--prompt", required=True, help="text to complete")
-    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default: 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    add_sampling_flags(gen, max_tokens=64)
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely, 0: off (default: 0)")
-    gen.add_argument("--seed-sample", "--sample-seed", dest="seed_sample", type=int, default=None,
-                     help="seed of this request's sampling (default: derived from --seed)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser("chat", help="answer chat messages with the model's chat template")
+    chat.add_argument("--message", default=None, help="answer this one message and exit (default: read stdin)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                      help="let the model think before answering (chat template's enable_thinking)")
+    add_sampling_flags(chat, max_tokens=256)
+    add_engine_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    ppl = commands.add_parser("ppl", help="perplexity and bits per byte of the model on text files (JSON)")
+    ppl.add_argument("file", nargs="+", help="text files, scored as one stream")
+    ppl.add_argument("--window", type=int, default=1024, help="tokens per scored window (default: 1024)")
+    ppl.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    add_engine_flags(ppl)
+    ppl.set_defaults(func=cmd_ppl)
     return parser
 
 
