@@ -1,5 +1,6 @@
 # make run: create .venv, install, run the main job on the embedded default model.
 # make test: create .venv, install, run the test suite.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,8 +16,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # MODEL=dir-or-hub-id overrides the embedded default model.
+MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
+CODE_PROMPT := $$'def read_lines(path):\n    """Return the lines of the file at path, without newlines."""\n'
+
 run: $(STAMP)
-	$(VENV)/bin/deltaspec generate $(if $(MODEL),--model $(MODEL)) --prompt "def fibonacci(n):" --max-tokens 48
+	$(VENV)/bin/deltaspec generate $(MODEL_FLAG) --prompt $(CODE_PROMPT) \
+		--max-tokens 60 --repetition-penalty 1.15
+	$(VENV)/bin/deltaspec chat $(MODEL_FLAG) --message "Write a function that reverses a string." \
+		--max-tokens 80 --repetition-penalty 1.1
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -29,7 +29,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     llm = LLM(progress=True, **vars(engine_config(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed_sample, ignore_eos=args.ignore_eos)
+                            top_k=args.top_k, seed=args.seed_sample, ignore_eos=args.ignore_eos,
+                            repetition_penalty=args.repetition_penalty)
     out = llm.generate([args.prompt], params)[0]
     print(args.prompt + out.outputs[0].text)
     m = out.metrics
@@ -47,7 +48,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
     llm = LLM(progress=True, **vars(engine_config(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed_sample)
+                            seed=args.seed_sample, repetition_penalty=args.repetition_penalty)
     history = [{"role": "system", "content": args.system}] if args.system else []
     options = {"enable_thinking": args.thinking}
     turns = [args.message] if args.message is not None else iter(lambda: input("> "), "")
@@ -85,6 +86,8 @@ def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
     parser.add_argument("--seed-sample", "--sample-seed", dest="seed_sample", type=int, default=None,
                         help="seed of this request's sampling (default: derived from --seed)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide logits of tokens already seen by this (default: 1, off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

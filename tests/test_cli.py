@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,7 +13,6 @@ import pytest
 
 from deltaspec import LLM, SamplingParams
 from deltaspec.cli import main
-from deltaspec.engine.engine import default_model_path
 from deltaspec.model.tokenizer import Tokenizer
 
 PROMPT = "def add(a, b):"
@@ -92,8 +92,24 @@ def test_bad_dtype(text_checkpoint, capsys):
     assert out == ""
 
 
-@pytest.mark.skipif((default_model_path() / "config.json").is_file(), reason="the embedded default model is installed")
-def test_no_model_without_embedded_default(capsys):
+def test_no_model_uses_the_embedded_default(capsys):
+    assert main(["generate", "--prompt", PROMPT, "--device", "cpu", "--max-tokens", "3", "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(PROMPT) and "new tokens: 3 " in stats_line(err)
+
+
+def test_chat_and_ppl_commands(capsys, tmp_path):
+    assert main(["chat", "--message", "Write a function that adds two numbers.", "--max-tokens", "12"]) == 0
+    assert capsys.readouterr().out.strip()
+    text = tmp_path / "code.py"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20)
+    assert main(["ppl", str(text), "--window", "64"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] > 100 and 1 < result["ppl"] < 50 and result["bits_per_byte"] > 0
+
+
+def test_no_model_without_embedded_default(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("deltaspec.engine.engine.default_model_path", lambda: tmp_path / "missing")
     assert main(["generate", "--prompt", PROMPT, "--device", "cpu"]) == 2
     out, err = capsys.readouterr()
     line = assert_one_error_line(err)

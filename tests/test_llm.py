@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from deltaspec import LLM, DeltaspecError, SamplingParams
-from deltaspec.engine.engine import default_model_path
 from tests.hf_reference import load_reference, reference_logits
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -133,8 +132,7 @@ def test_user_errors_are_one_clear_sentence(llm):
         assert fragment in message and "\n" not in message and message.endswith(".")
 
 
-def test_no_model_without_the_embedded_default_is_a_clear_error():
-    if (default_model_path() / "config.json").is_file():
-        pytest.skip("the embedded default model is installed")
+def test_no_model_without_the_embedded_default_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr("deltaspec.engine.engine.default_model_path", lambda: tmp_path / "missing")
     with pytest.raises(DeltaspecError, match="embedded default model"):
         LLM()

@@ -27,6 +27,8 @@ def main() -> None:
         axes[0].plot([t / 1e6 for t in curve["tokens"]], curve["train_loss"], label=f"{name} train", alpha=0.7)
         for split, style in (("code", "o-"), ("chat", "s--")):
             points = [(e["tokens"] / 1e6, e[split]["loss"]) for e in curve["eval"]]
+            if "final_bf16" in curve:
+                points.append((curve["tokens"][-1] / 1e6, curve["final_bf16"][split]["loss"]))
             if points:
                 axes[0].plot(*zip(*points), style, label=f"{name} held-out {split}")
     axes[0].set(xlabel="training tokens (M)", ylabel="loss (nats/token)", title="Target and draft", ylim=(0, 8))
