@@ -25,7 +25,7 @@ for step in $steps; do
             cp "$out/target/training_curve.json" "$out/target_curve.json" ;;
     mtp)    python3 train_mtp.py --target "$out/target" --pack "$root/build/pack" ${MTP_ARGS:-} 2>&1 | tee "$out/mtp.log"
             cp "$out/target/mtp_training_curve.json" "$out/mtp_curve.json" ;;
-    draft)  python3 train_model.py --shape draft --lr 3e-3 --pack "$root/build/pack" --tokenizer "$root/build/tokenizer" \
+    draft)  python3 train_model.py --shape draft --lr 3e-3 --tokens 48e6 --pack "$root/build/pack" --tokenizer "$root/build/tokenizer" \
               --out "$out/draft" ${DRAFT_ARGS:-} 2>&1 | tee "$out/draft.log"
             cp "$out/draft/training_curve.json" "$out/draft_curve.json" ;;
     plot)   python3 plot_curves.py --curves "$out" --out "$out/curves.png" ;;

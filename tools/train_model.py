@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=Path("build/tokenizer"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="target")
-    ap.add_argument("--tokens", type=float, default=140e6, help="training tokens in total")
+    ap.add_argument("--tokens", type=float, default=56e6, help="training tokens in total")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--max-len", type=int, default=4096, help="max_position_embeddings written to the config")

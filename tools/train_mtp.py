@@ -100,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, required=True, help="trained target directory (updated in place)")
     ap.add_argument("--pack", type=Path, default=Path("build/pack"))
-    ap.add_argument("--tokens", type=float, default=40e6)
+    ap.add_argument("--tokens", type=float, default=12e6)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=1e-3)
