@@ -125,7 +125,24 @@ class EngineConfig:
         "help": "attention KV pages to allocate (0: enough for max_num_seqs x max_model_len)"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "most rows in one forward pass (prompt chunks + decode rows)"})
+    prefill_chunk: int = field(default=512, metadata={
+        "help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How `deltaspec serve` listens and what it accepts."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on every endpoint but /health"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name clients must use (default: the checkpoint directory's name)"})
+    max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
+    request_log: str | None = field(default=None, metadata={
+        "help": "append one JSON line per finished request to this file"})
 
 
 def default_device() -> str:
@@ -150,7 +167,7 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         state_dtype = "float64" if dtype_name == "float64" else "float32"
     else:
         state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
-    for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "prefill_chunk"):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
     return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype)

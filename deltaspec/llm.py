@@ -48,7 +48,7 @@ class LLM:
         bar = tqdm(total=sum(len(g) for g in groups), desc="Generating", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
+                bar.update(sum(seq.finished for seq in self.engine.step()))
         except BaseException:
             for group in groups:
                 for seq in group:

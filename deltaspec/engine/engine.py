@@ -45,7 +45,7 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
                                   cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device)
-        self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk)
         self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
@@ -72,8 +72,9 @@ class Engine:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens)
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                    params: SamplingParams) -> Sequence:
+    def new_sequence(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                     params: SamplingParams) -> Sequence:
+        """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError."""
         if not prompt_ids:
             raise DeltaspecError("The prompt is empty; give at least one token.")
         vocab = self.model_config.vocab_size
@@ -84,23 +85,47 @@ class Engine:
                 f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context of {self.max_model_len} tokens; shorten the prompt, lower max_tokens, or raise --max-model-len.")
         seed = params.seed if params.seed is not None else next(self._seed_counter)
-        seq = Sequence(request_id, prompt, list(prompt_ids), params, self.eos_ids,
-                       generator=None if params.greedy else make_generator(seed, self.device))
+        return Sequence(request_id, prompt, list(prompt_ids), params, self.eos_ids,
+                        generator=None if params.greedy else make_generator(seed, self.device))
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                    params: SamplingParams) -> Sequence:
+        seq = self.new_sequence(request_id, prompt, prompt_ids, params)
         self.scheduler.add(seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        seq.finish_reason = seq.finish_reason or "abort"
+        if not seq.finished:
+            seq.finish_reason = "abort"
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+
+    def usage(self) -> dict:
+        """Running and waiting sequences, KV pages and GDN state slots in use."""
+        kv, gdn = self.cache.kv.allocator, self.cache.gdn
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": kv.num_blocks - kv.num_free, "kv_blocks_total": kv.num_blocks,
+                "state_slots_used": self.config.max_num_seqs - gdn.num_free,
+                "state_slots_total": self.config.max_num_seqs, "preemptions": self.scheduler.num_preemptions,
+                "steps": self.scheduler.step_count}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """One forward pass over every runnable sequence; returns the sequences that finished."""
+        """One forward pass over every runnable sequence; returns the sequences that got a new token
+        (those that finished have `finished` set)."""
         schedule = self.scheduler.schedule()
         result = self.runner.execute(schedule)
         return self._update(schedule, result)
+
+    def fail(self, seqs: list[Sequence], error: str) -> None:
+        """End `seqs` with finish reason "error" and free their caches."""
+        for seq in seqs:
+            if not seq.finished:
+                seq.finish_reason, seq.error = "error", error
+                seq.finish_time = time.perf_counter()
+                self.scheduler.finish(seq)
 
     def _update(self, schedule: list[Scheduled], result: StepOutput) -> list[Sequence]:
         for i, logits in result.prompt_logits.items():
@@ -118,7 +143,6 @@ class Engine:
         logprobs = gather_logprobs(result.sample_logits, torch.tensor(tokens, device=logits.device), wanted) \
             if any(w is not None for w in wanted) else [None] * len(seqs)
         now = time.perf_counter()
-        finished = []
         for seq, token, lp in zip(seqs, tokens, logprobs):
             seq.output_ids.append(token)
             if lp is not None:
@@ -128,14 +152,16 @@ class Engine:
             if self._check_stop(seq, token):
                 seq.finish_time = now
                 self.scheduler.finish(seq)
-                finished.append(seq)
-        return finished
+        return seqs
 
     def _record_prompt_logprobs(self, item: Scheduled, logits: torch.Tensor) -> None:
-        """Logprob of each next prompt token given its prefix (the first prompt token gets None)."""
+        """Logprob of each next prompt token given its prefix (the first prompt token gets None).
+        A sequence recomputed after preemption does not record them twice."""
         seq, start = item.seq, item.seq.num_computed
-        if start == 0:
+        if start == 0 and not seq.prompt_logprobs:
             seq.prompt_logprobs.append(None)
+        if len(seq.prompt_logprobs) != start + 1:
+            return
         targets = seq.prompt_ids[start + 1:start + 1 + logits.shape[0]]
         if not targets:
             return

@@ -1,9 +1,19 @@
 """Scheduler: which sequences run in the next forward pass, and how many rows each brings.
 
-Every pass carries all runnable sequences together (DESIGN §3): first one decode row for each
-running sequence whose prompt is done, then prompt chunks of sequences still prefilling, then
-newly admitted sequences, all within a budget of `max_num_batched_tokens` rows. A prompt longer
-than the budget is prefilled in chunks over several passes.
+Every pass carries all runnable sequences together (DESIGN §3), within a budget of
+`max_num_batched_tokens` rows:
+
+1. one decode row for every running sequence whose prompt is done;
+2. prompt chunks, at most `prefill_chunk` rows per sequence per pass, so a long prompt delays the
+   others by at most one chunk. Prefills already running and waiting sequences are ordered
+   together by remaining prompt, shortest first, with aging: a sequence's remaining work counts
+   half as much for every `aging_steps` passes it has been in the engine, so long prompts are
+   not starved;
+3. a waiting sequence is admitted when a GDN state slot and its pages are free.
+
+When the KV pages run out for a running sequence, the most recently admitted other sequence is
+preempted: its caches are freed and it is recomputed later from its tokens (a GDN state cannot be
+truncated, so recompute is the only way back).
 """
 
 from __future__ import annotations
@@ -28,40 +38,81 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_batched_tokens: int):
+    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, prefill_chunk: int, aging_steps: int = 16):
         self.cache = cache
         self.budget = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        self.aging_steps = aging_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.step_count = 0
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.enqueued_step = self.step_count
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _priority(self, seq: Sequence) -> float:
+        age = self.step_count - seq.enqueued_step
+        return (seq.num_tokens - seq.num_computed) / 2 ** (age / self.aging_steps)
+
+    def _preempt_for(self, needy: Sequence) -> bool:
+        """Free the pages of the most recently admitted other running sequence; False if none."""
+        victims = [s for s in self.running if s is not needy]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda s: s.admitted_step)
+        self.running.remove(victim)
+        self.cache.release(victim)
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        victim.enqueued_step = self.step_count
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return True
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        while not self.cache.reserve(seq, num_tokens):
+            if not self._preempt_for(seq):
+                return False
+        return True
+
     def schedule(self) -> list[Scheduled]:
+        self.step_count += 1
         budget = self.budget
         batch: list[Scheduled] = []
-        for seq in sorted(self.running, key=lambda s: s.remaining_prompt > 0):
+        for seq in [s for s in self.running if s.remaining_prompt == 0 and s.num_computed < s.num_tokens]:
             if budget == 0:
                 break
-            rows = min(seq.num_tokens - seq.num_computed, budget)
-            if self.cache.reserve(seq, seq.num_computed + rows):
-                batch.append(Scheduled(seq, rows))
-                budget -= rows
-        while self.waiting and budget > 0 and self.cache.can_admit():
-            seq = self.waiting[0]
-            rows = min(seq.num_tokens, budget)
-            self.cache.admit(seq)
-            if not self.cache.reserve(seq, rows):
-                self.cache.release(seq)
+            if seq in self.running and self._reserve(seq, seq.num_computed + 1):
+                batch.append(Scheduled(seq, 1))
+                budget -= 1
+        scheduled = {id(item.seq) for item in batch}
+        prefills = [s for s in self.running if id(s) not in scheduled and s.num_computed < s.num_tokens]
+        candidates = sorted([*prefills, *self.waiting], key=self._priority)
+        for seq in candidates:
+            if budget == 0:
                 break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            rows = min(seq.num_tokens - seq.num_computed, self.prefill_chunk, budget)
+            if seq.status is Status.WAITING:
+                if not self.cache.can_admit():
+                    continue
+                self.cache.admit(seq)
+                if not self.cache.reserve(seq, seq.num_computed + rows):
+                    self.cache.release(seq)
+                    continue
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                seq.admitted_step = self.step_count
+                self.running.append(seq)
+            elif seq not in self.running or not self._reserve(seq, seq.num_computed + rows):
+                continue
             batch.append(Scheduled(seq, rows))
             budget -= rows
+        batch = [item for item in batch if item.seq in self.running]
         if not batch and self.has_unfinished():
             raise DeltaspecError("The KV cache is too small for even one sequence's next chunk; "
                                  "raise --num-kv-blocks or lower --max-model-len.")

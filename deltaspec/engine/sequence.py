@@ -38,6 +38,10 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
+    arrival_wall_time: float = field(default_factory=time.time)
+    enqueued_step: int = 0  # scheduler pass at which it last entered the waiting queue
+    admitted_step: int = 0  # scheduler pass at which it last got its caches
+    error: str | None = None  # why it failed, when finish_reason is "error"
 
     @property
     def all_ids(self) -> list[int]:
@@ -58,9 +62,9 @@ class Sequence:
     def metrics(self) -> dict:
         """Time to first token, decode time and decode tok/s by DESIGN §6."""
         n_new = len(self.output_ids)
-        out = {"arrival_time": self.arrival_time, "num_prompt_tokens": len(self.prompt_ids),
+        out = {"arrival_time": self.arrival_wall_time, "num_prompt_tokens": len(self.prompt_ids),
                "num_generated_tokens": n_new, "time_to_first_token": None, "decode_time": None,
-               "decode_tok_s": None}
+               "decode_tok_s": None, "time_per_output_token": None}
         if self.first_token_time is not None:
             out["time_to_first_token"] = self.first_token_time - self.arrival_time
         if self.first_token_time is not None and self.finish_time is not None:
@@ -68,4 +72,5 @@ class Sequence:
             out["decode_time"] = decode_time
             if n_new > 1 and decode_time > 0:
                 out["decode_tok_s"] = (n_new - 1) / decode_time
+                out["time_per_output_token"] = decode_time / (n_new - 1)
         return out

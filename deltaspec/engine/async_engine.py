@@ -1,0 +1,143 @@
+"""AsyncEngine: one engine loop on a background thread, fed and read from asyncio.
+
+The loop thread owns the `Engine`: requests and aborts reach it through a command queue and are
+applied between passes, so the engine is never touched from two threads. After every pass each
+sequence that got tokens pushes a `RequestDelta` to its request's asyncio queue. An exception in
+a pass fails the sequences of that pass (finish reason "error") and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from deltaspec.engine.engine import Engine
+from deltaspec.engine.sequence import Sequence
+from deltaspec.sample.params import SamplingParams
+
+log = logging.getLogger("deltaspec.engine")
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one pass added to one request: new tokens (and their logprobs), and how it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list | None
+    num_prompt_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_text: str | None = None  # the full output text when a stop string cut it
+    error: str | None = None
+    prompt_logprobs: list | None = None  # with the first delta, when asked for
+    metrics: dict = field(default_factory=dict)  # with the last delta
+
+
+class RequestStream:
+    """Async iterator over one request's deltas; ends after the delta with `finished` set."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.done:
+            raise StopAsyncIteration
+        delta = await self.queue.get()
+        self.done = delta.finished
+        return delta
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[RequestStream, Sequence]] = {}
+        self._sent: dict[str, int] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="deltaspec-engine", daemon=True)
+        self.usage = engine.usage()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                    params: SamplingParams) -> RequestStream:
+        """Validate (DeltaspecError on bad input) and queue a request; call from the event loop."""
+        seq = self.engine.new_sequence(request_id, prompt, prompt_ids, params)
+        stream = RequestStream(request_id)
+        self._commands.put(("add", seq, stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its caches (a no-op once it has finished)."""
+        self._commands.put(("abort", request_id, None))
+        self._wake.set()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, item, stream = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._streams[item.request_id] = (stream, item)
+                self._sent[item.request_id] = 0
+                self.engine.scheduler.add(item)
+            elif item in self._streams:
+                seq = self._streams[item][1]
+                self.engine.abort(seq)
+                self._publish(seq)
+
+    def _publish(self, seq: Sequence) -> None:
+        stream, _ = self._streams[seq.request_id]
+        sent = self._sent[seq.request_id]
+        wants_logprobs = seq.params.logprobs is not None
+        delta = RequestDelta(
+            request_id=seq.request_id, new_token_ids=seq.output_ids[sent:],
+            new_logprobs=seq.logprobs[sent:] if wants_logprobs else None, num_prompt_tokens=len(seq.prompt_ids),
+            finished=seq.finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            stop_text=seq.stop_text, error=seq.error,
+            prompt_logprobs=seq.prompt_logprobs if sent == 0 and seq.params.prompt_logprobs is not None else None,
+            metrics=seq.metrics() if seq.finished else {})
+        self._sent[seq.request_id] = len(seq.output_ids)
+        if seq.finished:
+            del self._streams[seq.request_id], self._sent[seq.request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self.usage = self.engine.usage()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            running = list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting)
+            try:
+                updated = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - one bad pass must not stop the server
+                log.exception("engine pass failed")
+                self.engine.fail(running, f"{type(exc).__name__}: {exc}")
+                updated = running
+            for seq in updated:
+                if seq.request_id in self._streams:
+                    self._publish(seq)
+            self.usage = self.engine.usage()
