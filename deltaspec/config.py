@@ -118,8 +118,9 @@ class EngineConfig:
         "help": "GDN recurrent state dtype: auto (float32, float64 for float64 models), "
                 "float32, bfloat16, float16"})
     max_num_seqs: int = field(default=8, metadata={
-        "help": "most sequences that run at once (GDN state slots)"})
-    max_model_len: int = field(default=4096, metadata={"help": "longest sequence, prompt + output"})
+        "help": "most sequences that run at once (GDN state slots)", "aliases": ("--max-streams",)})
+    max_model_len: int = field(default=4096, metadata={
+        "help": "longest sequence, prompt + output", "aliases": ("--ctx",)})
     block_size: int = field(default=16, metadata={"help": "tokens per attention KV page"})
     num_kv_blocks: int = field(default=0, metadata={
         "help": "attention KV pages to allocate (0: enough for max_num_seqs x max_model_len)"})

@@ -14,9 +14,11 @@ from deltaspec.engine.runner import Runner, StepOutput
 from deltaspec.engine.scheduler import Scheduled, Scheduler
 from deltaspec.engine.sequence import Sequence
 from deltaspec.errors import DeltaspecError
+from deltaspec.cache.memory_plan import MemoryPlan, plan_memory, require_fit, weight_bytes
+from deltaspec.config import ModelConfig
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.tokenizer import Tokenizer
-from deltaspec.model.weights import load_model, resolve_model_path
+from deltaspec.model.weights import checkpoint_files, count_mtp_layers, load_model, resolve_model_path, target_name
 from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.logprobs import gather_logprobs
 from deltaspec.sample.params import SamplingParams
@@ -28,12 +30,39 @@ def default_model_path() -> Path:
     return Path(__file__).resolve().parent.parent / "default_model" / "target"
 
 
+def model_dir_for(model: str | None) -> Path:
+    """The checkpoint directory of `model`, or of the embedded default model when it is None."""
+    if model is not None:
+        return resolve_model_path(model)
+    path = default_model_path()
+    if not (path / "config.json").is_file():
+        raise DeltaspecError("No model was given and the embedded default model is not installed; "
+                             "pass a checkpoint directory or hub id with --model / LLM(model=...).")
+    return path
+
+
+def plan_for(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfig, dict, Path]:
+    """The memory plan of `config` (resolved), computed from the checkpoint's headers alone."""
+    model_dir = model_dir_for(config.model)
+    raw = read_config_json(model_dir)
+    model_config = parse_model_config(raw)
+    resolved = resolve_engine_config(config, checkpoint_dtype(raw))
+    files = checkpoint_files(model_dir)
+    dtype, device = parse_dtype(resolved.dtype), torch.device(resolved.device)
+    streams, ctx = resolved.max_num_seqs, resolved.max_model_len
+    if resolved.num_kv_blocks:
+        ctx = resolved.num_kv_blocks * resolved.block_size // streams
+    plan = plan_memory(model_config, len(model_config.attention_layer_ids) + count_mtp_layers(files),
+                       weight_bytes(files, dtype, skip=lambda name: target_name(name) is None), dtype,
+                       parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
+                       resolved.max_num_batched_tokens, resolved.prefill_chunk, device)
+    return plan, resolved, model_config, raw, model_dir
+
+
 class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True):
-        model_dir = self._model_dir(config.model)
-        raw = read_config_json(model_dir)
-        self.model_config = parse_model_config(raw)
-        self.config = resolve_engine_config(config, checkpoint_dtype(raw))
+        self.plan, self.config, self.model_config, raw, model_dir = plan_for(config)
+        require_fit(self.plan)
         self.model_dir = model_dir
         self.device = torch.device(self.config.device)
         self.dtype = parse_dtype(self.config.dtype)
@@ -52,16 +81,6 @@ class Engine:
             eos |= self.tokenizer.eos_token_ids
         self.eos_ids = frozenset(eos)
         self._seed_counter = itertools.count(cfg.seed)
-
-    @staticmethod
-    def _model_dir(model: str | None) -> Path:
-        if model is not None:
-            return resolve_model_path(model)
-        path = default_model_path()
-        if not (path / "config.json").is_file():
-            raise DeltaspecError("No model was given and the embedded default model is not installed; "
-                                 "pass a checkpoint directory or hub id with --model / LLM(model=...).")
-        return path
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

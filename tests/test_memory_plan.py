@@ -1,0 +1,66 @@
+"""The memory planner counts what the engine really allocates, and refuses what does not fit."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from deltaspec import LLM, DeltaspecError
+from deltaspec.cli import main
+from deltaspec.config import EngineConfig
+from deltaspec.engine.engine import plan_for
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_r1_tied", "qwen3_next_r3_moe"])
+def test_plan_matches_the_allocations(checkpoints, name):
+    llm = LLM(str(checkpoints[name]), dtype="float64", device="cpu", max_num_seqs=3, max_model_len=100, block_size=8)
+    engine = llm.engine
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}
+    assert engine.plan.weights == sum(unique.values())
+    assert engine.plan.kv == engine.cache.kv.bytes()
+    assert engine.plan.states == engine.cache.gdn.bytes()
+    assert engine.plan.fits
+
+
+def test_plan_with_mtp_counts_its_kv_layer():
+    plan = plan_for(EngineConfig(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64))[0]
+    llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64)
+    assert llm.engine.model.mtp is not None
+    assert plan.kv == llm.engine.cache.kv.bytes() and plan.states == llm.engine.cache.gdn.bytes()
+
+
+def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoints):
+    config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu",
+                          max_num_seqs=100_000, max_model_len=1_000_000)
+    plan = plan_for(config)[0]
+    assert not plan.fits
+    with pytest.raises(DeltaspecError) as err:
+        LLM(str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000,
+            max_model_len=1_000_000)
+    message = str(err.value)
+    assert "\n" not in message and message.endswith("would fit.")
+    assert f"{plan.max_streams()} streams at 1000000 tokens" in message
+    assert f"100000 streams at {plan.max_ctx()} tokens" in message
+    assert replace(plan, streams=plan.max_streams()).fits and not replace(plan, streams=plan.max_streams() + 1).fits
+    assert replace(plan, ctx=plan.max_ctx()).fits and not replace(plan, ctx=plan.max_ctx() + plan.block_size).fits
+
+
+def test_plan_command(checkpoints, capsys):
+    assert main(["plan", "--model", str(checkpoints["qwen3_5_r2"]), "--device", "cpu", "--max-streams", "4",
+                 "--ctx", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "attention KV (4 streams x 256 tokens)" in out and "fits;" in out
+    assert main(["plan", "--model", str(checkpoints["qwen3_5_r2"]), "--device", "cpu", "--max-streams", "100000",
+                 "--ctx", "1000000"]) == 2
+    captured = capsys.readouterr()
+    assert "does NOT fit" in captured.out and captured.err.startswith("error: ")
+
+
+def test_kv_pages_scale_with_streams_and_context(checkpoints):
+    small = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=2,
+                                  max_model_len=128))[0]
+    large = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4,
+                                  max_model_len=256))[0]
+    assert large.kv == 4 * small.kv and large.states == 2 * small.states
+    # 2 attention layers x (K, V) x 2 KV heads x head_dim 16 x float32
+    assert small.kv_per_token == 2 * 2 * 2 * 16 * torch.tensor([], dtype=torch.float32).element_size()
