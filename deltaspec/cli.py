@@ -1,4 +1,4 @@
-"""The `deltaspec` command line. Engine flags are generated from `EngineConfig`'s fields."""
+"""The `deltaspec` command line. Engine and server flags are generated from the config dataclasses' fields."""
 
 from __future__ import annotations
 
@@ -6,21 +6,30 @@ import argparse
 import sys
 from dataclasses import MISSING, fields
 
-from deltaspec.config import EngineConfig
+from deltaspec.bench.commands import add_bench_parser
+from deltaspec.config import EngineConfig, ServerConfig
 from deltaspec.errors import DeltaspecError
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineConfig` field (`max_num_seqs` -> `--max-num-seqs`), help from its metadata."""
-    for f in fields(EngineConfig):
+def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """One flag per field of the dataclass `config_cls` (`api_key` -> `--api-key`), help from its metadata."""
+    for f in fields(config_cls):
         default = None if f.default is MISSING else f.default
         kind = type(default) if default is not None else str
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
-                            help=f"{f.metadata.get('help', '')} (default: {default})")
+        parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), dest=f.name, type=kind,
+                            default=default, help=f"{f.metadata.get('help', '')} (default: {default})")
+
+
+def config_from_args(args: argparse.Namespace, config_cls: type):
+    return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    add_config_flags(parser, EngineConfig)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    return config_from_args(args, EngineConfig)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -80,6 +89,24 @@ def cmd_ppl(args: argparse.Namespace) -> None:
                       "window": args.window, **result}, indent=1))
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory budget of a configuration; exit 2 with the refusal when it does not fit."""
+    from deltaspec.engine.engine import plan_for
+
+    plan = plan_for(engine_config(args))[0]
+    print(plan.table())
+    if not plan.fits:
+        print(f"error: {plan.refusal()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from deltaspec.server.app import run_server
+
+    run_server(engine_config(args), config_from_args(args, ServerConfig))
+
+
 def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most new tokens (default: {max_tokens})")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default: 0)")
@@ -116,19 +143,30 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
     add_engine_flags(ppl)
     ppl.set_defaults(func=cmd_ppl)
+
+    plan = commands.add_parser("plan", help="memory budget of a configuration: weights, KV, GDN states, workspace")
+    add_engine_flags(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_flags(serve)
+    add_config_flags(serve, ServerConfig)
+    serve.set_defaults(func=cmd_serve)
+
+    add_bench_parser(commands, add_engine_flags, engine_config)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except DeltaspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

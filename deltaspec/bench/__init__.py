@@ -1,0 +1,1 @@
+"""Benchmarks: scenarios, metrics (DESIGN §6) and JSON reports."""

@@ -1,0 +1,26 @@
+"""Summaries used by every benchmark: percentiles, medians, and the run's identity (device, dtype, commit)."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+from pathlib import Path
+
+
+def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
+    """{"p50": ..., "p90": ..., "p99": ..., "mean": ...} of `values` (None when empty)."""
+    if not values:
+        return {f"p{p}": None for p in points} | {"mean": None}
+    ordered = sorted(values)
+    out = {f"p{p}": ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in points}
+    out["mean"] = statistics.fmean(values)
+    return out
+
+
+def commit() -> str | None:
+    """The git commit of the deltaspec checkout, when it is one."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

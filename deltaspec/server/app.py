@@ -1,0 +1,163 @@
+"""The FastAPI app of `deltaspec serve` (`build_app`) and the process around it (`run_server`).
+
+Owns routing, the API-key check (every endpoint but /health), request-body parsing (bad JSON or
+bad field types are a 400 with one sentence, never FastAPI's 422), and turning every failure into
+an OpenAI-style error body: `APIError` as itself, anything unexpected as a 500 for that request
+only. The endpoint logic lives in `chat.py` and `completions.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from deltaspec.config import EngineConfig, ServerConfig
+from deltaspec.engine.async_engine import AsyncEngine
+from deltaspec.engine.engine import Engine
+from deltaspec.errors import DeltaspecError
+from deltaspec.server.chat import create_chat_completion
+from deltaspec.server.completions import create_completion
+from deltaspec.server.context import ServerContext
+from deltaspec.server.errors import APIError, validation_error
+from deltaspec.server.metrics import RequestLog, ServerMetrics
+from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = logging.getLogger("deltaspec.server")
+
+DEFAULT_MODEL_NAME = "deltaspec-default"
+
+
+def served_model_name(engine: Engine, config: ServerConfig) -> str:
+    """--served-model-name, else the checkpoint directory's name (or the hub id as given)."""
+    if config.served_model_name:
+        return config.served_model_name
+    model = engine.config.model
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model).name if Path(model).is_dir() else model
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise APIError(400, "The request body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: 401 unless the request carries `Authorization: Bearer <api_key>` (no-op without a key)."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "The API key is missing or wrong; send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    return check
+
+
+def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+    """The OpenAI-compatible app serving `async_engine` (which the caller starts and shuts down)."""
+    engine = async_engine.engine
+    ctx = ServerContext(
+        engine=async_engine, config=server_config, model_name=served_model_name(engine, server_config),
+        metrics=ServerMetrics(lambda: async_engine.usage),
+        request_log=RequestLog(server_config.request_log) if server_config.request_log else None)
+    app = FastAPI(title="deltaspec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}.").response()
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", exc_info=exc)
+        return APIError(500, f"The server failed on this request ({type(exc).__name__}: {exc}).").response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    api = APIRouter(dependencies=[Depends(_api_key_check(server_config.api_key))])
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, await _parse(request, ChatCompletionRequest), request)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, await _parse(request, CompletionRequest), request)
+
+    @api.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=ctx.model_name, root=str(engine.model_dir), max_model_len=ctx.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(api)
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one); a busy port is a DeltaspecError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise DeltaspecError(f"Cannot listen on {host}:{port} ({exc.strerror}); pick another --host or --port.") from None
+    sock.listen(2048)
+    return sock
+
+
+def make_server(app: FastAPI) -> uvicorn.Server:
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Load the model, start the engine loop and serve until interrupted."""
+    sock = bind_socket(server_config.host, server_config.port)
+    async_engine = AsyncEngine(Engine(engine_config))
+    async_engine.start()
+    try:
+        app = build_app(async_engine, server_config)
+        host, port = sock.getsockname()[:2]
+        url_host = f"[{host}]" if ":" in host else host
+        print(f"deltaspec: serving '{app.state.ctx.model_name}' at http://{url_host}:{port}/v1", flush=True)
+        make_server(app).run(sockets=[sock])
+    finally:
+        async_engine.shutdown()
+        sock.close()

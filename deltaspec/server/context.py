@@ -1,0 +1,64 @@
+"""`ServerContext`: what every endpoint needs (engine, settings, metrics, request log) and the
+bookkeeping done when a request ends (Prometheus counters and histograms, one request-log line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltaspec.config import ServerConfig
+from deltaspec.engine.async_engine import AsyncEngine
+from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.server.errors import APIError
+from deltaspec.server.metrics import RequestLog, ServerMetrics
+from deltaspec.server.samples import Sample
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    config: ServerConfig
+    model_name: str
+    metrics: ServerMetrics
+    request_log: RequestLog | None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.config.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is this server's model name (a missing model field is accepted)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                           param="model", code="model_not_found")
+
+    def require_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(400, f"The model has no tokenizer, so {what}; send token-id prompts to /v1/completions.")
+        return self.tokenizer
+
+    def record(self, endpoint: str, request_id: str, arrival: float, samples: list[Sample],
+               prompt_tokens: int, finish_reason: str, n: int) -> None:
+        """Count a finished request in the metrics and write its request-log line."""
+        metrics = self.metrics
+        generated = sum(len(s.token_ids) for s in samples)
+        metrics.requests.labels(endpoint=endpoint, finish_reason=finish_reason).inc()
+        metrics.prompt_tokens.inc(prompt_tokens)
+        metrics.generation_tokens.inc(generated)
+        ttfts = [s.metrics["time_to_first_token"] for s in samples if s.metrics.get("time_to_first_token") is not None]
+        tpots = [s.metrics["time_per_output_token"] for s in samples
+                 if s.metrics.get("time_per_output_token") is not None]
+        for value in ttfts:
+            metrics.ttft.observe(value)
+        for value in tpots:
+            metrics.tpot.observe(value)
+        if self.request_log is not None:
+            self.request_log.write({
+                "arrival_time": arrival, "request_id": request_id, "endpoint": endpoint,
+                "ttft_s": min(ttfts) if ttfts else None, "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+                "prompt_tokens": prompt_tokens, "cached_tokens": 0, "generated_tokens": generated,
+                "finish_reason": finish_reason, "n": n})

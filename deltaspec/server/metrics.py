@@ -1,0 +1,92 @@
+"""Prometheus metrics of one server app, and its JSON-lines request log.
+
+`ServerMetrics` owns a private `CollectorRegistry` (so several apps in one process do not collide):
+request, prompt-token and generated-token counters, TTFT and TPOT histograms, and gauges read
+from `AsyncEngine.usage` at scrape time (running and waiting sequences, KV pages, GDN state
+slots, preemptions, engine steps). `RequestLog` appends one JSON line per finished request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from deltaspec.errors import DeltaspecError
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+_GAUGES = {
+    "running": ("deltaspec_num_requests_running", "Sequences running in the engine (holding caches)."),
+    "waiting": ("deltaspec_num_requests_waiting", "Sequences waiting for caches."),
+    "kv_blocks_used": ("deltaspec_kv_blocks_used", "Attention KV pages in use."),
+    "kv_blocks_total": ("deltaspec_kv_blocks_total", "Attention KV pages allocated."),
+    "state_slots_used": ("deltaspec_state_slots_used", "GDN state slots in use."),
+    "state_slots_total": ("deltaspec_state_slots_total", "GDN state slots allocated."),
+}
+_COUNTERS = {
+    "preemptions": ("deltaspec_preemptions", "Sequences preempted (recomputed later) since start."),
+    "steps": ("deltaspec_engine_steps", "Engine forward passes since start."),
+}
+
+
+class _EngineCollector(Collector):
+    """Engine usage as gauges (and cumulative counters), read when /metrics is scraped."""
+
+    def __init__(self, usage: Callable[[], dict]) -> None:
+        self._usage = usage
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        usage = self._usage()
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=usage[key])
+        total = usage["kv_blocks_total"]
+        yield GaugeMetricFamily("deltaspec_kv_cache_usage_ratio", "Fraction of attention KV pages in use.",
+                                value=usage["kv_blocks_used"] / total if total else 0.0)
+        for key, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=usage[key])
+
+
+class ServerMetrics:
+    def __init__(self, usage: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("deltaspec_requests", "Finished requests by endpoint and finish reason.",
+                                ["endpoint", "finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("deltaspec_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("deltaspec_generation_tokens", "Tokens generated, all samples.",
+                                         registry=self.registry)
+        self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Time to first token per sample.",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("deltaspec_time_per_output_token_seconds",
+                              "Decode time per output token after the first, per sample.",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(usage))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestLog:
+    """Appends one JSON object per line to a file; safe to call from any thread."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise DeltaspecError(f"Cannot write the request log {self.path} ({exc.strerror}).") from exc
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False)
+        with self._lock, self.path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")

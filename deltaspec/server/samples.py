@@ -1,0 +1,175 @@
+"""Running one HTTP request's samples on the `AsyncEngine`: submit, collect, merge, abort.
+
+A request with `n` samples becomes `n` engine requests `{id}-{i}` (seeded `seed + i` when a seed
+is given). This module owns turning request fields into `SamplingParams`, accumulating each
+sample's deltas (`Sample`), waiting for them while watching for a client that went away, merging
+their deltas in arrival order for streaming, and aborting whatever has not finished when the
+HTTP request ends early, so the engine frees their caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+from starlette.requests import Request
+
+from deltaspec.engine.async_engine import AsyncEngine, RequestDelta, RequestStream
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.sample.params import SamplingParams
+from deltaspec.server.errors import APIError
+from deltaspec.server.protocol import SamplingFields
+
+DISCONNECT_POLL_S = 0.1
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine parameters of one sample (n = 1); a bad value is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            n=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
+    except DeltaspecError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def check_max_tokens(value: int | None, name: str) -> None:
+    if value is not None and value < 1:
+        raise APIError(400, f"{name} must be at least 1, got {value}.", param=name)
+
+
+def check_n(n: int, max_n: int) -> None:
+    if n < 1:
+        raise APIError(400, f"n must be at least 1, got {n}.", param="n")
+    if n > max_n:
+        raise APIError(400, f"n must be at most {max_n} on this server, got {n}.", param="n")
+
+
+@dataclass
+class Sample:
+    """One engine request of an HTTP request, and everything its deltas have brought so far."""
+
+    index: int
+    request_id: str
+    stream: RequestStream
+    params: SamplingParams
+    num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_text: str | None = None
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def apply(self, delta: RequestDelta) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        if delta.new_logprobs:
+            self.logprobs.extend(delta.new_logprobs)
+        if delta.finished:
+            self.finished = True
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.stop_text, self.error, self.metrics = delta.stop_text, delta.error, delta.metrics
+
+    def text(self, tokenizer: Tokenizer) -> str:
+        """The whole output text: the engine's cut text when a stop string ended it, else the decode."""
+        if self.stop_text is not None:
+            return self.stop_text
+        return tokenizer.decode(self.token_ids, self.params.skip_special_tokens)
+
+
+def submit(engine: AsyncEngine, request_id: str, prompt: str | None, prompt_ids: list[int],
+           params: SamplingParams, n: int, first_index: int = 0) -> list[Sample]:
+    """Queue `n` samples of one prompt; choice indices start at `first_index`. DeltaspecError -> 400."""
+    samples: list[Sample] = []
+    try:
+        for i in range(n):
+            index = first_index + i
+            sample_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            sample_id = f"{request_id}-{index}"
+            stream = engine.add_request(sample_id, prompt, prompt_ids, sample_params)
+            samples.append(Sample(index, sample_id, stream, sample_params, len(prompt_ids)))
+    except DeltaspecError as exc:
+        abort_unfinished(engine, samples)
+        raise APIError(400, str(exc)) from None
+    return samples
+
+
+def abort_unfinished(engine: AsyncEngine, samples: list[Sample]) -> None:
+    for sample in samples:
+        if not sample.finished:
+            engine.abort(sample.request_id)
+
+
+def engine_error(samples: list[Sample]) -> APIError | None:
+    """A 500 for the first sample the engine failed on, or None."""
+    failed = next((s for s in samples if s.finish_reason == "error"), None)
+    if failed is None:
+        return None
+    return APIError(500, f"The engine failed while generating this request ({failed.error}).")
+
+
+async def _drain(sample: Sample) -> Sample:
+    async for delta in sample.stream:
+        sample.apply(delta)
+    return sample
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def collect(samples: list[Sample], request: Request | None,
+                  on_finished: Callable[[Sample], None] | None = None) -> None:
+    """Wait until every sample has finished, calling `on_finished` in finishing order.
+
+    Raises ClientDisconnected when `request`'s client goes away first; the caller aborts.
+    """
+    pending = {asyncio.ensure_future(_drain(s)) for s in samples}
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request)) if request is not None else None
+    try:
+        while pending:
+            waiting = pending | {watcher} if watcher is not None else pending
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                raise ClientDisconnected
+            for task in done:
+                pending.discard(task)
+                if on_finished is not None:
+                    on_finished(task.result())
+    finally:
+        for task in [*pending, watcher]:
+            if task is not None:
+                task.cancel()
+
+
+async def merged(samples: list[Sample]) -> AsyncIterator[tuple[Sample, RequestDelta]]:
+    """Every sample's deltas in arrival order, each applied to its sample before it is yielded."""
+    queue: asyncio.Queue[tuple[Sample, RequestDelta]] = asyncio.Queue()
+
+    async def pump(sample: Sample) -> None:
+        async for delta in sample.stream:
+            queue.put_nowait((sample, delta))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in samples if not s.finished]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            sample, delta = await queue.get()
+            sample.apply(delta)
+            remaining -= delta.finished
+            yield sample, delta
+    finally:
+        for task in tasks:
+            task.cancel()
