@@ -43,6 +43,10 @@ def test_stop_token_ids_and_eos(llm):
     out = llm.generate("x = 1", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == free[:first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    assert out.text == llm.tokenizer.decode(free[:first])  # the stop token's text is dropped, as in vLLM
+    kept = llm.generate("x = 1", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id],
+                                                include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode(free[:first + 1])
     eos_llm_out = llm.generate("x = 1", SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
     eos = llm.tokenizer.token_to_id("<|im_end|>")
     if eos in free:

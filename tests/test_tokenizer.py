@@ -248,11 +248,11 @@ def test_broken_templates_and_messages_are_user_errors(tiny_dir: Path, tmp_path:
         loaded.apply_chat_template([{"role": "user", "content": "x"}])
     loaded = Tokenizer.from_dir(copy_tokenizer(tiny_dir, tmp_path, chat_template="{{ messages[0].content.x.y }}"))
     assert loaded is not None
-    with pytest.raises(DeltaspecError, match="failed on these messages"):
+    with pytest.raises(DeltaspecError, match="could not render these messages"):
         loaded.apply_chat_template([{"role": "user", "content": "x"}])
     loaded = Tokenizer.from_dir(copy_tokenizer(tiny_dir, tmp_path, chat_template="{{ 'a' + messages[0].content }}"))
     assert loaded is not None
-    with pytest.raises(DeltaspecError, match="failed on these messages"):
+    with pytest.raises(DeltaspecError, match="could not render these messages"):
         loaded.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
     with pytest.raises(DeltaspecError, match="empty conversation"):
         loaded.apply_chat_template([])

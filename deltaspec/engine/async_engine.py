@@ -120,6 +120,9 @@ class AsyncEngine:
         self._sent[seq.request_id] = len(seq.output_ids)
         if seq.finished:
             del self._streams[seq.request_id], self._sent[seq.request_id]
+        if stream.loop.is_closed():  # the client's event loop is gone: nobody is listening
+            self.engine.abort(seq)
+            return
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
 
     def _run(self) -> None:

@@ -203,6 +203,8 @@ class Engine:
                 return True
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
+                if not params.include_stop_str_in_output and self.tokenizer is not None:
+                    seq.stop_text = self.decode(seq.output_ids[:-1], params.skip_special_tokens)
                 return True
             if params.stop and self.tokenizer is not None and self._match_stop_string(seq):
                 return True

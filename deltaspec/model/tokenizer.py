@@ -41,7 +41,7 @@ def _token_content(value: Any) -> str | None:
 
 def _raise_exception(message: str) -> None:
     """`raise_exception` for templates: the template refuses the conversation with its own message."""
-    raise DeltaspecError(f"The chat template refused these messages: {message}")
+    raise DeltaspecError(f"The chat template refused these messages: {str(message).rstrip('.')}.")
 
 
 def _tojson(
@@ -221,7 +221,8 @@ class Tokenizer:
             return template.render(**context)
         except (jinja2.TemplateError, TypeError) as exc:
             raise DeltaspecError(
-                f"The chat template of the model at {self._source} failed on these messages: {exc}"
+                f"The chat template of the model at {self._source} could not render these messages ({exc}); "
+                "check that every message has the fields the template reads."
             ) from exc
 
     def _select_template(self, tools: list[dict] | None) -> str:
