@@ -8,16 +8,19 @@ from deltaspec.cli import main
 def test_bench_serve_reports_aggregate_rate_and_percentiles(tmp_path, capsys):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.svg"
     assert main(["bench", "serve", "--concurrency", "1,2", "--requests-per-client", "2", "--max-tokens", "6",
-                 "--device", "cpu", "--out", str(out), "--plot", str(plot)]) == 0
+                 "--runs", "2", "--device", "cpu", "--out", str(out), "--plot", str(plot)]) == 0
     report = json.loads(out.read_text())
     assert report["benchmark"] == "serve" and report["device"] == "cpu" and report["dtype"] == "float32"
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
     for level in report["levels"]:
-        assert level["requests"] == 2 * level["concurrency"]
-        assert level["generated_tokens"] == 6 * level["requests"]
-        assert level["tpot_source"] == "request_log"
-        assert level["aggregate_tok_s"] == level["concurrency"] * 1000 / level["tpot_ms"]["mean"]
-        assert 0 < level["ttft_s"]["p50"] <= level["ttft_s"]["p99"]
+        assert len(level["runs"]) == 2
+        for run in level["runs"]:
+            assert run["requests"] == 2 * level["concurrency"]
+            assert run["generated_tokens"] == 6 * run["requests"]
+            assert run["tpot_source"] == "request_log"
+            assert run["aggregate_tok_s"] == level["concurrency"] * 1000 / run["tpot_ms"]["mean"]
+            assert 0 < run["ttft_s"]["p50"] <= run["ttft_s"]["p99"]
+        assert level["aggregate_tok_s"] == sum(r["aggregate_tok_s"] for r in level["runs"]) / 2  # median of two
     assert plot.read_text().startswith("<svg") and "aggregate" in plot.read_text()
     assert json.loads(capsys.readouterr().out) == report
 
@@ -25,10 +28,12 @@ def test_bench_serve_reports_aggregate_rate_and_percentiles(tmp_path, capsys):
 def test_bench_agents_reports_first_turn_and_follow_up_waits(tmp_path, capsys):
     out = tmp_path / "agents.json"
     assert main(["bench", "agents", "--agents", "2", "--doc-chars", "1500", "--stagger", "0.1", "--max-tokens", "4",
-                 "--device", "cpu", "--out", str(out)]) == 0
+                 "--runs", "1", "--device", "cpu", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["agents"] == 2 and len(report["turns"]) == 2
-    assert all(len(turns) == 3 for turns in report["turns"])
-    follow_ups = [t for turns in report["turns"] for t in turns if t["turn"] > 0]
-    assert report["follow_up_wait_max_s"] == max(t["wait_s"] for t in follow_ups)
+    run = report["runs"][0]
+    assert report["agents"] == 2 and len(run["turns"]) == 2
+    assert all(len(turns) == 3 for turns in run["turns"])
+    follow_ups = [t for turns in run["turns"] for t in turns if t["turn"] > 0]
+    assert run["follow_up_wait_max_s"] == max(t["wait_s"] for t in follow_ups)
+    assert report["median_over_runs"]["follow_up_wait_max_s"] == run["follow_up_wait_max_s"]
     assert all(t["prompt_tokens"] > 300 for t in follow_ups)  # each follow-up carries its document again

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -48,9 +49,9 @@ def write_report(report: dict, out: str | None) -> None:
 def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     with target(args, engine_config) as (client, identity, log):
-        rows = bench_serve(client, levels, args.requests_per_client, args.max_tokens, log, progress=say)
+        rows = bench_serve(client, levels, args.requests_per_client, args.max_tokens, args.runs, log, progress=say)
     write_report({"benchmark": "serve", "commit": commit(), **identity, "max_tokens": args.max_tokens,
-                  "requests_per_client": args.requests_per_client, "levels": rows}, args.out)
+                  "requests_per_client": args.requests_per_client, "runs": args.runs, "levels": rows}, args.out)
     if args.plot:
         svg = line_chart("deltaspec bench serve", "concurrent streams", "tok/s", levels,
                          {"aggregate (C x 1000 / mean TPOT)": [r["aggregate_tok_s"] for r in rows],
@@ -61,8 +62,14 @@ def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
 
 def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
     with target(args, engine_config) as (client, identity, _):
-        report = bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, progress=say)
-    write_report({"benchmark": "agents", "commit": commit(), **identity, **report}, args.out)
+        runs = [bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, progress=say)
+                for _ in range(args.runs)]
+    medians = {key: statistics.median(run[key][subkey] if subkey else run[key] for run in runs)
+               for key, subkey in (("first_turn_wait_s", "p50"), ("follow_up_wait_s", "p50"),
+                                   ("follow_up_wait_max_s", None))}
+    write_report({"benchmark": "agents", "commit": commit(), **identity, "agents": args.agents,
+                  "doc_chars": args.doc_chars, "stagger_s": args.stagger, "max_tokens": args.max_tokens,
+                  "median_over_runs": medians, "runs": runs}, args.out)
 
 
 def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
@@ -72,6 +79,7 @@ def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     serve.add_argument("--concurrency", default="1,4,16,32", help="comma-separated stream counts (default: 1,4,16,32)")
     serve.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends (default: 4)")
     serve.add_argument("--max-tokens", type=int, default=128, help="tokens per request, eos ignored (default: 128)")
+    serve.add_argument("--runs", type=int, default=3, help="runs per level; the report gives medians (default: 3)")
     serve.add_argument("--plot", default=None, help="write an SVG chart of tok/s over concurrency here")
     serve.set_defaults(func=lambda args: cmd_bench_serve(args, engine_config(args)))
     agents = scenarios.add_parser("agents", help="agents with long documents asking follow-ups")
@@ -79,6 +87,7 @@ def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     agents.add_argument("--doc-chars", type=int, default=8000, help="characters per document (default: 8000)")
     agents.add_argument("--stagger", type=float, default=0.5, help="seconds between agents' starts (default: 0.5)")
     agents.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default: 32)")
+    agents.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
     agents.set_defaults(func=lambda args: cmd_bench_agents(args, engine_config(args)))
     for parser in (serve, agents):
         parser.add_argument("--url", default=None, help="benchmark a running OpenAI-compatible server instead")

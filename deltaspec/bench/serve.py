@@ -2,12 +2,14 @@
 
 For each concurrency C the report gives TTFT and TPOT percentiles and the aggregate decode rate
 `C x 1000 / mean TPOT (ms)` (DESIGN §6), with TPOT taken from the server's request log when the
-server runs in-process and from the client's token timings otherwise (`tpot_source`).
+server runs in-process and from the client's token timings otherwise (`tpot_source`). Each level
+runs `runs` times; the level's headline numbers are the medians over runs, and every run is kept.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,23 +39,37 @@ def log_tpots(request_log: Path | None, since_line: int) -> tuple[list[float], i
     return [t for t in tpots if t], len(lines)
 
 
-def bench_serve(client: Client, levels: list[int], per_client: int, max_tokens: int,
+def measure_level(client: Client, concurrency: int, per_client: int, max_tokens: int, request_log: Path | None,
+                  logged: int) -> tuple[dict, int]:
+    """One run of one concurrency level, and the request-log line count after it."""
+    start = time.perf_counter()
+    timings = run_level(client, concurrency, per_client, max_tokens)
+    wall = time.perf_counter() - start
+    server_tpots, logged = log_tpots(request_log, logged)
+    tpots = server_tpots or [t.tpot for t in timings if t.tpot]
+    ttft = percentiles([t.ttft for t in timings if t.ttft is not None])
+    tpot = percentiles([x * 1000 for x in tpots])
+    generated = sum(t.completion_tokens for t in timings)
+    return {"requests": len(timings), "generated_tokens": generated, "wall_s": wall, "ttft_s": ttft,
+            "tpot_ms": tpot, "tpot_source": "request_log" if server_tpots else "client",
+            "aggregate_tok_s": concurrency * 1000 / tpot["mean"] if tpot["mean"] else None,
+            "output_tok_s_wall": generated / wall}, logged
+
+
+def bench_serve(client: Client, levels: list[int], per_client: int, max_tokens: int, runs: int,
                 request_log: Path | None = None, progress=print) -> list[dict]:
     results, logged = [], log_tpots(request_log, 0)[1]
     for concurrency in levels:
-        start = time.perf_counter()
-        timings = run_level(client, concurrency, per_client, max_tokens)
-        wall = time.perf_counter() - start
-        server_tpots, logged = log_tpots(request_log, logged)
-        tpots = server_tpots or [t.tpot for t in timings if t.tpot]
-        ttft = percentiles([t.ttft for t in timings if t.ttft is not None])
-        tpot = percentiles([x * 1000 for x in tpots])
-        generated = sum(t.completion_tokens for t in timings)
-        row = {"concurrency": concurrency, "requests": len(timings), "generated_tokens": generated,
-               "wall_s": wall, "ttft_s": ttft, "tpot_ms": tpot, "tpot_source": "request_log" if server_tpots else "client",
-               "aggregate_tok_s": concurrency * 1000 / tpot["mean"] if tpot["mean"] else None,
-               "output_tok_s_wall": generated / wall}
-        progress(f"C={concurrency}: aggregate {row['aggregate_tok_s'] or 0:.1f} tok/s, "
-                 f"TTFT p50 {ttft['p50'] or 0:.3f} s, TPOT p50 {tpot['p50'] or 0:.1f} ms")
+        measured = []
+        for _ in range(runs):
+            run, logged = measure_level(client, concurrency, per_client, max_tokens, request_log, logged)
+            measured.append(run)
+        row = {"concurrency": concurrency, "runs": measured,
+               **{key: statistics.median(r[key] for r in measured if r[key] is not None)
+                  for key in ("aggregate_tok_s", "output_tok_s_wall")},
+               "ttft_p50_s": statistics.median(r["ttft_s"]["p50"] for r in measured),
+               "tpot_p50_ms": statistics.median(r["tpot_ms"]["p50"] for r in measured)}
+        progress(f"C={concurrency}: aggregate {row['aggregate_tok_s']:.1f} tok/s (median of {runs}), "
+                 f"TTFT p50 {row['ttft_p50_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.1f} ms")
         results.append(row)
     return results
