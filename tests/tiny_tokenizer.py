@@ -158,6 +158,11 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 384) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
+    write_tokenizer_config(tokenizer, directory, max_length=4096)
+
+
+def write_tokenizer_config(tokenizer: Tokenizer, directory: Path, max_length: int) -> None:
+    """`tokenizer_config.json` for a Qwen-style tokenizer with the added tokens at the end and the chat template."""
     added_tokens_decoder = {
         str(tokenizer.token_to_id(token)): {
             "content": token,
@@ -175,7 +180,7 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 384) -> None:
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "model_max_length": 4096,
+        "model_max_length": max_length,
         "chat_template": CHAT_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

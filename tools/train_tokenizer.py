@@ -23,7 +23,7 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, TEXT_TOKENS  # noqa: E402
+from tests.tiny_tokenizer import SPECIAL_TOKENS, TEXT_TOKENS, write_tokenizer_config  # noqa: E402
 
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 ADDED_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TEXT_TOKENS))
@@ -87,31 +87,6 @@ def check_round_trip(tokenizer: Tokenizer, texts: list[str]) -> None:
             raise RuntimeError(f"Tokenizer does not round-trip {text[:80]!r}: got {decoded[:80]!r}.")
 
 
-def write_config(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
-    """Write `tokenizer_config.json` next to `tokenizer.json`, as Hugging Face tokenizers expect."""
-    added_tokens_decoder = {
-        str(tokenizer.token_to_id(token)): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": token in SPECIAL_TOKENS,
-        }
-        for token in SPECIAL_TOKENS + TEXT_TOKENS
-    }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added_tokens_decoder,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=8192, help="total vocabulary, added tokens included")
@@ -127,7 +102,7 @@ def main() -> None:
     check_round_trip(tokenizer, list(ROUND_TRIP_SAMPLES) + samples)
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(args.out / "tokenizer.json"))
-    write_config(tokenizer, args.out, args.model_max_length)
+    write_tokenizer_config(tokenizer, args.out, args.model_max_length)
     print(f"vocab {tokenizer.get_vocab_size()}, round trip checked on {len(samples) + len(ROUND_TRIP_SAMPLES)} texts, wrote {args.out}")
 
 
