@@ -263,3 +263,20 @@ def test_serve_on_a_busy_port_is_one_error_line(capsys):
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: Cannot listen on 127.0.0.1:") and lines[0].endswith(".")
+
+
+def test_detokenizer_deltas_equal_the_whole_decode_for_random_splits(tokenizer):
+    import random
+
+    rng = random.Random(0)
+    texts = ["def f(x):\n    return x ** 2  # квадрат ✓\n", "naïve café — 東京 🚀 done", "a\n\n\tb  c" * 20]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        for _ in range(20):
+            detok, out, i = IncrementalDetokenizer(tokenizer), "", 0
+            while i < len(ids):
+                step = rng.randint(1, 4)
+                out += detok.add(ids[i:i + step])
+                i += step
+            out += detok.finish([])
+            assert out == tokenizer.decode(ids)

@@ -214,13 +214,18 @@ class Engine:
         return False
 
     def _match_stop_string(self, seq: Sequence) -> bool:
-        text = self.decode(seq.output_ids, seq.params.skip_special_tokens)
-        newest = len(self.decode(seq.output_ids[:-1], seq.params.skip_special_tokens))
-        longest = max(len(s) for s in seq.params.stop)
-        for stop in seq.params.stop:
-            at = text.find(stop, max(newest - longest, 0))
-            if at != -1:
-                end = at + len(stop) if seq.params.include_stop_str_in_output else at
-                seq.finish_reason, seq.stop_reason, seq.stop_text = "stop", stop, text[:end]
-                return True
-        return False
+        """Look for a stop string in the text of the last few tokens only (any earlier match would have
+        stopped the sequence already); on a match, cut the full text once."""
+        params = seq.params
+        longest = max(len(s) for s in params.stop)
+        tail = self.decode(seq.output_ids[-(2 * longest + 8):], params.skip_special_tokens)
+        if not any(stop in tail for stop in params.stop):
+            return False
+        text = self.decode(seq.output_ids, params.skip_special_tokens)
+        matches = [(text.find(s), s) for s in params.stop if s in text]
+        if not matches:
+            return False
+        at, stop = min(matches)
+        end = at + len(stop) if params.include_stop_str_in_output else at
+        seq.finish_reason, seq.stop_reason, seq.stop_text = "stop", stop, text[:end]
+        return True

@@ -1,7 +1,8 @@
 """Incremental detokenization for streaming: token ids in, text deltas out.
 
-Each call decodes the whole output so far and emits the new suffix, so the concatenated deltas
-equal the whole-text decode. Held back until they resolve: a trailing U+FFFD (a UTF-8 character
+Each call decodes only the tokens since the last resolved point (with the previous step's tokens
+as context, as vLLM does), so a step costs the same at token 10 and token 10,000, and the
+concatenated deltas equal the whole-text decode. Held back until they resolve: a trailing U+FFFD (a UTF-8 character
 whose bytes are split across tokens) and any tail that could be the start of a stop string (the
 engine then cuts the text there and reports it as `stop_text`, which `finish` uses).
 """
@@ -33,17 +34,27 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.token_ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
+        self.text = ""  # decoded text of token_ids[:read]
+        self.prefix = 0  # token_ids[prefix:read] is the context decoded again with new tokens
+        self.read = 0
+        self.emitted = 0  # characters of `text` already returned
+
+    def _resolve(self, final: bool) -> None:
+        """Move new tokens into `text` unless they end inside a UTF-8 character (or `final`)."""
+        context = self.tokenizer.decode(self.token_ids[self.prefix:self.read], self.skip_special_tokens)
+        extended = self.tokenizer.decode(self.token_ids[self.prefix:], self.skip_special_tokens)
+        if final or (len(extended) > len(context) and not extended.endswith(REPLACEMENT)):
+            self.text += extended[len(context):]
+            self.prefix, self.read = self.read, len(self.token_ids)
 
     def add(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text that is safe to emit now."""
         self.token_ids.extend(new_token_ids)
-        text = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
-        end = len(text.rstrip(REPLACEMENT))
-        end = min(end, stop_hold_start(text[:end], self.stop, self.emitted))
+        self._resolve(final=False)
+        end = stop_hold_start(self.text, self.stop, self.emitted)
         if end <= self.emitted:
             return ""
-        delta, self.emitted = text[self.emitted:end], end
+        delta, self.emitted = self.text[self.emitted:end], end
         return delta
 
     def finish(self, new_token_ids: list[int], stop_text: str | None = None) -> str:
@@ -52,7 +63,8 @@ class IncrementalDetokenizer:
         The last tokens may complete a stop string, so they go through here rather than `add`.
         """
         self.token_ids.extend(new_token_ids)
-        text = stop_text if stop_text is not None else self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
+        self._resolve(final=True)
+        text = stop_text if stop_text is not None else self.text
         delta = text[self.emitted:]
         self.emitted = max(self.emitted, len(text))
         return delta
