@@ -129,6 +129,9 @@ class EngineConfig:
     prefill_chunk: int = field(default=512, metadata={
         "help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+    speculative: str = field(default="none", metadata={
+        "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens)"})
+    draft_tokens: int = field(default=4, metadata={"help": "most draft tokens verified per sequence per pass"})
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,8 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         state_dtype = "float64" if dtype_name == "float64" else "float32"
     else:
         state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
-    for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "prefill_chunk"):
+    for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "prefill_chunk",
+                 "draft_tokens"):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
     return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype)

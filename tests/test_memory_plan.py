@@ -22,6 +22,15 @@ def test_plan_matches_the_allocations(checkpoints, name):
     assert engine.plan.fits
 
 
+def test_plan_counts_the_speculative_replay_log(checkpoints):
+    llm = LLM(str(checkpoints["qwen3_next_r3_moe"]), dtype="float32", device="cpu", max_num_seqs=3,
+              max_model_len=64, speculative="ngram", draft_tokens=5)
+    assert llm.engine.plan.states == llm.engine.cache.gdn.bytes()
+    plain = plan_for(EngineConfig(model=str(checkpoints["qwen3_next_r3_moe"]), dtype="float32", device="cpu",
+                                  max_num_seqs=3, max_model_len=64))[0]
+    assert llm.engine.plan.states > plain.states and llm.engine.plan.kv == plain.kv
+
+
 def test_plan_with_mtp_counts_its_kv_layer():
     plan = plan_for(EngineConfig(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64))[0]
     llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64)

@@ -97,3 +97,47 @@ def test_paged_attention_matches_dense_causal_attention_with_scattered_pages():
         want = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).transpose(0, 1)
         torch.testing.assert_close(out[start:start + n], want, rtol=0, atol=1e-12)
         start += n
+
+
+def test_speculative_rows_are_logged_and_accepted_rows_replayed_exactly():
+    """A verify pass leaves the state alone; folding its first a rows next time equals having run them."""
+    from deltaspec.ops.gdn import GDNLog
+
+    q, k, v, g, beta = random_gdn_inputs(12)
+    state = torch.randn(3, 4, 8, 6, dtype=torch.float64)
+    log = GDNLog(k=torch.zeros(3, 8, 2, 8, dtype=torch.float64), v=torch.zeros(3, 8, 4, 6, dtype=torch.float64),
+                 g=torch.zeros(3, 8, 4, dtype=torch.float64), beta=torch.zeros(3, 8, 4, dtype=torch.float64))
+    plain_state = state.clone()
+    plain = gated_delta_rule(q, k, v, g, beta, plain_state, [5, 7], [2, 0])  # rows 0-4: slot 2, 5-11: slot 0
+    spec_state = state.clone()
+    spec = gated_delta_rule(q[:5], k[:5], v[:5], g[:5], beta[:5], spec_state, [5], [2], speculative=[True], log=log)
+    torch.testing.assert_close(spec, plain[:5], rtol=0, atol=1e-12)
+    torch.testing.assert_close(spec_state, state, rtol=0, atol=0)  # nothing advanced
+    for accepted in (0, 3, 5):
+        folded = spec_state.clone()
+        rest = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], folded, [7], [2], fold=[accepted], log=log)
+        expected_state = state.clone()
+        if accepted:
+            gated_delta_rule(q[:accepted], k[:accepted], v[:accepted], g[:accepted], beta[:accepted],
+                             expected_state, [accepted], [2])
+        expected = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], expected_state, [7], [2])
+        torch.testing.assert_close(rest, expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(folded, expected_state, rtol=0, atol=1e-12)
+
+
+def test_conv_window_is_logged_and_replayed():
+    channels, kernel = 5, 4
+    x = torch.randn(9, channels, dtype=torch.float64)
+    weight = torch.randn(channels, kernel, dtype=torch.float64)
+    start = torch.randn(1, kernel - 1, channels, dtype=torch.float64)
+    log = torch.zeros(1, 8, channels, dtype=torch.float64)
+    for accepted in (0, 1, 4):
+        window = start.clone()
+        spec = causal_conv1d(x[:4], weight, window, [4], [0], speculative=[True], log=log)
+        torch.testing.assert_close(window, start, rtol=0, atol=0)
+        out = causal_conv1d(x[4:], weight, window, [5], [0], fold=[accepted], log=log)
+        reference = start.clone()
+        plain = causal_conv1d(torch.cat((x[:accepted], x[4:])), weight, reference, [accepted + 5], [0])
+        torch.testing.assert_close(out, plain[accepted:], rtol=0, atol=1e-12)
+        torch.testing.assert_close(window, reference, rtol=0, atol=0)
+        torch.testing.assert_close(spec, causal_conv1d(x[:4], weight, start.clone(), [4], [0]), rtol=0, atol=0)

@@ -12,13 +12,14 @@ from deltaspec.model.decoder import ModelCaches
 
 class CacheManager:
     def __init__(self, config: ModelConfig, num_kv_layers: int, num_slots: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, log_rows: int = 0):
         self.block_size = block_size
         self.kv = PagedKVCache(num_kv_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
                                dtype, device)
-        self.gdn = GDNStateCache(len(config.gdn_layer_ids), num_slots, config.linear_num_value_heads,
-                                 config.linear_key_head_dim, config.linear_value_head_dim, config.gdn_conv_dim,
-                                 config.linear_conv_kernel_dim, state_dtype, dtype, device)
+        self.gdn = GDNStateCache(len(config.gdn_layer_ids), num_slots, config.linear_num_key_heads,
+                                 config.linear_num_value_heads, config.linear_key_head_dim,
+                                 config.linear_value_head_dim, config.gdn_conv_dim, config.linear_conv_kernel_dim,
+                                 state_dtype, dtype, device, log_rows)
         self.caches = ModelCaches(kv=self.kv, gdn=self.gdn)
 
     def blocks_needed(self, num_tokens: int) -> int:

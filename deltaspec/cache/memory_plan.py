@@ -124,14 +124,20 @@ def available_memory(device: torch.device) -> int:
 
 def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: torch.dtype, state_dtype: torch.dtype,
                 streams: int, ctx: int, block_size: int, batch_rows: int, prefill_chunk: int,
-                device: torch.device, available: int | None = None) -> MemoryPlan:
-    """Needs of `streams` sequences of `ctx` tokens for this model on `device`."""
+                device: torch.device, available: int | None = None, log_rows: int = 0) -> MemoryPlan:
+    """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
+    slot's speculative replay log (one state plus the log, independent of how many drafts are accepted)."""
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
     kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * config.head_dim * size
     state = len(config.gdn_layer_ids) * (
         config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_size
         + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * size)
+    log_size = 8 if torch.float64 in (dtype, state_dtype) else 4
+    state += len(config.gdn_layer_ids) * log_rows * (
+        (config.linear_num_key_heads * config.linear_key_head_dim
+         + config.linear_num_value_heads * (config.linear_value_head_dim + 2)) * log_size
+        + config.gdn_conv_dim * size)
     mlp_width = config.intermediate_size
     if config.moe is not None:
         mlp_width = max(mlp_width, config.moe.moe_intermediate_size * config.moe.num_experts_per_tok,

@@ -2,24 +2,37 @@
 
 A running sequence owns one slot index for its whole life; every op reads and writes its state
 in place at that index. A slot is zeroed when it is handed out, which is the state of an empty
-prefix.
+prefix. With speculative decoding each slot also has a replay log of `log_rows` rows per layer
+(the inputs of rows being verified, `deltaspec.ops.gdn`): memory per sequence is one state plus
+the log, whatever the draft length.
 """
 
 import torch
 
 from deltaspec.errors import DeltaspecError
+from deltaspec.ops.gdn import GDNLog
 
 
 class GDNStateCache:
-    """`state[layer]` [num_slots, Hv, Dk, Dv] and `conv[layer]` [num_slots, K-1, conv_dim]."""
+    """`state[layer]` [num_slots, Hv, Dk, Dv], `conv[layer]` [num_slots, K-1, conv_dim], and with
+    `log_rows` > 0 the replay logs `log[layer]` (GDNLog) and `conv_log[layer]` [num_slots, L, conv_dim]."""
 
-    def __init__(self, num_layers: int, num_slots: int, num_v_heads: int, key_dim: int, value_dim: int,
-                 conv_dim: int, conv_kernel: int, state_dtype: torch.dtype, conv_dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, num_layers: int, num_slots: int, num_k_heads: int, num_v_heads: int, key_dim: int,
+                 value_dim: int, conv_dim: int, conv_kernel: int, state_dtype: torch.dtype, conv_dtype: torch.dtype,
+                 device: torch.device, log_rows: int = 0):
         self.state = [torch.zeros((num_slots, num_v_heads, key_dim, value_dim), dtype=state_dtype, device=device)
                       for _ in range(num_layers)]
         self.conv = [torch.zeros((num_slots, conv_kernel - 1, conv_dim), dtype=conv_dtype, device=device)
                      for _ in range(num_layers)]
+        log_dtype = torch.float64 if torch.float64 in (state_dtype, conv_dtype) else torch.float32
+
+        def zeros(*shape, dtype=log_dtype):
+            return torch.zeros((num_slots, log_rows, *shape), dtype=dtype, device=device)
+
+        self.log = [GDNLog(k=zeros(num_k_heads, key_dim), v=zeros(num_v_heads, value_dim), g=zeros(num_v_heads),
+                           beta=zeros(num_v_heads)) for _ in range(num_layers)] if log_rows else [None] * num_layers
+        self.conv_log = [zeros(conv_dim, dtype=conv_dtype) for _ in range(num_layers)] if log_rows else \
+            [None] * num_layers
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -39,4 +52,6 @@ class GDNStateCache:
         self._free.append(slot)
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.state, *self.conv))
+        logs = [t for log in self.log if log is not None for t in (log.k, log.v, log.g, log.beta)]
+        logs += [t for t in self.conv_log if t is not None]
+        return sum(t.numel() * t.element_size() for t in (*self.state, *self.conv, *logs))

@@ -23,6 +23,9 @@ from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.logprobs import gather_logprobs
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import apply_penalties, make_generator, sample
+from deltaspec.spec.drafter import DraftRequest
+from deltaspec.spec.factory import make_drafter
+from deltaspec.spec.verify import verify_sampling
 
 
 def default_model_path() -> Path:
@@ -55,7 +58,8 @@ def plan_for(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfi
     plan = plan_memory(model_config, len(model_config.attention_layer_ids) + count_mtp_layers(files),
                        weight_bytes(files, dtype, skip=lambda name: target_name(name) is None), dtype,
                        parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
-                       resolved.max_num_batched_tokens, resolved.prefill_chunk, device)
+                       resolved.max_num_batched_tokens, resolved.prefill_chunk, device,
+                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0)
     return plan, resolved, model_config, raw, model_dir
 
 
@@ -72,8 +76,10 @@ class Engine:
         self.max_model_len = self.config.max_model_len
         cfg = self.config
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        self.drafter = make_drafter(cfg)
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
-                                  cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device)
+                                  cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
+                                  log_rows=cfg.draft_tokens + 1 if self.drafter is not None else 0)
         self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk)
         self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device)
         eos = set(self.model_config.eos_token_ids)
@@ -117,7 +123,7 @@ class Engine:
         if not seq.finished:
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def usage(self) -> dict:
         """Running and waiting sequences, KV pages and GDN state slots in use."""
@@ -134,6 +140,8 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One forward pass over every runnable sequence; returns the sequences that got a new token
         (those that finished have `finished` set)."""
+        if self.drafter is not None:
+            self._propose_drafts()
         schedule = self.scheduler.schedule()
         result = self.runner.execute(schedule)
         return self._update(schedule, result)
@@ -144,15 +152,17 @@ class Engine:
             if not seq.finished:
                 seq.finish_reason, seq.error = "error", error
                 seq.finish_time = time.perf_counter()
-                self.scheduler.finish(seq)
+                self._finish(seq)
 
     def _update(self, schedule: list[Scheduled], result: StepOutput) -> list[Sequence]:
         for i, logits in result.prompt_logits.items():
             self._record_prompt_logprobs(schedule[i], logits)
         for item in schedule:
             item.seq.num_computed += item.num_rows
+            item.seq.pending_fold = 0  # this pass replayed it
+        updated = self._commit_verified(schedule, result.verify_logits)
         if not result.sample_index:
-            return []
+            return updated
         seqs = [schedule[i].seq for i in result.sample_index]
         params = [s.params for s in seqs]
         logits = apply_penalties(result.sample_logits, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
@@ -161,17 +171,75 @@ class Engine:
         wanted = [p.logprobs for p in params]
         logprobs = gather_logprobs(result.sample_logits, torch.tensor(tokens, device=logits.device), wanted) \
             if any(w is not None for w in wanted) else [None] * len(seqs)
-        now = time.perf_counter()
         for seq, token, lp in zip(seqs, tokens, logprobs):
+            self._append(seq, [token], [lp])
+        return updated + seqs
+
+    def _commit_verified(self, schedule: list[Scheduled], verify_logits: dict[int, torch.Tensor]) -> list[Sequence]:
+        """Verify the drafts of the sequences that had some, keep the accepted rows, append the new tokens."""
+        if not verify_logits:
+            return []
+        seqs = [schedule[i].seq for i in verify_logits]
+        drafts = [list(seq.draft) for seq in seqs]
+        probs = [None if seq.draft_probs is None else seq.draft_probs[:len(seq.draft)] for seq in seqs]
+        verdict = verify_sampling(list(verify_logits.values()), drafts, probs, [s.params for s in seqs],
+                                  [s.generator for s in seqs])
+        for seq, logits, draft, tokens, accepted in zip(seqs, verify_logits.values(), drafts, verdict.tokens,
+                                                        verdict.accepted):
+            seq.num_computed -= len(draft) - accepted  # rejected rows never happened
+            seq.pending_fold = 1 + accepted  # the last sampled token's row and the accepted drafts
+            seq.draft, seq.draft_probs = [], None
+            seq.spec_rounds += 1
+            seq.spec_accepted += accepted
+            grow = len(draft) - len(seq.drafted_at)
+            seq.drafted_at.extend([0] * max(grow, 0))
+            seq.accepted_at.extend([0] * max(grow, 0))
+            for position in range(len(draft)):
+                seq.drafted_at[position] += 1
+                seq.accepted_at[position] += position < accepted
+            logprobs = [None] * len(tokens)
+            if seq.params.logprobs is not None:
+                logprobs = gather_logprobs(logits[:len(tokens)], torch.tensor(tokens, device=logits.device),
+                                           [seq.params.logprobs] * len(tokens))
+            self._append(seq, tokens, logprobs)
+            if not seq.finished:
+                self.drafter.on_commit(seq.request_id, accepted, seq.num_tokens)
+        return seqs
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
+        """Append new tokens one by one, stopping at the first stop condition."""
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        for token, lp in zip(tokens, logprobs):
             seq.output_ids.append(token)
             if lp is not None:
                 seq.logprobs.append(self._with_text(lp))
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             if self._check_stop(seq, token):
                 seq.finish_time = now
-                self.scheduler.finish(seq)
-        return seqs
+                self._finish(seq)
+                return
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.on_finish(seq.request_id)
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for up to `draft_tokens` tokens for every decoding sequence that can use them."""
+        requests, seqs = [], []
+        for seq in self.scheduler.running:
+            params = seq.params
+            if not seq.decoding or len(seq.output_ids) < params.min_tokens or params.repetition_penalty != 1.0 \
+                    or params.presence_penalty or params.frequency_penalty:
+                continue
+            k = min(self.config.draft_tokens, params.max_tokens - len(seq.output_ids) - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+            if k > 0:
+                requests.append(DraftRequest(seq.request_id, seq.all_ids, k))
+                seqs.append(seq)
+        for seq, draft in zip(seqs, self.drafter.propose(requests) if requests else []):
+            seq.draft, seq.draft_probs = list(draft.tokens), draft.probs
 
     def _record_prompt_logprobs(self, item: Scheduled, logits: torch.Tensor) -> None:
         """Logprob of each next prompt token given its prefix (the first prompt token gets None).

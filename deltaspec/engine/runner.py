@@ -15,12 +15,13 @@ from deltaspec.model.hybrid import HybridModel
 
 @dataclass
 class StepOutput:
-    """Logits of the rows the engine asked for: each sampling sequence's last row, and every prompt
-    row of sequences that asked for prompt logprobs."""
+    """Logits of the rows the engine asked for: each sampling sequence's last row, every row of
+    sequences verifying drafts, and every prompt row of sequences that asked for prompt logprobs."""
 
     sample_logits: torch.Tensor  # [num sampling sequences, vocab]
-    sample_index: list[int]  # position in the schedule of each sampling sequence
+    sample_index: list[int]  # position in the schedule of each sampling sequence (no drafts)
     prompt_logits: dict[int, torch.Tensor]  # schedule position -> [rows, vocab]
+    verify_logits: dict[int, torch.Tensor]  # schedule position -> [1 + k, vocab] of sequences verifying k drafts
 
 
 def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:
@@ -28,7 +29,7 @@ def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device
     for item in schedule:
         seq, start = item.seq, item.seq.num_computed
         span = range(start, start + item.num_rows)
-        ids = seq.all_ids
+        ids = seq.row_ids
         token_ids.extend(ids[p] for p in span)
         positions.extend(span)
         slot_mapping.extend(seq.blocks[p // block_size] * block_size + p % block_size for p in span)
@@ -46,6 +47,8 @@ def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device
         query_lens=[item.num_rows for item in schedule],
         context_lens=[item.seq.num_computed + item.num_rows for item in schedule],
         state_slot_list=slots,
+        fold=[item.seq.pending_fold for item in schedule],
+        speculative=[bool(item.seq.draft) for item in schedule],
     )
 
 
@@ -61,7 +64,9 @@ class Runner:
         batch = build_batch(schedule, self.block_size, self.device)
         hidden = self.model(batch, self.caches)  # [T, hidden]
         ends = batch.last_row_indices
-        sample_index = [i for i, item in enumerate(schedule) if item.completes_prompt]
+        verify_logits = {i: self.model.compute_logits(hidden[ends[i] - item.num_rows + 1:ends[i] + 1])
+                         for i, item in enumerate(schedule) if item.seq.draft}
+        sample_index = [i for i, item in enumerate(schedule) if item.completes_prompt and not item.seq.draft]
         rows = [ends[i] for i in sample_index]
         prompt_logits = {}
         for i, item in enumerate(schedule):
@@ -71,4 +76,4 @@ class Runner:
                 prompt_rows = min(item.num_rows, len(seq.prompt_ids) - seq.num_computed)
                 prompt_logits[i] = self.model.compute_logits(hidden[first:first + prompt_rows])
         sample_logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_zeros(0)
-        return StepOutput(sample_logits, sample_index, prompt_logits)
+        return StepOutput(sample_logits, sample_index, prompt_logits, verify_logits)

@@ -3,7 +3,7 @@
 Every pass carries all runnable sequences together (DESIGN §3), within a budget of
 `max_num_batched_tokens` rows:
 
-1. one decode row for every running sequence whose prompt is done;
+1. one decode row for every running sequence whose prompt is done, plus its draft tokens to verify;
 2. prompt chunks, at most `prefill_chunk` rows per sequence per pass, so a long prompt delays the
    others by at most one chunk. Prefills already running and waiting sequences are ordered
    together by remaining prompt, shortest first, with aging: a sequence's remaining work counts
@@ -68,6 +68,8 @@ class Scheduler:
         self.running.remove(victim)
         self.cache.release(victim)
         victim.num_computed = 0
+        victim.pending_fold = 0
+        victim.draft.clear()
         victim.status = Status.WAITING
         victim.enqueued_step = self.step_count
         self.waiting.appendleft(victim)
@@ -87,9 +89,11 @@ class Scheduler:
         for seq in [s for s in self.running if s.remaining_prompt == 0 and s.num_computed < s.num_tokens]:
             if budget == 0:
                 break
-            if seq in self.running and self._reserve(seq, seq.num_computed + 1):
-                batch.append(Scheduled(seq, 1))
-                budget -= 1
+            del seq.draft[budget - 1:]  # a draft never takes more rows than the pass has left
+            rows = 1 + len(seq.draft)
+            if seq in self.running and self._reserve(seq, seq.num_computed + rows):
+                batch.append(Scheduled(seq, rows))
+                budget -= rows
         scheduled = {id(item.seq) for item in batch}
         prefills = [s for s in self.running if id(s) not in scheduled and s.num_computed < s.num_tokens]
         candidates = sorted([*prefills, *self.waiting], key=self._priority)

@@ -42,10 +42,27 @@ class Sequence:
     enqueued_step: int = 0  # scheduler pass at which it last entered the waiting queue
     admitted_step: int = 0  # scheduler pass at which it last got its caches
     error: str | None = None  # why it failed, when finish_reason is "error"
+    draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next pass
+    draft_probs: torch.Tensor | None = None  # [len(draft), V] drafter distributions (None: deterministic)
+    pending_fold: int = 0  # replay-log rows of the last verify pass that were accepted
+    spec_rounds: int = 0  # verify passes with at least one draft token
+    spec_accepted: int = 0  # draft tokens accepted in total
+    accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: rounds whose draft i+1 was accepted
+    drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: rounds that proposed a draft i+1
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def row_ids(self) -> list[int]:
+        """Tokens the next passes feed: the sequence's own, then the drafts being verified."""
+        return self.prompt_ids + self.output_ids + self.draft
+
+    @property
+    def decoding(self) -> bool:
+        """Prompt done and exactly one token (the last sampled) not yet computed."""
+        return self.num_computed == self.num_tokens - 1 and self.num_computed >= len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -73,4 +90,9 @@ class Sequence:
             if n_new > 1 and decode_time > 0:
                 out["decode_tok_s"] = (n_new - 1) / decode_time
                 out["time_per_output_token"] = decode_time / (n_new - 1)
+        if self.spec_rounds:
+            out.update(spec_rounds=self.spec_rounds, spec_accepted_tokens=self.spec_accepted,
+                       acceptance_length=self.spec_accepted / self.spec_rounds,
+                       tokens_per_round=self.spec_accepted / self.spec_rounds + 1,
+                       acceptance_per_position=[a / d for a, d in zip(self.accepted_at, self.drafted_at)])
         return out

@@ -1,12 +1,14 @@
 """`ForwardBatch`: the flat tensors one forward pass runs on (built by the engine's runner).
 
 Rows of all sequences lie back to back. Sequence b contributes `query_lens[b]` rows (a prompt
-chunk, one decode row, or several verify rows) that continue its `context_lens[b] -
-query_lens[b]` already-computed tokens. The lists are host copies the torch references loop
+chunk, one decode row, or 1 + k verify rows) that continue its `context_lens[b] -
+query_lens[b]` already-computed tokens. Verify rows are `speculative`: GDN layers log them
+instead of advancing the state, and `fold` says how many logged rows of the previous verify pass
+were accepted (see `deltaspec.ops.gdn`). The lists are host copies the torch references loop
 over; kernels read the device tensors.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +23,8 @@ class ForwardBatch:
     query_lens: list[int]
     context_lens: list[int]
     state_slot_list: list[int]
+    fold: list[int] = field(default_factory=list)  # per sequence: accepted replay-log rows to fold first
+    speculative: list[bool] = field(default_factory=list)  # per sequence: rows are drafts being verified
 
     @property
     def num_rows(self) -> int:

@@ -56,15 +56,17 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv, z = self.in_proj_qkv(x), self.in_proj_z(x).view(t, self.hv, self.dv)
             b, a = self.in_proj_b(x), self.in_proj_a(x)
-        conv_state, state = caches.gdn.conv[self.state_index], caches.gdn.state[self.state_index]
-        qkv = self.ops.causal_conv1d(qkv, self.conv1d_weight, conv_state, batch.query_lens, batch.state_slot_list)
+        layer = self.state_index
+        conv_state, state = caches.gdn.conv[layer], caches.gdn.state[layer]
+        qkv = self.ops.causal_conv1d(qkv, self.conv1d_weight, conv_state, batch.query_lens, batch.state_slot_list,
+                                     batch.fold, batch.speculative, caches.gdn.conv_log[layer])
         q, k, v = torch.split(qkv, [self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         acc = compute_dtype(x.dtype)
         q = l2_norm(q.reshape(t, self.hk, self.dk).to(acc)) * self.dk ** -0.5  # [T, Hk, Dk]
         k = l2_norm(k.reshape(t, self.hk, self.dk).to(acc))
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias)  # [T, Hv], log-space decay
-        o = self.ops.gated_delta_rule(q, k, v.reshape(t, self.hv, self.dv), g, beta, state,
-                                      batch.query_lens, batch.state_slot_list)
+        o = self.ops.gated_delta_rule(q, k, v.reshape(t, self.hv, self.dv), g, beta, state, batch.query_lens,
+                                      batch.state_slot_list, batch.fold, batch.speculative, caches.gdn.log[layer])
         o = self.ops.gated_rms_norm(o.to(x.dtype), z, self.norm_weight, self.eps)  # [T, Hv, Dv]
         return self.out_proj(o.reshape(t, self.hv * self.dv))

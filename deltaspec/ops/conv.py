@@ -5,6 +5,10 @@ Contract (kernels keep it): `x` holds the pre-conv rows of all sequences back to
 `conv_state[slots[b]]` ([K-1, C]: its last K-1 pre-conv rows, zeros for a new sequence). The
 output is SiLU(conv) per row, and the window is updated in place to the sequence's last K-1
 pre-conv rows.
+
+Replay log (as for the GDN state, see `ops.gdn`): a `speculative` sequence leaves its window
+alone and writes its pre-conv rows to `log[slot, :n]`; `fold` accepted log rows are shifted into
+the window before the sequence's next rows are processed.
 """
 
 import torch
@@ -17,15 +21,25 @@ def causal_conv1d(
     conv_state: torch.Tensor,  # [num_slots, K-1, C], updated in place
     query_lens: list[int],
     slots: list[int],
+    fold: list[int] | None = None,  # per sequence: accepted log rows to shift into the window first
+    speculative: list[bool] | None = None,  # per sequence: log the rows instead of moving the window
+    log: torch.Tensor | None = None,  # [num_slots, L, C]
 ) -> torch.Tensor:  # [T, C]
     kernel = weight.shape[1]
     out = torch.empty_like(x)
+    fold = fold or [0] * len(slots)
+    speculative = speculative or [False] * len(slots)
     start = 0
-    for length, slot in zip(query_lens, slots):
+    for length, slot, n, spec in zip(query_lens, slots, fold, speculative):
+        if n:
+            conv_state[slot].copy_(torch.cat((conv_state[slot], log[slot, :n].to(conv_state.dtype)))[-(kernel - 1):])
         rows = x[start:start + length]
         window = torch.cat((conv_state[slot].to(x.dtype), rows), dim=0)  # [K-1+L, C]
         taps = window.unfold(0, kernel, 1)  # [L, C, K]
         out[start:start + length] = F.silu((taps * weight[None].to(x.dtype)).sum(-1))
-        conv_state[slot].copy_(window[-(kernel - 1):])
+        if spec:
+            log[slot, :length] = rows
+        else:
+            conv_state[slot].copy_(window[-(kernel - 1):])
         start += length
     return out

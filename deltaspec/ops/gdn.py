@@ -10,9 +10,29 @@ reads key head h // (Hv / Hk). Per row, with decay `g` in log space:
 Single-row segments use that step directly; longer ones the chunked form below, which is the
 same recurrence solved 64 rows at a time. Arithmetic runs in float32 (float64 for float64 inputs
 or states); the output has q's dtype.
+
+Speculative rows and the replay log (DESIGN §4): for a sequence marked `speculative`, the rows'
+outputs are computed from its state but the state is not advanced; instead each row's inputs
+(k, v, g, beta) are written to `log` at that slot, rows 0..n-1. After verification the engine
+knows how many of those rows were accepted and passes that count as `fold` in the sequence's
+next call, which first replays the accepted log rows onto the state (and writes it), then
+processes its new rows. Rejected rows are simply never replayed.
 """
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class GDNLog:
+    """Inputs of a slot's speculative rows, for one GDN layer: k [S, L, Hk, Dk], v [S, L, Hv, Dv],
+    g and beta [S, L, Hv], in the state's compute dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
 
 CHUNK = 64
 
@@ -63,6 +83,16 @@ def chunked(q, k, v, g, beta, state):
     return torch.cat(outputs, dim=0), state
 
 
+def replay(k, v, g, beta, state):
+    """Advance `state` [Hv, Dk, Dv] over logged rows (k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv])."""
+    k = _expand_heads(k, v.shape[1])
+    for i in range(k.shape[0]):
+        state = state * g[i].exp()[:, None, None]
+        u = torch.einsum("hkv,hk->hv", state, k[i])
+        state = state + k[i][:, :, None] * (beta[i][:, None] * (v[i] - u))[:, None, :]
+    return state
+
+
 def gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,  # [T, Hk, Dk]
@@ -72,17 +102,31 @@ def gated_delta_rule(
     state: torch.Tensor,  # [num_slots, Hv, Dk, Dv], updated in place
     query_lens: list[int],
     slots: list[int],
+    fold: list[int] | None = None,  # per sequence: accepted log rows to replay first
+    speculative: list[bool] | None = None,  # per sequence: log the rows instead of advancing the state
+    log: GDNLog | None = None,
 ) -> torch.Tensor:  # [T, Hv, Dv]
     acc = _acc_dtype(q.dtype, state.dtype)
     out_dtype = v.dtype
     num_v_heads = v.shape[1]
+    fold = fold or [0] * len(slots)
+    speculative = speculative or [False] * len(slots)
+    for n, slot in zip(fold, slots):
+        if n:
+            state[slot].copy_(replay(log.k[slot, :n], log.v[slot, :n], log.g[slot, :n], log.beta[slot, :n],
+                                     state[slot].to(acc)))
+    for i, slot in enumerate(slots):
+        if speculative[i]:
+            rows = slice(sum(query_lens[:i]), sum(query_lens[:i + 1]))
+            for name, value in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+                getattr(log, name)[slot, :query_lens[i]] = value[rows]
     q, k = (_expand_heads(t, num_v_heads).to(acc) for t in (q, k))
     v, g, beta = (t.to(acc) for t in (v, g, beta))
     out = torch.empty(v.shape, dtype=acc, device=v.device)
     starts = [0]
     for length in query_lens[:-1]:
         starts.append(starts[-1] + length)
-    single = [i for i, length in enumerate(query_lens) if length == 1]
+    single = [i for i, length in enumerate(query_lens) if length == 1 and not speculative[i]]
     if single:
         rows = torch.tensor([starts[i] for i in single], device=q.device)
         slot_index = torch.tensor([slots[i] for i in single], device=q.device)
@@ -90,9 +134,10 @@ def gated_delta_rule(
         out[rows] = o
         state.index_copy_(0, slot_index, new_state.to(state.dtype))
     for i, length in enumerate(query_lens):
-        if length > 1:
+        if length > 1 or speculative[i]:
             rows = slice(starts[i], starts[i] + length)
             o, new_state = chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], state[slots[i]].to(acc))
             out[rows] = o
-            state[slots[i]].copy_(new_state)
+            if not speculative[i]:
+                state[slots[i]].copy_(new_state)
     return out.to(out_dtype)

@@ -1,0 +1,114 @@
+"""The `Drafter` protocol: what every speculative drafter (ngram, mtp, draft, block) implements.
+
+A drafter proposes draft tokens for a batch of sequences; the target model verifies them in one
+forward; the engine then tells the drafter what was committed. The contract, precisely:
+
+`propose(requests) -> drafts`
+    * One `DraftRequest` per sequence, distinct `seq_id`s within a call. `token_ids` is the
+      sequence's whole context: prompt + generated tokens, ending with the last sampled token
+      (which the target has not computed yet, so it is the first input of the verify pass).
+      The list belongs to the caller: a drafter must neither mutate it nor keep a reference
+      to it (copy what it needs).
+    * Returns exactly one `Draft` per request, in request order. `len(draft.tokens) <=
+      request.max_tokens`; an empty draft ("nothing worth proposing") is always allowed.
+      `max_tokens == 0` is legal: the drafter proposes nothing but may still ingest the context
+      (e.g. to keep its caches current).
+    * `draft.tokens[i]` is the drafter's guess for the token at position
+      `len(token_ids) + i`, i.e. the continuation of `token_ids + tokens[:i]`.
+    * `draft.probs`: for drafters that sample, a `[len(tokens), V]` float tensor (V = the target's
+      vocabulary size, on the target's device); row i is the draft distribution q(. | token_ids +
+      tokens[:i]) from which `tokens[i]` was drawn, rows summing to 1. The verifier uses it for
+      lossless rejection sampling (accept with min(1, p/q), resample from norm(max(0, p - q))).
+      `None` means the drafter is deterministic (n-gram lookup, greedy drafting): the verifier
+      treats q as one-hot on `tokens[i]`.
+    * `draft.confidence`: optional per-token scores in [0, 1] (higher = more likely accepted),
+      for the draft-length policy and for choosing between drafters; not calibrated
+      probabilities unless a drafter documents so. `None` = no opinion.
+
+`on_commit(seq_id, accepted, num_tokens)`
+    Called after each verify step for every sequence the drafter proposed for in that step
+    (including steps where the policy verified another drafter's draft, or `max_tokens` was 0).
+    `accepted` = how many leading tokens of this drafter's last draft for the sequence equal the
+    tokens actually committed after the context it saw (when its own draft was verified, that is
+    the number the verifier accepted); `num_tokens` = the sequence's new context length, i.e.
+    `len(token_ids) + (committed tokens)`, including the target's own correction/bonus token.
+    Drafters with caches keep exactly the first `len(token_ids) + accepted` positions and
+    discard the rest. `num_tokens` may also be smaller than anything seen before (rollback:
+    preemption, stop-string truncation): a drafter must then forget every state past
+    `num_tokens`. The next `propose` for the sequence sees a context of length `num_tokens`
+    (or longer, if steps ran without this drafter).
+
+`on_finish(seq_id)`
+    The sequence is done (finished, aborted or preempted without resume): free all its state.
+    Idempotent; unknown ids are ignored (as they are in `on_commit`).
+
+`state_bytes()`
+    Memory currently held by the drafter's per-sequence state and caches, in bytes (device
+    memory for neural drafters, host memory for n-gram) -- for the memory planner. An estimate
+    is fine; it must grow with the held state and drop after `on_finish`.
+
+Drafters are driven from the engine loop thread only; they need not be thread-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """One sequence's drafting request: its whole context and the draft budget."""
+
+    seq_id: str
+    token_ids: list[int]  # prompt + generated, ending with the last sampled (not yet computed) token
+    max_tokens: int  # at most this many draft tokens; 0 allowed
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+
+@dataclass(slots=True)
+class Draft:
+    """A drafter's proposal for one sequence (see the module docstring for the field contract)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] draft distributions; None = deterministic
+    confidence: list[float] | None = None  # per token, in [0, 1]; None = no opinion
+
+    def __post_init__(self) -> None:
+        probs = self.probs
+        if probs is not None and (probs.dim() != 2 or probs.shape[0] != len(self.tokens)):
+            raise ValueError(f"probs must be [len(tokens)={len(self.tokens)}, V], got {tuple(probs.shape)}")
+        if self.confidence is not None and len(self.confidence) != len(self.tokens):
+            raise ValueError(f"confidence has {len(self.confidence)} entries for {len(self.tokens)} tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A speculative drafter. Implementations: `ngram` (deltaspec.spec.ngram), `mtp`, `draft`, `block`."""
+
+    name: str
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One `Draft` per request, in order, each at most `max_tokens` long."""
+        ...
+
+    def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
+        """`accepted` leading draft tokens were committed; the context is now `num_tokens` long."""
+        ...
+
+    def on_finish(self, seq_id: str) -> None:
+        """Free all state of `seq_id` (idempotent)."""
+        ...
+
+    def state_bytes(self) -> int:
+        """Bytes of per-sequence state and caches currently held."""
+        ...
