@@ -1,0 +1,157 @@
+"""Speculative decoding is exact: token-identical greedy output in float64 for any drafts, lossless
+sampling, replay-log rollback equal to never having drafted, and determinism per configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaspec import LLM, SamplingParams
+from deltaspec.spec.drafter import Draft
+from tests.tiny_models import write_checkpoint
+
+PATTERN = [5, 9, 14, 22, 31, 40, 57]
+PROMPTS = [PATTERN * 3, [3, 4] + PATTERN * 2 + [8], PATTERN[:4] * 5, [11, 12, 13] * 4 + PATTERN]
+
+
+class ScriptedDrafter:
+    """Drafts from a known continuation: `right` leading tokens correct, then wrong ones."""
+
+    name = "scripted"
+
+    def __init__(self, continuations: dict[tuple, list[int]], right: int, vocab: int):
+        self.continuations, self.right, self.vocab = continuations, right, vocab
+        self.commits: list[tuple[str, int, int]] = []
+
+    def propose(self, requests):
+        drafts = []
+        for req in requests:
+            prompt = next(p for p in self.continuations if tuple(req.token_ids[:len(p)]) == p)
+            done = len(req.token_ids) - len(prompt)
+            truth = self.continuations[prompt][done:done + req.max_tokens]
+            tokens = [t if i < self.right else (t + 1) % self.vocab for i, t in enumerate(truth)]
+            drafts.append(Draft(tokens=tokens))
+        return drafts
+
+    def on_commit(self, seq_id, accepted, num_tokens):
+        self.commits.append((seq_id, accepted, num_tokens))
+
+    def on_finish(self, seq_id):
+        pass
+
+    def state_bytes(self):
+        return 0
+
+
+def run(path, prompts, params, **options):
+    llm = LLM(str(path), dtype="float64", device="cpu", **options)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return llm, outs
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_r2", "qwen3_next_r3_moe"])
+@pytest.mark.parametrize("k", [1, 3, 7, 15])
+def test_ngram_greedy_is_token_identical_in_float64(checkpoints, name, k):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    _, plain = run(checkpoints[name], PROMPTS, params)
+    _, spec = run(checkpoints[name], PROMPTS, params, speculative="ngram", draft_tokens=k)
+    for a, b in zip(plain, spec):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in x.items()} == pytest.approx({t: p.logprob for t, p in y.items()},
+                                                                       abs=1e-9)
+    assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0  # drafts were really verified
+
+
+@pytest.mark.parametrize("right", [0, 2, 100])  # accept none, some, all
+def test_rollback_equals_never_having_drafted(checkpoints, right):
+    path = checkpoints["qwen3_5_r2"]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1)
+    _, plain = run(path, PROMPTS, params)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
+    llm = LLM(str(path), dtype="float64", device="cpu", speculative="ngram", draft_tokens=5)
+    llm.engine.drafter = drafter = ScriptedDrafter(truth, right, llm.engine.model_config.vocab_size)
+    spec = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for a, b in zip(plain, spec):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            (tx, px), (ty, py) = next(iter(x.items())), next(iter(y.items()))
+            assert tx == ty and px.logprob == pytest.approx(py.logprob, abs=1e-9)
+        rounds, accepted = b.metrics["spec_rounds"], b.metrics["spec_accepted_tokens"]
+        assert accepted == (0 if right == 0 else accepted) and rounds >= 1
+        if right == 0:  # every draft of every sequence rejected, round after round
+            assert accepted == 0 and rounds >= 2
+        if right >= 5:
+            assert b.metrics["acceptance_length"] >= 4
+    assert llm.engine.usage()["state_slots_used"] == 0 and llm.engine.usage()["kv_blocks_used"] == 0
+    assert all(0 <= a <= 5 for _, a, _ in drafter.commits)
+
+
+def test_sequence_finishing_mid_draft_keeps_only_what_it_may(checkpoints):
+    path = checkpoints["qwen3_5_r2"]
+    _, plain = run(path, PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
+    stop_token = plain[0].outputs[0].token_ids[6]
+    llm = LLM(str(path), dtype="float64", device="cpu", speculative="ngram", draft_tokens=7)
+    llm.engine.drafter = ScriptedDrafter(truth, 100, llm.engine.model_config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_token]),
+                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                         SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+                         SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)])
+    first = plain[0].outputs[0].token_ids
+    assert outs[0].outputs[0].token_ids == first[:first.index(stop_token) + 1]
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].token_ids == plain[1].outputs[0].token_ids[:3]
+    assert outs[2].outputs[0].token_ids == plain[2].outputs[0].token_ids[:11]
+    assert outs[3].outputs[0].token_ids == plain[3].outputs[0].token_ids
+    assert llm.engine.usage()["state_slots_used"] == 0
+
+
+def test_default_model_greedy_is_identical_with_ngram_drafts():
+    prompt = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = LLM(dtype="float64", device="cpu").generate(prompt, params)[0]
+    spec = LLM(dtype="float64", device="cpu", speculative="ngram", draft_tokens=7).generate(prompt, params)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec.metrics["acceptance_length"] > 1
+
+
+def test_same_configuration_and_seed_give_identical_output(checkpoints):
+    params = [SamplingParams(max_tokens=16, temperature=0.9, seed=s, ignore_eos=True) for s in range(4)]
+    first = run(checkpoints["qwen3_5_r2"], PROMPTS, params, speculative="ngram", draft_tokens=4)[1]
+    second = run(checkpoints["qwen3_5_r2"], PROMPTS[::-1], params[::-1], speculative="ngram", draft_tokens=4)[1]
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second[::-1]]
+
+
+def chi_square(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
+    """Two-sample chi-square statistic over the categories either sample hit."""
+    keep = (counts_a + counts_b) > 0
+    a, b = counts_a[keep].double(), counts_b[keep].double()
+    na, nb = a.sum(), b.sum()
+    k1, k2 = (nb / na).sqrt(), (na / nb).sqrt()
+    return float(((k1 * a - k2 * b) ** 2 / (a + b)).sum())
+
+
+def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path):
+    path = write_checkpoint(tmp_path / "tiny_vocab", "qwen3_5", seed=11, vocab_size=6)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    n = 3000
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    options = dict(max_num_seqs=256, max_model_len=32)
+    _, plain = run(path, [prompt] * n, params, **options)
+    _, spec = run(path, [prompt] * n, [SamplingParams(max_tokens=6, temperature=1.0, seed=10_000 + s,
+                                                      ignore_eos=True) for s in range(n)],
+                  speculative="ngram", draft_tokens=3, **options)
+    rounds = sum(o.metrics.get("spec_rounds", 0) for o in spec)
+    accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in spec)
+    assert rounds > n // 3 and accepted > n // 20  # speculation shaped a good share of the samples
+    for position in range(6):
+        a = torch.bincount(torch.tensor([o.outputs[0].token_ids[position] for o in plain]), minlength=6)
+        b = torch.bincount(torch.tensor([o.outputs[0].token_ids[position] for o in spec]), minlength=6)
+        assert chi_square(a, b) < 20.5  # 5 degrees of freedom, p = 0.001
+    pairs_a = torch.bincount(torch.tensor([o.outputs[0].token_ids[4] * 6 + o.outputs[0].token_ids[5] for o in plain]),
+                             minlength=36)
+    pairs_b = torch.bincount(torch.tensor([o.outputs[0].token_ids[4] * 6 + o.outputs[0].token_ids[5] for o in spec]),
+                             minlength=36)
+    assert chi_square(pairs_a, pairs_b) < 66.6  # joint law of two tokens, 35 degrees of freedom, p = 0.001
