@@ -130,8 +130,11 @@ class EngineConfig:
         "help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     speculative: str = field(default="none", metadata={
-        "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens)"})
+        "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens), "
+                "draft (a small model, --draft-model), draft+ngram"})
     draft_tokens: int = field(default=4, metadata={"help": "most draft tokens verified per sequence per pass"})
+    draft_model: str | None = field(default=None, metadata={
+        "help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"})
 
 
 @dataclass(frozen=True)

@@ -108,13 +108,40 @@ def test_sequence_finishing_mid_draft_keeps_only_what_it_may(checkpoints):
     assert llm.engine.usage()["state_slots_used"] == 0
 
 
-def test_default_model_greedy_is_identical_with_ngram_drafts():
-    prompt = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    plain = LLM(dtype="float64", device="cpu").generate(prompt, params)[0]
-    spec = LLM(dtype="float64", device="cpu", speculative="ngram", draft_tokens=7).generate(prompt, params)[0]
-    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert spec.metrics["acceptance_length"] > 1
+@pytest.mark.parametrize("speculative,k", [("ngram", 7), ("draft", 1), ("draft", 3), ("draft", 7), ("draft", 15),
+                                           ("draft+ngram", 5)])
+def test_default_model_greedy_is_identical_with_every_drafter(speculative, k):
+    prompts = ['def is_prime(n):\n    """Return True if n is a prime number."""\n', "import os\n\n\ndef main(",
+               "class Stack:\n"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(dtype="float64", device="cpu").generate(prompts, params)
+    spec = LLM(dtype="float64", device="cpu", speculative=speculative, draft_tokens=k).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 15])
+def test_draft_model_greedy_is_token_identical_on_random_models(checkpoints, tmp_path, k):
+    draft = write_checkpoint(tmp_path / "draft", "qwen3_5", seed=5, num_hidden_layers=2,
+                             layer_types=["linear_attention", "full_attention"])
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    _, plain = run(checkpoints["qwen3_next_r3_moe"], PROMPTS, params)
+    _, spec = run(checkpoints["qwen3_next_r3_moe"], PROMPTS, params, speculative="draft+ngram", draft_tokens=k,
+                  draft_model=str(draft))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0
+
+
+def test_draft_model_errors_are_clear(checkpoints, tmp_path):
+    from deltaspec import DeltaspecError
+
+    with pytest.raises(DeltaspecError, match="needs --draft-model"):
+        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", speculative="draft")
+    small_vocab = write_checkpoint(tmp_path / "v6", "qwen3_5", seed=1, vocab_size=6)
+    with pytest.raises(DeltaspecError, match="must share its tokenizer"):
+        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", speculative="draft", draft_model=str(small_vocab))
+    with pytest.raises(DeltaspecError, match="Unknown speculative setting"):
+        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", speculative="eagle")
 
 
 def test_same_configuration_and_seed_give_identical_output(checkpoints):
@@ -133,8 +160,11 @@ def chi_square(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
     return float(((k1 * a - k2 * b) ** 2 / (a + b)).sum())
 
 
-def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path):
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path, speculative):
     path = write_checkpoint(tmp_path / "tiny_vocab", "qwen3_5", seed=11, vocab_size=6)
+    draft = write_checkpoint(tmp_path / "tiny_vocab_draft", "qwen3_5", seed=12, vocab_size=6, num_hidden_layers=2,
+                             layer_types=["linear_attention", "full_attention"])
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n = 3000
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
@@ -142,7 +172,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path):
     _, plain = run(path, [prompt] * n, params, **options)
     _, spec = run(path, [prompt] * n, [SamplingParams(max_tokens=6, temperature=1.0, seed=10_000 + s,
                                                       ignore_eos=True) for s in range(n)],
-                  speculative="ngram", draft_tokens=3, **options)
+                  speculative=speculative, draft_tokens=3, draft_model=str(draft), **options)
     rounds = sum(o.metrics.get("spec_rounds", 0) for o in spec)
     accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in spec)
     assert rounds > n // 3 and accepted > n // 20  # speculation shaped a good share of the samples

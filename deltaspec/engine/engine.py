@@ -76,7 +76,7 @@ class Engine:
         self.max_model_len = self.config.max_model_len
         cfg = self.config
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
-        self.drafter = make_drafter(cfg)
+        self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size)
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
                                   cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
                                   log_rows=cfg.draft_tokens + 1 if self.drafter is not None else 0)
@@ -236,7 +236,7 @@ class Engine:
             k = min(self.config.draft_tokens, params.max_tokens - len(seq.output_ids) - 1,
                     self.max_model_len - seq.num_tokens - 1)
             if k > 0:
-                requests.append(DraftRequest(seq.request_id, seq.all_ids, k))
+                requests.append(DraftRequest(seq.request_id, seq.all_ids, k, params))
                 seqs.append(seq)
         for seq, draft in zip(seqs, self.drafter.propose(requests) if requests else []):
             seq.draft, seq.draft_probs = list(draft.tokens), draft.probs

@@ -58,6 +58,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from deltaspec.sample.params import SamplingParams
+
 
 @dataclass(slots=True)
 class DraftRequest:
@@ -66,6 +68,7 @@ class DraftRequest:
     seq_id: str
     token_ids: list[int]  # prompt + generated, ending with the last sampled (not yet computed) token
     max_tokens: int  # at most this many draft tokens; 0 allowed
+    params: SamplingParams | None = None  # the request's sampling; None or greedy: draft greedily
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

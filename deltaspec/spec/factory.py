@@ -1,20 +1,44 @@
-"""Build the drafter an `EngineConfig` asks for (`speculative`)."""
+"""Build the drafter an `EngineConfig` asks for (`speculative`): none, ngram, draft, or a combination."""
 
 from __future__ import annotations
 
-from deltaspec.config import EngineConfig
+from pathlib import Path
+
+import torch
+
+from deltaspec.config import EngineConfig, parse_dtype
 from deltaspec.errors import DeltaspecError
+from deltaspec.spec.combined import CombinedDrafter
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.ngram import NgramDrafter
 
-DRAFTERS = {"ngram": NgramDrafter}
+CHOICES = ("none", "ngram", "draft", "draft+ngram")
 
 
-def make_drafter(config: EngineConfig) -> Drafter | None:
-    """None for "none"; a clear error for a drafter deltaspec does not have."""
+def default_draft_model(target_dir: Path) -> Path | None:
+    """The shipped draft model next to the embedded default target, if `target_dir` is that target."""
+    draft = target_dir.parent / "draft"
+    return draft if target_dir.name == "target" and (draft / "config.json").is_file() else None
+
+
+def make_drafter(config: EngineConfig, target_dir: Path, target_vocab: int) -> Drafter | None:
+    """None for "none"; a clear error for an unknown drafter or a missing draft model."""
+    if config.speculative not in CHOICES:
+        raise DeltaspecError(f"Unknown speculative setting {config.speculative!r}; use one of {', '.join(CHOICES)}.")
     if config.speculative == "none":
         return None
-    if config.speculative not in DRAFTERS:
-        raise DeltaspecError(f"Unknown speculative drafter {config.speculative!r}; available: none, "
-                             f"{', '.join(DRAFTERS)}.")
-    return DRAFTERS[config.speculative]()
+    drafters: list[Drafter] = []
+    if "draft" in config.speculative.split("+"):
+        from deltaspec.model.weights import resolve_model_path
+        from deltaspec.spec.draft_model import DraftModelDrafter
+
+        path = resolve_model_path(config.draft_model) if config.draft_model else default_draft_model(target_dir)
+        if path is None:
+            raise DeltaspecError("speculative='draft' needs --draft-model PATH (only the embedded default model "
+                                 "ships its own draft model).")
+        drafters.append(DraftModelDrafter(path, target_vocab, parse_dtype(config.dtype),
+                                          parse_dtype(config.state_dtype), torch.device(config.device),
+                                          config.max_num_seqs, config.max_model_len, config.block_size, config.seed))
+    if "ngram" in config.speculative.split("+"):
+        drafters.append(NgramDrafter())
+    return drafters[0] if len(drafters) == 1 else CombinedDrafter(drafters[0], drafters[1])

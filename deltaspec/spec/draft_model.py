@@ -1,0 +1,141 @@
+"""`DraftModelDrafter`: a separate small model with the target's tokenizer drafts autoregressively.
+
+The drafter owns the draft model and its caches (paged KV + GDN state slots), one sequence slot
+per target sequence. To propose for a sequence it first catches up on the tokens the target
+committed since its last call (in one ragged forward for all sequences), snapshots the slot's GDN
+states (the committed point), then drafts k tokens one pass at a time: greedy when the request
+is greedy, else sampled from the draft distribution q (temperature / top-k / top-p / min-p of the
+request, with the drafter's own seeded generator) and returned as `probs` for lossless
+verification (seeded from the request's seed, so a configuration and seed give the same output
+every time). On commit the slot's states go back to the snapshot and the accepted tokens are
+caught up next time, so rejected drafts leave no trace; KV rows past the committed length are
+simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from deltaspec.cache.manager import CacheManager
+from deltaspec.engine.runner import build_batch
+from deltaspec.engine.scheduler import Scheduled
+from deltaspec.engine.sequence import Sequence
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hf_config import parse_model_config, read_config_json
+from deltaspec.model.weights import load_model
+from deltaspec.ops.dispatch import ops_for
+from deltaspec.sample.params import SamplingParams
+from deltaspec.sample.sampler import make_generator, processed_probs, sample
+from deltaspec.spec.drafter import Draft, DraftRequest
+
+GREEDY = SamplingParams(temperature=0.0)
+DRAFT_SEED_SALT = 0x5EED_D2AF  # the draft stream of a seeded request differs from the target's own stream
+
+
+class DraftModelDrafter:
+    name = "draft"
+
+    def __init__(self, model_dir: Path, target_vocab: int, dtype: torch.dtype, state_dtype: torch.dtype,
+                 device: torch.device, max_seqs: int, max_model_len: int, block_size: int, seed: int):
+        raw = read_config_json(model_dir)
+        self.config = parse_model_config(raw)
+        if self.config.vocab_size != target_vocab:
+            raise DeltaspecError(f"The draft model at {model_dir} has a vocabulary of {self.config.vocab_size} "
+                                 f"tokens but the target has {target_vocab}; a draft model must share its tokenizer.")
+        self.device = device
+        self.model = load_model(model_dir, self.config, raw, dtype, device, ops_for(device), progress=False)
+        self.block_size = block_size
+        blocks = max_seqs * -(-max_model_len // block_size)
+        self.cache = CacheManager(self.config, self.model.num_kv_layers, max_seqs, blocks, block_size, dtype,
+                                  state_dtype, device)
+        self.seqs: dict[str, Sequence] = {}
+        self.snapshots: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.seed = seed
+
+    def _sequence(self, req: DraftRequest) -> Sequence:
+        seq = self.seqs.get(req.seq_id)
+        if seq is not None and seq.num_computed >= len(req.token_ids):  # the target went back: start over
+            self.on_finish(req.seq_id)
+            seq = None
+        if seq is None:
+            seq = Sequence(req.seq_id, None, [], GREEDY, frozenset())
+            self.cache.admit(seq)
+            self.seqs[req.seq_id] = seq
+        seq.prompt_ids = list(req.token_ids)
+        return seq
+
+    def _forward(self, items: list[Scheduled]) -> torch.Tensor:
+        """One pass of the draft model; logits of each item's last row [len(items), V]."""
+        for item in items:
+            if not self.cache.reserve(item.seq, item.seq.num_computed + item.num_rows):
+                raise DeltaspecError("The draft model's KV cache is full; lower --draft-tokens or the number of streams.")
+        batch = build_batch(items, self.block_size, self.device)
+        with torch.inference_mode():
+            hidden = self.model(batch, self.cache.caches)
+            logits = self.model.compute_logits(hidden[batch.last_row_indices])
+        for item in items:
+            item.seq.num_computed += item.num_rows
+        return logits
+
+    def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        params = [r.params or GREEDY for r in reqs]
+        gens = [None if p.greedy else self.generators.setdefault(r.seq_id, make_generator(
+            DRAFT_SEED_SALT ^ (p.seed if p.seed is not None else zlib.crc32(r.seq_id.encode()) ^ self.seed),
+            self.device)) for r, p in zip(reqs, params)]
+        tokens = sample(logits, params, gens).tolist()
+        return tokens, processed_probs(logits, params)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        live = [r for r in requests if r.max_tokens > 0]
+        drafts: dict[str, tuple[list[int], list[torch.Tensor]]] = {r.seq_id: ([], []) for r in live}
+        if live:
+            seqs = [self._sequence(r) for r in live]
+            logits = self._forward([Scheduled(s, len(s.prompt_ids) - s.num_computed) for s in seqs])
+            for seq in seqs:  # the committed point: restored on commit
+                slot = seq.state_slot
+                self.snapshots[seq.request_id] = (seq.num_computed, [
+                    (st[slot].clone(), cv[slot].clone()) for st, cv in zip(self.cache.gdn.state, self.cache.gdn.conv)])
+            active = list(range(len(live)))
+            while active:
+                reqs = [live[i] for i in active]
+                tokens, probs = self._pick(reqs, logits)
+                for j, i in enumerate(active):
+                    drafts[live[i].seq_id][0].append(tokens[j])
+                    drafts[live[i].seq_id][1].append(probs[j])
+                active = [i for i in active if len(drafts[live[i].seq_id][0]) < live[i].max_tokens]
+                if active:
+                    for i in active:
+                        seqs[i].prompt_ids.append(drafts[live[i].seq_id][0][-1])
+                    logits = self._forward([Scheduled(seqs[i], 1) for i in active])
+        out = []
+        for req in requests:
+            tokens, probs = drafts.get(req.seq_id, ([], []))
+            sampled = req.params is not None and not req.params.greedy
+            out.append(Draft(tokens=tokens, probs=torch.stack(probs) if sampled and probs else None))
+        return out
+
+    def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq_id not in self.snapshots:
+            return
+        committed, states = self.snapshots.pop(seq_id)
+        slot = seq.state_slot
+        for (state, conv), st, cv in zip(states, self.cache.gdn.state, self.cache.gdn.conv):
+            st[slot].copy_(state)
+            cv[slot].copy_(conv)
+        seq.num_computed = committed  # the drafted rows are forgotten; accepted ones are caught up next time
+        del seq.prompt_ids[committed:]
+
+    def on_finish(self, seq_id: str) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.cache.release(seq)
+        self.snapshots.pop(seq_id, None)
+        self.generators.pop(seq_id, None)
+
+    def state_bytes(self) -> int:
+        return self.cache.kv.bytes() + self.cache.gdn.bytes()
