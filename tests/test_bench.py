@@ -37,3 +37,17 @@ def test_bench_agents_reports_first_turn_and_follow_up_waits(tmp_path, capsys):
     assert run["follow_up_wait_max_s"] == max(t["wait_s"] for t in follow_ups)
     assert report["median_over_runs"]["follow_up_wait_max_s"] == run["follow_up_wait_max_s"]
     assert all(t["prompt_tokens"] > 300 for t in follow_ups)  # each follow-up carries its document again
+
+
+def test_bench_spec_compares_plain_and_drafters(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--drafters", "ngram,draft", "--k", "2", "--max-tokens", "8", "--runs", "1",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    configs = [(c["speculative"], c["draft_tokens"]) for c in report["configurations"]]
+    assert configs == [("none", 0), ("ngram", 2), ("draft", 2)]
+    plain, *drafted = report["configurations"]
+    assert plain["speedup"] == 1.0 and plain["acceptance_length"] is None
+    for config in drafted:
+        assert 0 <= config["acceptance_length"] <= 2 and config["tokens_per_round"] == config["acceptance_length"] + 1
+        assert len(config["acceptance_per_position"]) <= 2 and config["decode_tok_s"] > 0

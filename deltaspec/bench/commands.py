@@ -1,4 +1,5 @@
-"""`deltaspec bench serve|agents`: run a scenario against an in-process server (or --url) and write JSON."""
+"""`deltaspec bench serve|agents|spec`: run a scenario (serve and agents against an in-process server or --url) and
+write JSON."""
 
 from __future__ import annotations
 
@@ -72,6 +73,22 @@ def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
                   "median_over_runs": medians, "runs": runs}, args.out)
 
 
+def cmd_bench_spec(args: argparse.Namespace, engine_config) -> None:
+    from dataclasses import replace
+
+    from deltaspec.bench.spec import measure
+
+    configs = [replace(engine_config, speculative="none")]
+    for drafter in args.drafters.split(","):
+        configs += [replace(engine_config, speculative=drafter, draft_tokens=k) for k in map(int, args.k.split(","))]
+    rows = [measure(config, args.max_tokens, args.runs, progress=say) for config in configs]
+    plain = rows[0]["decode_tok_s"]
+    for row in rows:
+        row["speedup"] = row["decode_tok_s"] / plain
+    write_report({"benchmark": "spec", "commit": commit(), "model": engine_config.model or "embedded default",
+                  "max_tokens": args.max_tokens, "runs": args.runs, "configurations": rows}, args.out)
+
+
 def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
     scenarios = bench.add_subparsers(dest="scenario", required=True)
@@ -89,6 +106,14 @@ def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     agents.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default: 32)")
     agents.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
     agents.set_defaults(func=lambda args: cmd_bench_agents(args, engine_config(args)))
+    spec = scenarios.add_parser("spec", help="plain decoding against each drafter and draft length, single stream")
+    spec.add_argument("--drafters", default="ngram,draft,draft+ngram", help="comma-separated (default: all)")
+    spec.add_argument("--k", default="1,3,7,15", help="comma-separated draft lengths (default: 1,3,7,15)")
+    spec.add_argument("--max-tokens", type=int, default=64, help="tokens per request, eos ignored (default: 64)")
+    spec.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
+    spec.add_argument("--out", default=None, help="also write the JSON report here")
+    add_engine_flags(spec)
+    spec.set_defaults(func=lambda args: cmd_bench_spec(args, engine_config(args)))
     for parser in (serve, agents):
         parser.add_argument("--url", default=None, help="benchmark a running OpenAI-compatible server instead")
         parser.add_argument("--api-key", default=None, help="API key of the --url server")

@@ -94,5 +94,6 @@ class Sequence:
             out.update(spec_rounds=self.spec_rounds, spec_accepted_tokens=self.spec_accepted,
                        acceptance_length=self.spec_accepted / self.spec_rounds,
                        tokens_per_round=self.spec_accepted / self.spec_rounds + 1,
-                       acceptance_per_position=[a / d for a, d in zip(self.accepted_at, self.drafted_at)])
+                       acceptance_per_position=[a / d for a, d in zip(self.accepted_at, self.drafted_at)],
+                       accepted_at=list(self.accepted_at), drafted_at=list(self.drafted_at))
         return out

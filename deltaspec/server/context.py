@@ -56,9 +56,19 @@ class ServerContext:
             metrics.ttft.observe(value)
         for value in tpots:
             metrics.tpot.observe(value)
+        rounds = sum(s.metrics.get("spec_rounds", 0) for s in samples)
+        accepted = sum(s.metrics.get("spec_accepted_tokens", 0) for s in samples)
+        metrics.spec_rounds.inc(rounds)
+        metrics.spec_accepted.inc(accepted)
+        for sample in samples:
+            for position, (hit, tried) in enumerate(zip(sample.metrics.get("accepted_at", []),
+                                                        sample.metrics.get("drafted_at", [])), start=1):
+                metrics.spec_accepted_at.labels(position=str(position)).inc(hit)
+                metrics.spec_drafted_at.labels(position=str(position)).inc(tried)
         if self.request_log is not None:
             self.request_log.write({
                 "arrival_time": arrival, "request_id": request_id, "endpoint": endpoint,
                 "ttft_s": min(ttfts) if ttfts else None, "tpot_s": sum(tpots) / len(tpots) if tpots else None,
                 "prompt_tokens": prompt_tokens, "cached_tokens": 0, "generated_tokens": generated,
-                "finish_reason": finish_reason, "n": n})
+                "finish_reason": finish_reason, "n": n, "spec_rounds": rounds, "spec_accepted_tokens": accepted,
+                "acceptance_length": accepted / rounds if rounds else None})

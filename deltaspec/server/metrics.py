@@ -67,6 +67,16 @@ class ServerMetrics:
         self.tpot = Histogram("deltaspec_time_per_output_token_seconds",
                               "Decode time per output token after the first, per sample.",
                               buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.spec_rounds = Counter("deltaspec_spec_verify_rounds", "Verify passes with draft tokens, all samples.",
+                                   registry=self.registry)
+        self.spec_accepted = Counter("deltaspec_spec_accepted_tokens", "Draft tokens accepted, all samples.",
+                                     registry=self.registry)
+        self.spec_accepted_at = Counter("deltaspec_spec_accepted_at_position",
+                                        "Draft tokens accepted, by position in the draft (1 = first).",
+                                        ["position"], registry=self.registry)
+        self.spec_drafted_at = Counter("deltaspec_spec_drafted_at_position",
+                                       "Draft tokens verified, by position in the draft (1 = first).",
+                                       ["position"], registry=self.registry)
         self.registry.register(_EngineCollector(usage))
 
     def render(self) -> bytes:
