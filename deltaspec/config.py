@@ -132,7 +132,8 @@ class EngineConfig:
     speculative: str = field(default="none", metadata={
         "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens), "
                 "draft (a small model, --draft-model), draft+ngram"})
-    draft_tokens: int = field(default=4, metadata={"help": "most draft tokens verified per sequence per pass"})
+    draft_tokens: int = field(default=4, metadata={
+        "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"})
     draft_model: str | None = field(default=None, metadata={
         "help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"})
 

@@ -25,6 +25,7 @@ from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import apply_penalties, make_generator, sample
 from deltaspec.spec.drafter import DraftRequest
 from deltaspec.spec.factory import make_drafter
+from deltaspec.spec.policy import DraftLengthPolicy
 from deltaspec.spec.verify import verify_sampling
 
 
@@ -77,6 +78,7 @@ class Engine:
         cfg = self.config
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
         self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size)
+        self.draft_policy = DraftLengthPolicy(max_k=cfg.draft_tokens)
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
                                   cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
                                   log_rows=cfg.draft_tokens + 1 if self.drafter is not None else 0)
@@ -202,6 +204,7 @@ class Engine:
                 logprobs = gather_logprobs(logits[:len(tokens)], torch.tensor(tokens, device=logits.device),
                                            [seq.params.logprobs] * len(tokens))
             self._append(seq, tokens, logprobs)
+            self.draft_policy.update(seq.request_id, len(draft), accepted)
             if not seq.finished:
                 self.drafter.on_commit(seq.request_id, accepted, seq.num_tokens)
         return seqs
@@ -224,6 +227,7 @@ class Engine:
         self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.on_finish(seq.request_id)
+            self.draft_policy.forget(seq.request_id)
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for up to `draft_tokens` tokens for every decoding sequence that can use them."""
@@ -233,8 +237,8 @@ class Engine:
             if not seq.decoding or len(seq.output_ids) < params.min_tokens or params.repetition_penalty != 1.0 \
                     or params.presence_penalty or params.frequency_penalty:
                 continue
-            k = min(self.config.draft_tokens, params.max_tokens - len(seq.output_ids) - 1,
-                    self.max_model_len - seq.num_tokens - 1)
+            k = self.draft_policy.choose(seq.request_id, min(params.max_tokens - len(seq.output_ids) - 1,
+                                                             self.max_model_len - seq.num_tokens - 1))
             if k > 0:
                 requests.append(DraftRequest(seq.request_id, seq.all_ids, k, params))
                 seqs.append(seq)
