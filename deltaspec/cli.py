@@ -45,9 +45,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     m = out.metrics
     ttft = f"{m['time_to_first_token'] * 1000:.1f} ms" if m["time_to_first_token"] is not None else "n/a"
     tok_s = f"{m['decode_tok_s']:.1f}" if m["decode_tok_s"] is not None else "n/a"
+    spec = (f" | {llm.engine.config.speculative}: AL {m['acceptance_length']:.2f} over {m['spec_rounds']} rounds"
+            if m.get("spec_rounds") else "")
     print(f"[prompt tokens: {m['num_prompt_tokens']} | new tokens: {m['num_generated_tokens']} | "
           f"time to first token: {ttft} | decode tok/s: {tok_s} | finish: {out.outputs[0].finish_reason} | "
-          f"{llm.engine.config.device} {llm.engine.config.dtype}]", file=sys.stderr)
+          f"{llm.engine.config.device} {llm.engine.config.dtype}{spec}]", file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

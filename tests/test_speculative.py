@@ -185,3 +185,14 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path, s
     pairs_b = torch.bincount(torch.tensor([o.outputs[0].token_ids[4] * 6 + o.outputs[0].token_ids[5] for o in spec]),
                              minlength=36)
     assert chi_square(pairs_a, pairs_b) < 66.6  # joint law of two tokens, 35 degrees of freedom, p = 0.001
+
+
+def test_drafts_cut_by_a_small_token_budget_stay_exact():
+    """When a pass has no room for a sequence's drafts they are dropped unverified; the drafters must forget them."""
+    prompts = ["def f(x):\n", "import sys\n", "class A:\n", "x = [1, 2, 3]\n"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(dtype="float64", device="cpu").generate(prompts, params)
+    for speculative in ("draft", "draft+ngram", "ngram"):
+        spec = LLM(dtype="float64", device="cpu", speculative=speculative, draft_tokens=7,
+                   max_num_batched_tokens=6).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain], speculative

@@ -57,6 +57,7 @@ class DraftModelDrafter:
         self.seed = seed
 
     def _sequence(self, req: DraftRequest) -> Sequence:
+        self._restore(req.seq_id)  # drafts that were never verified (no commit came) are forgotten too
         seq = self.seqs.get(req.seq_id)
         if seq is not None and seq.num_computed >= len(req.token_ids):  # the target went back: start over
             self.on_finish(req.seq_id)
@@ -119,6 +120,10 @@ class DraftModelDrafter:
         return out
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
+        self._restore(seq_id)
+
+    def _restore(self, seq_id: str) -> None:
+        """Back to the committed point of the last proposal: its states, its length."""
         seq = self.seqs.get(seq_id)
         if seq is None or seq_id not in self.snapshots:
             return
