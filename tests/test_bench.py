@@ -51,3 +51,22 @@ def test_bench_spec_compares_plain_and_drafters(tmp_path, capsys):
     for config in drafted:
         assert 0 <= config["acceptance_length"] <= 2 and config["tokens_per_round"] == config["acceptance_length"] + 1
         assert len(config["acceptance_per_position"]) <= 2 and config["decode_tok_s"] > 0
+
+
+def test_speculative_counters_reach_the_request_log_and_metrics(tmp_path):
+    import urllib.request
+
+    from deltaspec.bench.client import Client
+    from deltaspec.bench.local_server import local_server
+    from deltaspec.config import EngineConfig
+
+    log = tmp_path / "requests.jsonl"
+    with local_server(EngineConfig(device="cpu", speculative="ngram", draft_tokens=5), log) as (url, _):
+        Client(url).stream("completions", {"prompt": 'def is_prime(n):\n    """Return True if n is prime."""\n',
+                                           "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        metrics = urllib.request.urlopen(url + "/metrics").read().decode()
+    line = json.loads(log.read_text().splitlines()[0])
+    assert line["spec_rounds"] > 0 and line["acceptance_length"] == line["spec_accepted_tokens"] / line["spec_rounds"]
+    assert f"deltaspec_spec_verify_rounds_total {float(line['spec_rounds'])}" in metrics
+    assert f"deltaspec_spec_accepted_tokens_total {float(line['spec_accepted_tokens'])}" in metrics
+    assert 'deltaspec_spec_drafted_at_position_total{position="1"}' in metrics
