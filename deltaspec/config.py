@@ -131,7 +131,7 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     speculative: str = field(default="none", metadata={
         "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens), "
-                "draft (a small model, --draft-model), draft+ngram"})
+                "mtp (the checkpoint's MTP head), draft (a small model, --draft-model), mtp+ngram, draft+ngram"})
     draft_tokens: int = field(default=4, metadata={
         "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"})
     draft_model: str | None = field(default=None, metadata={

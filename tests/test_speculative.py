@@ -109,7 +109,8 @@ def test_sequence_finishing_mid_draft_keeps_only_what_it_may(checkpoints):
 
 
 @pytest.mark.parametrize("speculative,k", [("ngram", 7), ("draft", 1), ("draft", 3), ("draft", 7), ("draft", 15),
-                                           ("draft+ngram", 5)])
+                                           ("draft+ngram", 5), ("mtp", 1), ("mtp", 3), ("mtp", 7), ("mtp", 15),
+                                           ("mtp+ngram", 5)])
 def test_default_model_greedy_is_identical_with_every_drafter(speculative, k):
     prompts = ['def is_prime(n):\n    """Return True if n is a prime number."""\n', "import os\n\n\ndef main(",
                "class Stack:\n"]
@@ -196,3 +197,26 @@ def test_drafts_cut_by_a_small_token_budget_stay_exact():
         spec = LLM(dtype="float64", device="cpu", speculative=speculative, draft_tokens=7,
                    max_num_batched_tokens=6).generate(prompts, params)
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain], speculative
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 15])
+def test_mtp_greedy_is_token_identical_on_a_random_model(checkpoints, tmp_path, k):
+    import shutil
+
+    from tests.tiny_models import add_mtp_weights
+
+    path = tmp_path / "with_mtp"
+    shutil.copytree(checkpoints["qwen3_5_r2"], path)
+    add_mtp_weights(path)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    _, plain = run(path, PROMPTS, params)
+    _, spec = run(path, PROMPTS, params, speculative="mtp+ngram", draft_tokens=k, max_num_batched_tokens=40)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0
+
+
+def test_mtp_without_an_mtp_head_is_a_clear_error(checkpoints):
+    from deltaspec import DeltaspecError
+
+    with pytest.raises(DeltaspecError, match="has no MTP head"):
+        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", speculative="mtp")

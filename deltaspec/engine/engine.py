@@ -77,12 +77,12 @@ class Engine:
         self.max_model_len = self.config.max_model_len
         cfg = self.config
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
-        self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size)
-        self.draft_policy = DraftLengthPolicy(max_k=cfg.draft_tokens)
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
                                   cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
-                                  log_rows=cfg.draft_tokens + 1 if self.drafter is not None else 0)
+                                  log_rows=cfg.draft_tokens + 1 if cfg.speculative != "none" else 0)
         self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk)
+        self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size, self._mtp_drafter)
+        self.draft_policy = DraftLengthPolicy(max_k=cfg.draft_tokens)
         self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
@@ -159,10 +159,16 @@ class Engine:
     def _update(self, schedule: list[Scheduled], result: StepOutput) -> list[Sequence]:
         for i, logits in result.prompt_logits.items():
             self._record_prompt_logprobs(schedule[i], logits)
+        before = [item.seq.num_computed for item in schedule]
         for item in schedule:
             item.seq.num_computed += item.num_rows
             item.seq.pending_fold = 0  # this pass replayed it
         updated = self._commit_verified(schedule, result.verify_logits)
+        if getattr(self.drafter, "wants_hidden", False):
+            for item, start, row in zip(schedule, before, result.row_starts):
+                if not item.seq.finished:
+                    committed = item.seq.num_computed - start
+                    self.drafter.observe(item.seq.request_id, start, result.hidden[row:row + committed])
         if not result.sample_index:
             return updated
         seqs = [schedule[i].seq for i in result.sample_index]
@@ -222,6 +228,16 @@ class Engine:
                 seq.finish_time = now
                 self._finish(seq)
                 return
+
+    def _mtp_drafter(self):
+        """The MTP head as a drafter, reading this engine's caches and sequences."""
+        from deltaspec.spec.mtp import MTPDrafter
+
+        if self.model.mtp is None:
+            raise DeltaspecError(f"The checkpoint at {self.model_dir} has no MTP head (mtp.* tensors); "
+                                 "use speculative='ngram' or 'draft' instead.")
+        return MTPDrafter(self.model, self.cache, lambda seq_id: next(
+            s for s in self.scheduler.running if s.request_id == seq_id), self.device, self.config.seed)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

@@ -22,6 +22,8 @@ class StepOutput:
     sample_index: list[int]  # position in the schedule of each sampling sequence (no drafts)
     prompt_logits: dict[int, torch.Tensor]  # schedule position -> [rows, vocab]
     verify_logits: dict[int, torch.Tensor]  # schedule position -> [1 + k, vocab] of sequences verifying k drafts
+    hidden: torch.Tensor  # [T, hidden] final hidden state of every row (the MTP drafter reads committed ones)
+    row_starts: list[int]  # first row of each scheduled sequence
 
 
 def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:
@@ -76,4 +78,5 @@ class Runner:
                 prompt_rows = min(item.num_rows, len(seq.prompt_ids) - seq.num_computed)
                 prompt_logits[i] = self.model.compute_logits(hidden[first:first + prompt_rows])
         sample_logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_zeros(0)
-        return StepOutput(sample_logits, sample_index, prompt_logits, verify_logits)
+        return StepOutput(sample_logits, sample_index, prompt_logits, verify_logits, hidden,
+                          [end - item.num_rows + 1 for end, item in zip(ends, schedule)])

@@ -35,6 +35,18 @@ GREEDY = SamplingParams(temperature=0.0)
 DRAFT_SEED_SALT = 0x5EED_D2AF  # the draft stream of a seeded request differs from the target's own stream
 
 
+def pick_drafts(reqs: list[DraftRequest], logits: torch.Tensor, generators: dict[str, torch.Generator], seed: int,
+                device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """One draft token per request from its logits [len(reqs), V]: greedy for greedy requests, else drawn from
+    the processed distribution q with a per-sequence generator seeded from the request's seed. Returns the
+    tokens and q [len(reqs), V]."""
+    params = [r.params or GREEDY for r in reqs]
+    gens = [None if p.greedy else generators.setdefault(r.seq_id, make_generator(
+        DRAFT_SEED_SALT ^ (p.seed if p.seed is not None else zlib.crc32(r.seq_id.encode()) ^ seed), device))
+        for r, p in zip(reqs, params)]
+    return sample(logits, params, gens).tolist(), processed_probs(logits, params)
+
+
 class DraftModelDrafter:
     name = "draft"
 
@@ -82,13 +94,8 @@ class DraftModelDrafter:
             item.seq.num_computed += item.num_rows
         return logits
 
-    def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        params = [r.params or GREEDY for r in reqs]
-        gens = [None if p.greedy else self.generators.setdefault(r.seq_id, make_generator(
-            DRAFT_SEED_SALT ^ (p.seed if p.seed is not None else zlib.crc32(r.seq_id.encode()) ^ self.seed),
-            self.device)) for r, p in zip(reqs, params)]
-        tokens = sample(logits, params, gens).tolist()
-        return tokens, processed_probs(logits, params)
+    def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        return pick_drafts(reqs, logits, self.generators, self.seed, self.device)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         live = [r for r in requests if r.max_tokens > 0]

@@ -1,8 +1,9 @@
-"""Build the drafter an `EngineConfig` asks for (`speculative`): none, ngram, draft, or a combination."""
+"""Build the drafter an `EngineConfig` asks for (`speculative`): none, ngram, mtp, draft, or a neural one + ngram."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -12,7 +13,7 @@ from deltaspec.spec.combined import CombinedDrafter
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.ngram import NgramDrafter
 
-CHOICES = ("none", "ngram", "draft", "draft+ngram")
+CHOICES = ("none", "ngram", "mtp", "draft", "mtp+ngram", "draft+ngram")
 
 
 def default_draft_model(target_dir: Path) -> Path | None:
@@ -21,13 +22,17 @@ def default_draft_model(target_dir: Path) -> Path | None:
     return draft if target_dir.name == "target" and (draft / "config.json").is_file() else None
 
 
-def make_drafter(config: EngineConfig, target_dir: Path, target_vocab: int) -> Drafter | None:
-    """None for "none"; a clear error for an unknown drafter or a missing draft model."""
+def make_drafter(config: EngineConfig, target_dir: Path, target_vocab: int,
+                 mtp: Callable[[], Drafter]) -> Drafter | None:
+    """None for "none"; a clear error for an unknown drafter, a missing draft model or MTP head.
+    `mtp` builds the MTP drafter (it lives on the engine's own model and caches)."""
     if config.speculative not in CHOICES:
         raise DeltaspecError(f"Unknown speculative setting {config.speculative!r}; use one of {', '.join(CHOICES)}.")
     if config.speculative == "none":
         return None
     drafters: list[Drafter] = []
+    if "mtp" in config.speculative.split("+"):
+        drafters.append(mtp())
     if "draft" in config.speculative.split("+"):
         from deltaspec.model.weights import resolve_model_path
         from deltaspec.spec.draft_model import DraftModelDrafter

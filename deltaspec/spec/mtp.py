@@ -1,0 +1,117 @@
+"""`MTPDrafter`: the checkpoint's own MTP head drafts, chained k steps (DESIGN §1, §5).
+
+MTP row i reads the target's final hidden state h_i and the token t_{i+1} at position i; its own
+attention layer keeps a KV cache in the target's pages (one extra KV layer, same block table). The
+engine hands the drafter the hidden states of every committed row (`observe`). To propose for a
+sequence whose last committed position is n-1 (the target's row n-1 produced the last sampled token
+t_n), the drafter first runs the MTP rows it has not run yet, up to (t_n, h_{n-1}); the last one
+gives draft 1. Draft j+1 comes from the row (draft j, MTP hidden of draft j) at position n-1+j: the
+head is chained on its own output. Those chained rows are never committed: their KV entries sit
+past the committed length and are overwritten by the next catch-up, so rollback costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from deltaspec.cache.manager import CacheManager
+from deltaspec.engine.sequence import Sequence
+from deltaspec.model.forward_batch import ForwardBatch
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.spec.draft_model import pick_drafts
+from deltaspec.spec.drafter import Draft, DraftRequest
+
+
+class MTPDrafter:
+    name = "mtp"
+    wants_hidden = True
+
+    def __init__(self, model: HybridModel, cache: CacheManager, lookup: Callable[[str], Sequence],
+                 device: torch.device, seed: int):
+        self.model, self.cache, self.lookup, self.device, self.seed = model, cache, lookup, device, seed
+        self.hidden: dict[str, dict[int, torch.Tensor]] = {}  # committed target hidden states by position
+        self.done: dict[str, int] = {}  # MTP rows run (and committed) per sequence: positions 0..done-1
+        self.generators: dict[str, torch.Generator] = {}
+
+    def observe(self, seq_id: str, first_position: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [n, H] of committed rows at positions first_position.."""
+        if first_position == 0:  # a new or recomputed sequence: its MTP cache starts over
+            self.hidden[seq_id], self.done[seq_id] = {}, 0
+        rows = self.hidden.setdefault(seq_id, {})
+        for j in range(hidden.shape[0]):
+            rows[first_position + j] = hidden[j]
+
+    def _run(self, rows: list[tuple[Sequence, list[int], list[int], torch.Tensor]]) -> torch.Tensor:
+        """MTP rows (seq, tokens, positions, hidden [n, H]) for several sequences -> MTP hidden of each
+        sequence's last row [len(rows), H]."""
+        bs = self.cache.block_size
+        token_ids, positions, slots, hidden, tables, lens, ctx = [], [], [], [], [], [], []
+        for seq, toks, pos, h in rows:
+            token_ids += toks
+            positions += pos
+            slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
+            hidden.append(h)
+            tables.append(seq.blocks)
+            lens.append(len(toks))
+            ctx.append(pos[-1] + 1)
+        width = max(len(t) for t in tables)
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        batch = ForwardBatch(token_ids=tensor(token_ids), positions=tensor(positions), slot_mapping=tensor(slots),
+                             block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
+                             state_slots=tensor([0] * len(rows)), query_lens=lens, context_lens=ctx,
+                             state_slot_list=[0] * len(rows))
+        with torch.inference_mode():
+            out = self.model.mtp_forward(batch, torch.cat(hidden), self.cache.caches)
+        return out[batch.last_row_indices]
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        live = [r for r in requests if r.max_tokens > 0]
+        drafts: dict[str, tuple[list[int], list[torch.Tensor]]] = {r.seq_id: ([], []) for r in live}
+        batch = []
+        for req in live:
+            seq, n = self.lookup(req.seq_id), len(req.token_ids) - 1
+            if not self.cache.reserve(seq, n + req.max_tokens + 1):
+                drafts.pop(req.seq_id)
+                continue
+            start, seen = self.done.get(req.seq_id, 0), self.hidden.get(req.seq_id, {})
+            positions = list(range(start, n))
+            batch.append((req, seq, [req.token_ids[p + 1] for p in positions], positions,
+                          torch.stack([seen[p] for p in positions])))
+            self.done[req.seq_id] = n
+            self.hidden[req.seq_id] = {}
+        active = [(req, seq, pos[-1]) for req, seq, _, pos, _ in batch]
+        mtp_hidden = self._run([(seq, toks, pos, h) for _, seq, toks, pos, h in batch]) if batch else None
+        while active:
+            reqs = [req for req, _, _ in active]
+            tokens, probs = pick_drafts(reqs, self.model.compute_logits(mtp_hidden), self.generators, self.seed,
+                                        self.device)
+            for j, req in enumerate(reqs):
+                drafts[req.seq_id][0].append(tokens[j])
+                drafts[req.seq_id][1].append(probs[j])
+            keep = [j for j, req in enumerate(reqs) if len(drafts[req.seq_id][0]) < req.max_tokens]
+            active = [(active[j][0], active[j][1], active[j][2] + 1) for j in keep]
+            if active:
+                mtp_hidden = self._run([(seq, [tokens[j]], [last], mtp_hidden[j:j + 1])
+                                        for j, (_, seq, last) in zip(keep, active)])
+        out = []
+        for req in requests:
+            tokens, probs = drafts.get(req.seq_id, ([], []))
+            sampled = req.params is not None and not req.params.greedy
+            out.append(Draft(tokens=tokens, probs=torch.stack(probs) if sampled and probs else None))
+        return out
+
+    def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
+        """Nothing to undo: chained rows sit past the committed length and are overwritten."""
+
+    def on_finish(self, seq_id: str) -> None:
+        self.hidden.pop(seq_id, None)
+        self.done.pop(seq_id, None)
+        self.generators.pop(seq_id, None)
+
+    def state_bytes(self) -> int:
+        return sum(h.numel() * h.element_size() for rows in self.hidden.values() for h in rows.values())
