@@ -121,13 +121,14 @@ def test_default_model_greedy_is_identical_with_every_drafter(speculative, k):
     assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
 
 
+@pytest.mark.parametrize("speculative", ["draft", "draft+ngram"])
 @pytest.mark.parametrize("k", [1, 3, 7, 15])
-def test_draft_model_greedy_is_token_identical_on_random_models(checkpoints, tmp_path, k):
+def test_draft_model_greedy_is_token_identical_on_random_models(checkpoints, tmp_path, k, speculative):
     draft = write_checkpoint(tmp_path / "draft", "qwen3_5", seed=5, num_hidden_layers=2,
                              layer_types=["linear_attention", "full_attention"])
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     _, plain = run(checkpoints["qwen3_next_r3_moe"], PROMPTS, params)
-    _, spec = run(checkpoints["qwen3_next_r3_moe"], PROMPTS, params, speculative="draft+ngram", draft_tokens=k,
+    _, spec = run(checkpoints["qwen3_next_r3_moe"], PROMPTS, params, speculative=speculative, draft_tokens=k,
                   draft_model=str(draft))
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0
@@ -152,6 +153,16 @@ def test_same_configuration_and_seed_give_identical_output(checkpoints):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second[::-1]]
 
 
+@pytest.mark.parametrize("speculative", ["mtp+ngram", "draft+ngram"])
+def test_neural_drafters_sample_deterministically_per_seed(speculative):
+    prompts = ['def is_prime(n):\n    """Return True if n is a prime number."""\n', "class Stack:\n"]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
+    llm = LLM(dtype="float64", device="cpu", speculative=speculative, draft_tokens=4)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params[::-1])][::-1]
+    assert first == again
+
+
 def chi_square(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
     """Two-sample chi-square statistic over the categories either sample hit."""
     keep = (counts_a + counts_b) > 0
@@ -161,9 +172,12 @@ def chi_square(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
     return float(((k1 * a - k2 * b) ** 2 / (a + b)).sum())
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+@pytest.mark.parametrize("speculative", ["ngram", "draft", "mtp"])
 def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path, speculative):
+    from tests.tiny_models import add_mtp_weights
+
     path = write_checkpoint(tmp_path / "tiny_vocab", "qwen3_5", seed=11, vocab_size=6)
+    add_mtp_weights(path, seed=13)
     draft = write_checkpoint(tmp_path / "tiny_vocab_draft", "qwen3_5", seed=12, vocab_size=6, num_hidden_layers=2,
                              layer_types=["linear_attention", "full_attention"])
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
@@ -199,8 +213,9 @@ def test_drafts_cut_by_a_small_token_budget_stay_exact():
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain], speculative
 
 
+@pytest.mark.parametrize("speculative", ["mtp", "mtp+ngram"])
 @pytest.mark.parametrize("k", [1, 3, 7, 15])
-def test_mtp_greedy_is_token_identical_on_a_random_model(checkpoints, tmp_path, k):
+def test_mtp_greedy_is_token_identical_on_a_random_model(checkpoints, tmp_path, k, speculative):
     import shutil
 
     from tests.tiny_models import add_mtp_weights
@@ -210,7 +225,7 @@ def test_mtp_greedy_is_token_identical_on_a_random_model(checkpoints, tmp_path, 
     add_mtp_weights(path)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     _, plain = run(path, PROMPTS, params)
-    _, spec = run(path, PROMPTS, params, speculative="mtp+ngram", draft_tokens=k, max_num_batched_tokens=40)
+    _, spec = run(path, PROMPTS, params, speculative=speculative, draft_tokens=k, max_num_batched_tokens=40)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0
 
