@@ -47,6 +47,16 @@ def pick_drafts(reqs: list[DraftRequest], logits: torch.Tensor, generators: dict
     return sample(logits, params, gens).tolist(), processed_probs(logits, params)
 
 
+def as_drafts(requests: list[DraftRequest], drafts: dict[str, tuple[list[int], list[torch.Tensor]]]) -> list[Draft]:
+    """One `Draft` per request from the tokens and q rows picked for it (q only for sampled requests)."""
+    out = []
+    for req in requests:
+        tokens, probs = drafts.get(req.seq_id, ([], []))
+        sampled = req.params is not None and not req.params.greedy
+        out.append(Draft(tokens=tokens, probs=torch.stack(probs) if sampled and probs else None))
+    return out
+
+
 class DraftModelDrafter:
     name = "draft"
 
@@ -119,12 +129,7 @@ class DraftModelDrafter:
                     for i in active:
                         seqs[i].prompt_ids.append(drafts[live[i].seq_id][0][-1])
                     logits = self._forward([Scheduled(seqs[i], 1) for i in active])
-        out = []
-        for req in requests:
-            tokens, probs = drafts.get(req.seq_id, ([], []))
-            sampled = req.params is not None and not req.params.greedy
-            out.append(Draft(tokens=tokens, probs=torch.stack(probs) if sampled and probs else None))
-        return out
+        return as_drafts(requests, drafts)
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
         self._restore(seq_id)

@@ -20,7 +20,7 @@ from deltaspec.cache.manager import CacheManager
 from deltaspec.engine.sequence import Sequence
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.hybrid import HybridModel
-from deltaspec.spec.draft_model import pick_drafts
+from deltaspec.spec.draft_model import as_drafts, pick_drafts
 from deltaspec.spec.drafter import Draft, DraftRequest
 
 
@@ -98,12 +98,7 @@ class MTPDrafter:
             if active:
                 mtp_hidden = self._run([(seq, [tokens[j]], [last], mtp_hidden[j:j + 1])
                                         for j, (_, seq, last) in zip(keep, active)])
-        out = []
-        for req in requests:
-            tokens, probs = drafts.get(req.seq_id, ([], []))
-            sampled = req.params is not None and not req.params.greedy
-            out.append(Draft(tokens=tokens, probs=torch.stack(probs) if sampled and probs else None))
-        return out
+        return as_drafts(requests, drafts)
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
         """Nothing to undo: chained rows sit past the committed length and are overwritten."""
