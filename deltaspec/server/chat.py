@@ -55,6 +55,7 @@ from deltaspec.server.samples import (
     merged,
     sampling_params,
     submit,
+    usage_of,
 )
 from deltaspec.server.streaming import DONE, CleanupStreamingResponse, sse
 from deltaspec.server.tool_calls import ToolCallStream, parse_tool_calls
@@ -247,11 +248,6 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(req, prompt, prompt_ids, params, fmt)
 
 
-def _usage(prompt_tokens: int, samples: list[Sample]) -> UsageInfo:
-    completion = sum(len(s.token_ids) for s in samples)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
-
-
 class _Voting:
     """Feeds finished samples' answers to a `Vote` and aborts the rest once it is decided."""
 
@@ -302,11 +298,11 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         if voting is not None:
             choice, vote_info = voting.result()
             body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=[choice],
-                                          usage=_usage(len(plan.prompt_ids), samples), vote=vote_info)
+                                          usage=usage_of(len(plan.prompt_ids), samples), vote=vote_info)
         else:
             body = ChatCompletionResponse(id=request_id, model=ctx.model_name,
                                           choices=[plan.format.sample_choice(s) for s in samples],
-                                          usage=_usage(len(plan.prompt_ids), samples))
+                                          usage=usage_of(len(plan.prompt_ids), samples))
         finish_reason = body.choices[0].finish_reason or "stop"
         return JSONResponse(body.model_dump(exclude={"vote"} if body.vote is None else None))
     except ClientDisconnected:
@@ -348,5 +344,5 @@ async def _stream_chat(ctx: ServerContext, plan: ChatPlan, request_id: str, samp
     outcome["finish_reason"] = finish_reasons.get(samples[0].index) or "stop"
     options = plan.request.stream_options
     if options is not None and options.include_usage:
-        yield chunk([], usage=_usage(len(plan.prompt_ids), samples))
+        yield chunk([], usage=usage_of(len(plan.prompt_ids), samples))
     yield DONE

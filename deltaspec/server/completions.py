@@ -33,6 +33,7 @@ from deltaspec.server.samples import (
     merged,
     sampling_params,
     submit,
+    usage_of,
 )
 from deltaspec.server.streaming import DONE, CleanupStreamingResponse, sse
 
@@ -65,12 +66,6 @@ def _choice(ctx: ServerContext, sample: Sample, logprobs: int | None) -> Complet
     return CompletionChoice(
         index=sample.index, text=text, finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
         logprobs=completion_logprobs(sample.logprobs, logprobs, tokenizer) if logprobs is not None else None)
-
-
-def _usage(prompts: list[Prompt], samples: list[Sample]) -> UsageInfo:
-    prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    completion = sum(len(s.token_ids) for s in samples)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
@@ -110,7 +105,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
             raise error
         body = CompletionResponse(id=request_id, model=ctx.model_name,
                                   choices=[_choice(ctx, s, req.logprobs) for s in samples],
-                                  usage=_usage(prompts, samples))
+                                  usage=usage_of(sum(len(p.token_ids) for p in prompts), samples))
         finish_reason = body.choices[0].finish_reason or "stop"
         return JSONResponse(body.model_dump())
     except ClientDisconnected:
@@ -164,5 +159,5 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
                                           finish_reason=delta.finish_reason if delta.finished else None, **ending)])
     outcome["finish_reason"] = finish_reasons.get(samples[0].index) or "stop"
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield chunk([], usage=_usage(prompts, samples))
+        yield chunk([], usage=usage_of(sum(len(p.token_ids) for p in prompts), samples))
     yield DONE
