@@ -1,7 +1,7 @@
 """Depthwise causal conv1d reference over ragged sequences, carrying each sequence's window.
 
 Contract (kernels keep it): `x` holds the pre-conv rows of all sequences back to back
-([T, C], split by `cu_seqlens`); sequence b continues from the window stored at
+([T, C], split as `layout` says, `deltaspec.ops.layout`); sequence b continues from the window stored at
 `conv_state[slots[b]]` ([K-1, C]: its last K-1 pre-conv rows, zeros for a new sequence). The
 output is SiLU(conv) per row, and the window is updated in place to the sequence's last K-1
 pre-conv rows.
@@ -14,23 +14,20 @@ the window before the sequence's next rows are processed.
 import torch
 import torch.nn.functional as F
 
+from deltaspec.ops.layout import SeqLayout
+
 
 def causal_conv1d(
     x: torch.Tensor,  # [T, C] pre-conv rows
     weight: torch.Tensor,  # [C, K]
     conv_state: torch.Tensor,  # [num_slots, K-1, C], updated in place
-    query_lens: list[int],
-    slots: list[int],
-    fold: list[int] | None = None,  # per sequence: accepted log rows to shift into the window first
-    speculative: list[bool] | None = None,  # per sequence: log the rows instead of moving the window
-    log: torch.Tensor | None = None,  # [num_slots, L, C]
+    layout: SeqLayout,
+    log: torch.Tensor | None = None,  # [num_slots, L, C]; needed when a sequence is speculative or folds
 ) -> torch.Tensor:  # [T, C]
     kernel = weight.shape[1]
     out = torch.empty_like(x)
-    fold = fold or [0] * len(slots)
-    speculative = speculative or [False] * len(slots)
     start = 0
-    for length, slot, n, spec in zip(query_lens, slots, fold, speculative):
+    for length, slot, n, spec in zip(layout.query_lens, layout.slots, layout.fold, layout.speculative):
         if n:
             conv_state[slot].copy_(torch.cat((conv_state[slot], log[slot, :n].to(conv_state.dtype)))[-(kernel - 1):])
         rows = x[start:start + length]

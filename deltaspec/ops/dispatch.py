@@ -10,14 +10,17 @@ from typing import Callable
 
 import torch
 
-from deltaspec.ops import attention, conv, gdn, norms
+from deltaspec.ops import activation, attention, conv, gdn, norms
 
 
 @dataclass(frozen=True)
 class OpTable:
     rms_norm: Callable
+    add_rms_norm: Callable
     gated_rms_norm: Callable
+    silu_mul: Callable
     causal_conv1d: Callable
+    gdn_gates: Callable
     gated_delta_rule: Callable
     write_kv: Callable
     paged_attention: Callable
@@ -25,8 +28,11 @@ class OpTable:
 
 REFERENCE = OpTable(
     rms_norm=norms.rms_norm,
+    add_rms_norm=norms.add_rms_norm,
     gated_rms_norm=norms.gated_rms_norm,
+    silu_mul=activation.silu_mul,
     causal_conv1d=conv.causal_conv1d,
+    gdn_gates=gdn.gdn_gates,
     gated_delta_rule=gdn.gated_delta_rule,
     write_kv=attention.write_kv,
     paged_attention=attention.paged_attention,

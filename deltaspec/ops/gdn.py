@@ -1,7 +1,8 @@
 """Gated delta rule reference over ragged sequences, with recurrent states read and written by slot.
 
-Contract (kernels keep it): rows of all sequences lie back to back, split by `query_lens`;
-sequence b continues the state `state[slots[b]]` ([Hv, Dk, Dv]) and leaves its final state there.
+Contract (kernels keep it): rows of all sequences lie back to back, split as `layout` says
+(`deltaspec.ops.layout`); sequence b continues the state `state[slots[b]]` ([Hv, Dk, Dv]) and
+leaves its final state there.
 Inputs are post-conv, with q and k already L2-normalised and q scaled by Dk^-0.5; value head h
 reads key head h // (Hv / Hk). Per row, with decay `g` in log space:
 
@@ -22,6 +23,10 @@ processes its new rows. Rejected rows are simply never replayed.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.norms import l2_norm
 
 
 @dataclass
@@ -100,17 +105,13 @@ def gated_delta_rule(
     g: torch.Tensor,  # [T, Hv]
     beta: torch.Tensor,  # [T, Hv]
     state: torch.Tensor,  # [num_slots, Hv, Dk, Dv], updated in place
-    query_lens: list[int],
-    slots: list[int],
-    fold: list[int] | None = None,  # per sequence: accepted log rows to replay first
-    speculative: list[bool] | None = None,  # per sequence: log the rows instead of advancing the state
-    log: GDNLog | None = None,
+    layout: SeqLayout,
+    log: GDNLog | None = None,  # needed when a sequence is speculative or folds
 ) -> torch.Tensor:  # [T, Hv, Dv]
     acc = _acc_dtype(q.dtype, state.dtype)
     out_dtype = v.dtype
     num_v_heads = v.shape[1]
-    fold = fold or [0] * len(slots)
-    speculative = speculative or [False] * len(slots)
+    query_lens, slots, fold, speculative = layout.query_lens, layout.slots, layout.fold, layout.speculative
     for n, slot in zip(fold, slots):
         if n:
             state[slot].copy_(replay(log.k[slot, :n], log.v[slot, :n], log.g[slot, :n], log.beta[slot, :n],
@@ -123,9 +124,7 @@ def gated_delta_rule(
     q, k = (_expand_heads(t, num_v_heads).to(acc) for t in (q, k))
     v, g, beta = (t.to(acc) for t in (v, g, beta))
     out = torch.empty(v.shape, dtype=acc, device=v.device)
-    starts = [0]
-    for length in query_lens[:-1]:
-        starts.append(starts[-1] + length)
+    starts = layout.row_starts
     single = [i for i, length in enumerate(query_lens) if length == 1 and not speculative[i]]
     if single:
         rows = torch.tensor([starts[i] for i in single], device=q.device)
@@ -141,3 +140,21 @@ def gated_delta_rule(
             if not speculative[i]:
                 state[slots[i]].copy_(new_state)
     return out.to(out_dtype)
+
+
+def gdn_gates(
+    q: torch.Tensor,  # [T, Hk, Dk] post-conv
+    k: torch.Tensor,  # [T, Hk, Dk] post-conv
+    a: torch.Tensor,  # [T, Hv]
+    b: torch.Tensor,  # [T, Hv]
+    A_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence's inputs from the projections: q, k L2-normalised (q also scaled by Dk^-0.5)
+    and `g = -exp(A_log) * softplus(a + dt_bias)`, all in the compute dtype; `beta = sigmoid(b)` in
+    b's dtype. Returns (q, k, g, beta)."""
+    acc = _acc_dtype(q.dtype)
+    q = l2_norm(q.to(acc)) * q.shape[-1] ** -0.5
+    k = l2_norm(k.to(acc))
+    g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias)
+    return q, k, g, b.sigmoid()

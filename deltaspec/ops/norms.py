@@ -1,4 +1,5 @@
-"""RMSNorm references: the zero-centred block norm and the gated per-head norm of GDN.
+"""RMSNorm references: the zero-centred block norm (alone and fused with the residual add) and the
+gated per-head norm of GDN.
 
 Both compute in at least float32 (float64 stays float64) and return the input dtype, rounding
 where Hugging Face's reference rounds so that bfloat16 runs agree with it.
@@ -19,6 +20,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(acc)
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * (1.0 + weight.to(acc))).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add fused with the next block norm: `s = residual + x` (rounded to x's dtype),
+    returns (rms_norm(s), s)."""
+    total = residual + x
+    return rms_norm(total, weight, eps), total
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
