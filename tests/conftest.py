@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,30 @@ VARIANTS = {
 }
 
 
+def triton_interpreted() -> bool:
+    """Kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, triton installed)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not ("kernel" in item.keywords and triton_interpreted()):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where kernel tests run: the GPU, or the CPU under Triton's interpreter (a slow development aid)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="session")
