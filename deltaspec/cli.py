@@ -12,16 +12,24 @@ from deltaspec.errors import DeltaspecError
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """One flag per field of the dataclass `config_cls` (`api_key` -> `--api-key`), help from its metadata."""
+    """One flag per field of the dataclass `config_cls` (`api_key` -> `--api-key`), help from its metadata.
+    Boolean fields get `--name` / `--no-name`; fields with metadata `cli: False` are Python-only."""
     for f in fields(config_cls):
+        if not f.metadata.get("cli", True):
+            continue
         default = None if f.default is MISSING else f.default
+        names = ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+            continue
         kind = type(default) if default is not None else str
-        parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), dest=f.name, type=kind,
-                            default=default, help=f"{f.metadata.get('help', '')} (default: {default})")
+        parser.add_argument(*names, dest=f.name, type=kind, default=default, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace, config_cls: type):
-    return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+    return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls) if hasattr(args, f.name)})
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

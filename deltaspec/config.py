@@ -136,6 +136,14 @@ class EngineConfig:
         "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"})
     draft_model: str | None = field(default=None, metadata={
         "help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"})
+    random_weights: bool = field(default=False, metadata={
+        "help": "build the model of --shape with random weights on the device (no checkpoint, no tokenizer: "
+                "prompts are token ids); for benchmarks"})
+    shape: str | None = field(default=None, metadata={
+        "help": "model shape for --random-weights: qwen3.5-0.8b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
+                "qwen3-next-80b-a3b"})
+    shape_overrides: tuple[tuple[str, int], ...] = field(default=(), metadata={
+        "cli": False, "help": "(Python only) ModelConfig/MoEConfig fields replaced in the shape, for small tests"})
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""`deltaspec bench serve|agents|spec`: run a scenario (serve and agents against an in-process server or --url) and
-write JSON."""
+"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|spec-oracle`: run a scenario and write
+JSON. serve and agents run against an in-process server or --url; the device benchmarks (decode, verify,
+concurrency, prefill, spec-oracle) drive the engine directly and never import the server."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from deltaspec.bench.client import Client
 from deltaspec.bench.plot import line_chart
 from deltaspec.bench.serve import bench_serve
 from deltaspec.bench.stats import commit
+from deltaspec.errors import DeltaspecError
 
 
 def say(message: str) -> None:
@@ -89,6 +91,109 @@ def cmd_bench_spec(args: argparse.Namespace, engine_config) -> None:
                   "max_tokens": args.max_tokens, "runs": args.runs, "configurations": rows}, args.out)
 
 
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DeltaspecError(f"Expected comma-separated integers like 1,4,16; got {text!r}.") from None
+
+
+def write_device_report(report: dict, args: argparse.Namespace, summary: str) -> None:
+    """JSON on stdout with --json (and to --out), else the one-line summary."""
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        say(f"wrote {args.out}")
+    print(text if args.json else summary)
+
+
+def cmd_bench_decode(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.decode import bench_decode
+
+    r = bench_decode(engine_config, args.context, args.max_tokens, args.runs, args.compare_hf)
+    hf = f", {r['speedup_vs_hf']:.2f}x transformers" if "speedup_vs_hf" in r else ""
+    write_device_report(r, args, f"decode {r['decode_tok_s']:.2f} tok/s ({r['step_ms']:.2f} ms/step), roofline "
+                                 f"{r['roofline_tok_s']:.2f} tok/s at {r['bandwidth_gb_s']:.0f} GB/s: "
+                                 f"{100 * r['roofline_fraction']:.1f} %{hf}")
+
+
+def cmd_bench_verify(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.verify import bench_verify
+
+    r = bench_verify(engine_config, args.context, ints(args.rows), args.rounds, args.runs)
+    write_device_report(r, args, "; ".join(f"{row['rows']} rows {row['step_ms']:.2f} ms" for row in r["rows"]))
+
+
+def cmd_bench_concurrency(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.concurrency import bench_concurrency
+
+    r = bench_concurrency(engine_config, ints(args.concurrency), args.context, args.max_tokens, args.runs)
+    write_device_report(r, args, "; ".join(f"C={row['concurrency']} {row['aggregate_tok_s']:.1f} tok/s"
+                                           for row in r["levels"]))
+
+
+def cmd_bench_prefill(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.prefill import bench_prefill
+
+    r = bench_prefill(engine_config, ints(args.lengths), args.runs)
+    write_device_report(r, args, "; ".join(f"{row['length']} tokens {row['prefill_tok_s']:.0f} tok/s"
+                                           for row in r["lengths"]))
+
+
+def cmd_bench_spec_oracle(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.decode import bench_spec_oracle
+    from deltaspec.spec.oracle import parse_profile, profile_for_acceptance_length
+
+    profile = parse_profile(args.oracle_profile) if args.oracle_profile else \
+        profile_for_acceptance_length(args.oracle_al, engine_config.draft_tokens)
+    r = bench_spec_oracle(engine_config, profile, args.context, args.max_tokens, args.runs)
+    write_device_report(r, args, f"plain {r['plain_decode_tok_s']:.2f} tok/s, oracle {r['spec_decode_tok_s']:.2f} "
+                                 f"tok/s ({r['speedup']:.2f}x) at AL {r['acceptance_length']:.2f} "
+                                 f"(profile expects {r['expected_acceptance_length']:.2f})")
+
+
+def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
+    """decode, verify, concurrency, prefill, spec-oracle: the engine on this device, no server."""
+    def common(parser, max_tokens: int | None = 64, context: bool = True):
+        if context:
+            parser.add_argument("--context", type=int, default=128, help="prompt tokens (default: 128)")
+        if max_tokens is not None:
+            parser.add_argument("--max-tokens", type=int, default=max_tokens,
+                                help=f"new tokens per request, eos ignored (default: {max_tokens})")
+        parser.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
+        parser.add_argument("--json", action="store_true", help="print the JSON report (default: a summary line)")
+        parser.add_argument("--out", default=None, help="also write the JSON report here")
+        add_engine_flags(parser)
+
+    decode = scenarios.add_parser("decode", help="single-stream decode tok/s, bytes per step, roofline fraction")
+    decode.add_argument("--compare-hf", action="store_true",
+                        help="also time transformers' generate on the same weights and report the speed-up")
+    common(decode)
+    decode.set_defaults(func=lambda args: cmd_bench_decode(args, engine_config(args)))
+    verify = scenarios.add_parser("verify", help="time of one pass with r rows for one sequence, and its ratio to 1 row")
+    verify.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts (default: 1,2,4,8,16,32,64)")
+    verify.add_argument("--rounds", type=int, default=4, help="timed passes per row count and run (default: 4)")
+    common(verify, max_tokens=None)
+    verify.set_defaults(func=lambda args: cmd_bench_verify(args, engine_config(args)))
+    conc = scenarios.add_parser("concurrency", help="aggregate decode tok/s of C streams decoding together")
+    conc.add_argument("--concurrency", default="1,4,16,32", help="stream counts (default: 1,4,16,32)")
+    common(conc)
+    conc.set_defaults(func=lambda args: cmd_bench_concurrency(args, engine_config(args)))
+    prefill = scenarios.add_parser("prefill", help="prefill tok/s (length / time to first token) per prompt length")
+    prefill.add_argument("--lengths", default="1024,8192,32768", help="prompt lengths (default: 1024,8192,32768)")
+    common(prefill, max_tokens=None, context=False)
+    prefill.set_defaults(func=lambda args: cmd_bench_prefill(args, engine_config(args)))
+    oracle = scenarios.add_parser("spec-oracle", help="speculative decoding with an oracle drafter at a known "
+                                                      "acceptance profile, against plain decoding")
+    oracle.add_argument("--oracle-profile", default=None,
+                        help="per-position acceptance probabilities, e.g. 0.9,0.8,0.7 (the draft length is their count)")
+    oracle.add_argument("--oracle-al", type=float, default=3.0,
+                        help="without --oracle-profile: a constant profile of --draft-tokens positions with this "
+                             "expected acceptance length (default: 3)")
+    common(oracle)
+    oracle.set_defaults(func=lambda args: cmd_bench_spec_oracle(args, engine_config(args)))
+
+
 def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
     scenarios = bench.add_subparsers(dest="scenario", required=True)
@@ -114,6 +219,7 @@ def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     spec.add_argument("--out", default=None, help="also write the JSON report here")
     add_engine_flags(spec)
     spec.set_defaults(func=lambda args: cmd_bench_spec(args, engine_config(args)))
+    add_device_benches(scenarios, add_engine_flags, engine_config)
     for parser in (serve, agents):
         parser.add_argument("--url", default=None, help="benchmark a running OpenAI-compatible server instead")
         parser.add_argument("--api-key", default=None, help="API key of the --url server")

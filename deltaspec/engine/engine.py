@@ -18,7 +18,8 @@ from deltaspec.cache.memory_plan import MemoryPlan, plan_memory, require_fit, we
 from deltaspec.config import ModelConfig
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.tokenizer import Tokenizer
-from deltaspec.model.weights import checkpoint_files, count_mtp_layers, load_model, resolve_model_path, target_name
+from deltaspec.model.random_init import build_model, random_plan
+from deltaspec.model.weights import checkpoint_files, count_mtp_layers, resolve_model_path, target_name
 from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.logprobs import gather_logprobs
 from deltaspec.sample.params import SamplingParams
@@ -45,8 +46,11 @@ def model_dir_for(model: str | None) -> Path:
     return path
 
 
-def plan_for(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfig, dict, Path]:
-    """The memory plan of `config` (resolved), computed from the checkpoint's headers alone."""
+def plan_for(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfig, dict, Path | None]:
+    """The memory plan of `config` (resolved), computed from the checkpoint's headers alone (or the shape's
+    parameter count for --random-weights, which has no directory)."""
+    if config.random_weights or config.shape is not None:
+        return random_plan(config)
     model_dir = model_dir_for(config.model)
     raw = read_config_json(model_dir)
     model_config = parse_model_config(raw)
@@ -71,9 +75,9 @@ class Engine:
         self.model_dir = model_dir
         self.device = torch.device(self.config.device)
         self.dtype = parse_dtype(self.config.dtype)
-        self.model = load_model(model_dir, self.model_config, raw, self.dtype, self.device,
-                                ops_for(self.device), progress=progress)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.model = build_model(self.config, model_dir, self.model_config, raw, self.dtype, self.device,
+                                 ops_for(self.device), progress)
+        self.tokenizer = Tokenizer.from_dir(model_dir) if model_dir is not None else None
         self.max_model_len = self.config.max_model_len
         cfg = self.config
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)

@@ -68,3 +68,19 @@ class DraftLengthPolicy:
 
     def forget(self, seq_id: str) -> None:
         self.ema.pop(seq_id, None)
+
+
+@dataclass
+class FixedDraftLength:
+    """Always `k` draft tokens (within the budget): for benchmarks that time a given verify row count."""
+
+    k: int
+
+    def choose(self, seq_id: str, budget: int) -> int:
+        return max(min(self.k, budget), 0)
+
+    def update(self, seq_id: str, drafted: int, accepted: int) -> None:
+        pass
+
+    def forget(self, seq_id: str) -> None:
+        pass

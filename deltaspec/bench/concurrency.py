@@ -1,0 +1,39 @@
+"""`deltaspec bench concurrency`: C streams of the same context and length decoding together.
+
+For each C, C requests (distinct random prompts of `context` tokens, `max_tokens` new tokens each, eos
+ignored) start at once and run to the end. Per request TPOT = (t_total - t_first) / (n - 1); aggregate
+tok/s = C x 1000 / mean TPOT(ms) (DESIGN §6), median over runs, and its ratio to C = 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from deltaspec.bench.decode import WARMUP_SEED
+from deltaspec.bench.device import bench_engine, identity, random_prompt, run, say
+from deltaspec.config import EngineConfig
+from deltaspec.engine.engine import Engine
+
+
+def level_run(engine: Engine, streams: int, context: int, max_tokens: int, seed: int) -> dict:
+    prompts = [random_prompt(engine, context, seed * 1000 + i) for i in range(streams)]
+    seqs = run(engine, prompts, max_tokens)
+    tpot_ms = [1000 * s.metrics()["time_per_output_token"] for s in seqs]
+    mean = statistics.fmean(tpot_ms)
+    return {"tpot_ms_mean": mean, "tpot_ms_max": max(tpot_ms), "aggregate_tok_s": streams * 1000 / mean}
+
+
+def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max_tokens: int, runs: int) -> dict:
+    engine = bench_engine(config, context + max_tokens, streams=max(levels))
+    rows = []
+    for c in levels:
+        level_run(engine, c, context, min(max_tokens, 4), WARMUP_SEED)
+        per_run = [level_run(engine, c, context, max_tokens, seed=i) for i in range(runs)]
+        rows.append({"concurrency": c, "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in per_run),
+                     "tpot_ms_mean": statistics.median(r["tpot_ms_mean"] for r in per_run), "per_run": per_run})
+        say(f"C={c:>3}: {rows[-1]['aggregate_tok_s']:.1f} tok/s aggregate")
+    single = next((r["aggregate_tok_s"] for r in rows if r["concurrency"] == 1), None)
+    for row in rows:
+        row["ratio_to_single_stream"] = row["aggregate_tok_s"] / single if single else None
+    return identity(engine, "concurrency", context=context, max_tokens=max_tokens, runs=runs,
+                    speculative=engine.config.speculative, levels=rows)

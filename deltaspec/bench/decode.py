@@ -1,0 +1,113 @@
+"""`deltaspec bench decode` and `deltaspec bench spec-oracle`: single-stream decode speed (DESIGN §6).
+
+decode: one sequence with `context` random prompt tokens generates `max_tokens` tokens greedily (eos
+ignored), `runs` times after a warm-up; decode tok/s = (n_new - 1) / (t_total - t_first_token), median
+over runs; step_ms = 1000 / decode tok/s. Bytes per step, measured copy bandwidth, the roofline and the
+fraction of it come from `deltaspec.bench.roofline`; `--compare-hf` adds transformers' speed on the same
+weights (`deltaspec.bench.hf_compare`).
+
+spec-oracle: per run, a plain greedy decode of the prompt gives the reference continuation; then the same
+prompt decodes speculatively with the oracle drafter (`deltaspec.spec.oracle`) at a fixed draft length and
+the given acceptance profile, timing the whole propose / verify / rollback / commit path. Reported: plain and
+speculative decode tok/s, the speed-up, measured AL against the profile's expected AL.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from deltaspec.bench.device import (
+    bench_engine,
+    copy_bandwidth,
+    drive,
+    identity,
+    random_prompt,
+    run,
+    say,
+    start,
+)
+from deltaspec.bench.roofline import bytes_per_step, roofline
+from deltaspec.config import EngineConfig
+from deltaspec.engine.engine import Engine
+from deltaspec.spec.oracle import OracleDrafter, expected_acceptance_length
+from deltaspec.spec.policy import FixedDraftLength
+
+WARMUP_SEED = 1 << 20
+
+
+def decode_run(engine: Engine, context: int, max_tokens: int, seed: int) -> dict:
+    seq = run(engine, [random_prompt(engine, context, seed)], max_tokens)[0]
+    m = seq.metrics()
+    return {"decode_tok_s": m["decode_tok_s"], "ttft_s": m["time_to_first_token"], "new_tokens": len(seq.output_ids)}
+
+
+def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int, compare_hf: bool = False) -> dict:
+    engine = bench_engine(config, context + max_tokens)
+    mtp = "mtp" in engine.config.speculative.split("+")
+    say("measuring copy bandwidth ...")
+    bandwidth = copy_bandwidth(engine.device)
+    decode_run(engine, context, min(max_tokens, 8), WARMUP_SEED)
+    per_run = []
+    for i in range(runs):
+        per_run.append(decode_run(engine, context, max_tokens, seed=i))
+        say(f"decode run {i + 1}/{runs}: {per_run[-1]['decode_tok_s']:.2f} tok/s")
+    tok_s = statistics.median(r["decode_tok_s"] for r in per_run)
+    step_bytes = bytes_per_step(engine, context + max_tokens / 2, mtp)
+    report = identity(engine, "decode", context=context, max_tokens=max_tokens, runs=runs,
+                      speculative=engine.config.speculative, decode_tok_s=tok_s, step_ms=1000 / tok_s,
+                      **roofline(tok_s, step_bytes["total"], bandwidth), bytes_per_step_parts=step_bytes,
+                      kv_context_mean=context + max_tokens / 2, per_run=per_run)
+    if report["roofline_violation"]:
+        say("WARNING: decode is faster than the bandwidth roofline -- the bytes-per-step count or the timing is wrong")
+    if compare_hf:
+        from deltaspec.bench.hf_compare import hf_decode
+
+        hf = hf_decode(engine, context, max_tokens, runs)
+        report.update(hf, speedup_vs_hf=tok_s / hf["hf_decode_tok_s"])
+        say(f"transformers: {hf['hf_decode_tok_s']:.2f} tok/s; deltaspec is {report['speedup_vs_hf']:.2f}x")
+    return report
+
+
+def oracle_engine(config: EngineConfig, longest: int, draft_tokens: int, streams: int = 1) -> Engine:
+    """An engine with replay logs for `draft_tokens` drafts; the bench installs the oracle per run."""
+    return bench_engine(replace(config, speculative="ngram", draft_tokens=max(draft_tokens, 1)), longest, streams)
+
+
+def spec_run(engine: Engine, oracle: OracleDrafter, prompt: list[int], max_tokens: int) -> dict:
+    """A plain greedy run (the reference), then the same prompt with the oracle drafting."""
+    engine.drafter = None
+    plain = run(engine, [prompt], max_tokens)[0]
+    engine.drafter = oracle
+    seq = start(engine, [prompt], max_tokens)[0]
+    oracle.expect(seq.request_id, len(prompt), plain.output_ids)
+    drive(engine, [seq])
+    engine.drafter = None
+    m = seq.metrics()
+    return {"plain_decode_tok_s": plain.metrics()["decode_tok_s"], "spec_decode_tok_s": m["decode_tok_s"],
+            "acceptance_length": seq.spec_accepted / seq.spec_rounds if seq.spec_rounds else 0.0,
+            "rounds": seq.spec_rounds, "acceptance_per_position": m.get("acceptance_per_position", []),
+            "matches_plain": seq.output_ids == plain.output_ids, "diverged": seq.request_id in oracle.diverged}
+
+
+def bench_spec_oracle(config: EngineConfig, profile: list[float], context: int, max_tokens: int,
+                      runs: int) -> dict:
+    k = len(profile)
+    engine = oracle_engine(config, context + max_tokens, k)
+    engine.draft_policy = FixedDraftLength(k)
+    oracle = OracleDrafter(profile, engine.model_config.vocab_size, engine.config.seed)
+    spec_run(engine, oracle, random_prompt(engine, context, WARMUP_SEED), min(max_tokens, 2 * k + 2))
+    per_run = []
+    for i in range(runs):
+        per_run.append(spec_run(engine, oracle, random_prompt(engine, context, i), max_tokens))
+        r = per_run[-1]
+        say(f"run {i + 1}/{runs}: plain {r['plain_decode_tok_s']:.2f} tok/s, oracle k={k} "
+            f"{r['spec_decode_tok_s']:.2f} tok/s, AL {r['acceptance_length']:.2f}")
+    plain = statistics.median(r["plain_decode_tok_s"] for r in per_run)
+    spec = statistics.median(r["spec_decode_tok_s"] for r in per_run)
+    return identity(engine, "spec-oracle", context=context, max_tokens=max_tokens, runs=runs,
+                    speculative=f"oracle k={k}", draft_tokens=k, profile=profile,
+                    expected_acceptance_length=expected_acceptance_length(profile),
+                    acceptance_length=statistics.median(r["acceptance_length"] for r in per_run),
+                    plain_decode_tok_s=plain, spec_decode_tok_s=spec, speedup=spec / plain,
+                    diverged_runs=sum(r["diverged"] for r in per_run), per_run=per_run)

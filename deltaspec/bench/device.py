@@ -1,0 +1,103 @@
+"""What every device benchmark records and shares: the device's name, a host/device sync, the measured
+copy bandwidth, an engine sized for the benchmark, and the loop that drives it (add_request + step).
+
+Benchmarks drive `deltaspec.engine.engine.Engine` directly (no HTTP server), so this module must not
+import `deltaspec.server` (the GPU machine has no FastAPI).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from deltaspec.bench.stats import commit
+from deltaspec.config import EngineConfig
+from deltaspec.engine.engine import Engine, plan_for
+from deltaspec.engine.sequence import Sequence
+from deltaspec.errors import DeltaspecError
+from deltaspec.sample.params import SamplingParams
+
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 128 << 20}  # large enough to leave every cache
+_ids = itertools.count()
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 7) -> float:
+    """Median bandwidth in bytes/s of `dst.copy_(src)` over a buffer of `nbytes`: (read + write) / time."""
+    nbytes = nbytes or COPY_BYTES.get(device.type, COPY_BYTES["cpu"])
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: page in both buffers
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * (nbytes // 4) * 4 / statistics.median(times)
+
+
+def bench_engine(config: EngineConfig, longest: int, streams: int = 1, **changes) -> Engine:
+    """An engine whose context fits `longest` tokens per sequence and `streams` sequences at once."""
+    config = replace(config, max_model_len=longest, max_num_seqs=max(streams, 1), **changes)
+    limit = plan_for(config)[2].max_position_embeddings
+    if longest > limit:
+        raise DeltaspecError(f"A context of {longest} tokens exceeds the model's {limit} positions; "
+                             f"use a shorter --context / --lengths or fewer --max-tokens.")
+    say(f"building the engine ({config.shape or config.model or 'embedded default model'}, "
+        f"{'random weights' if config.random_weights else 'checkpoint'}) ...")
+    return Engine(config, progress=True)
+
+
+def random_prompt(engine: Engine, length: int, seed: int) -> list[int]:
+    """`length` token ids drawn uniformly from the vocabulary (seeded; prompts differ per seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, engine.model_config.vocab_size, (length,), generator=gen).tolist()
+
+
+def start(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Sequence]:
+    """Add one greedy request (eos ignored, exactly `max_tokens` new tokens) per prompt."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [engine.add_request(f"bench-{next(_ids)}", None, p, params) for p in prompts]
+
+
+def drive(engine: Engine, seqs: list[Sequence]) -> list[Sequence]:
+    """Step the engine until every request has finished; a failed request is an error."""
+    while engine.has_unfinished():
+        engine.step()
+    if failed := [s for s in seqs if s.finish_reason == "error"]:
+        raise DeltaspecError(f"A benchmark request failed: {failed[0].error}")
+    return seqs
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Sequence]:
+    """Run greedy requests for all `prompts` together until they finish."""
+    return drive(engine, start(engine, prompts, max_tokens))
+
+
+def identity(engine: Engine, benchmark: str, **extra) -> dict:
+    """The fields every report starts with: benchmark, device, dtype, model or shape, commit."""
+    cfg = engine.config
+    source = {"shape": cfg.shape, "random_weights": True} if cfg.random_weights else \
+        {"model": str(engine.model_dir)}
+    return {"benchmark": benchmark, "device": device_name(engine.device), "dtype": cfg.dtype,
+            "state_dtype": cfg.state_dtype, **source, "commit": commit(), **extra}

@@ -1,0 +1,52 @@
+"""Bytes a decode step reads, and the roofline they imply (DESIGN §6).
+
+A decode step of one sequence reads every weight once, except the embedding table, of which it reads one
+row (the LM head is read whole; with tied embeddings that is the same table, read twice). MTP head
+weights count only when the MTP drafter runs; routed MoE experts count for the top-k of one token. On top
+of the weights: the attention KV of the context, and each GDN layer's recurrent state and conv window,
+read and written once. Activations and logits are left out (a few MB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaspec.engine.engine import Engine
+
+
+def weight_bytes_per_step(engine: Engine, mtp: bool = False) -> int:
+    config = engine.model_config
+    total = 0
+    for name, param in engine.model.named_parameters(remove_duplicate=False):
+        size = param.numel() * param.element_size()
+        if name.startswith("mtp.") and not mtp:
+            continue
+        if "embed_tokens" in name:
+            size = param.shape[-1] * param.element_size()  # one row
+        elif ".experts." in name and config.moe is not None:
+            size = size * config.moe.num_experts_per_tok // config.moe.num_experts
+        total += size
+    return total
+
+
+def bytes_per_step(engine: Engine, context: float, mtp: bool = False) -> dict:
+    """{"weights", "kv", "gdn_state", "total"} bytes one decode step reads (and, for states, writes) at
+    `context` tokens of attention KV."""
+    config, dtype_size = engine.model_config, engine.dtype.itemsize
+    state_size = torch.empty(0, dtype=engine.cache.gdn.state[0].dtype).element_size() if config.gdn_layer_ids else 0
+    kv_layers = len(config.attention_layer_ids) + (engine.model.num_kv_layers - len(config.attention_layer_ids)
+                                                   if mtp else 0)
+    kv = int(context * kv_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_size)
+    per_gdn_layer = (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+                     * state_size + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * dtype_size)
+    gdn = 2 * len(config.gdn_layer_ids) * per_gdn_layer  # read and written
+    weights = weight_bytes_per_step(engine, mtp)
+    return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
+
+
+def roofline(decode_tok_s: float, bytes_step: int, bandwidth: float) -> dict:
+    """Roofline fields of a measured decode rate: bandwidth in bytes/s, bytes read per step."""
+    roofline_tok_s = bandwidth / bytes_step
+    return {"bytes_per_step": bytes_step, "bandwidth_gb_s": bandwidth / 1e9, "roofline_tok_s": roofline_tok_s,
+            "roofline_step_ms": 1000 / roofline_tok_s, "roofline_fraction": decode_tok_s / roofline_tok_s,
+            "roofline_violation": decode_tok_s > roofline_tok_s}

@@ -1,0 +1,113 @@
+"""`--random-weights --shape NAME`: a real-shaped model with random weights, built on the device (no file).
+
+The model is built on the meta device, then every parameter is drawn on the target device, tensor by
+tensor, from one seeded generator, and assigned; then the projections are fused as after a checkpoint
+load. The scales keep a deep stack numerically sane in bf16 (no inf/nan, logits that depend on the
+input): input projections N(0, 1/fan_in), output projections (o_proj, out_proj, down_proj) N(0,
+1/(fan_in * 2 * layers)) so the residual stream stays O(1) over 64 layers, embeddings N(0, 0.02²), an
+untied LM head N(0, 1/hidden) (logits ~ N(0, 1)), zero-centred norm weights 0, the GDN gated norm 1,
+and `A_log = log(U(0, 16))`, `dt_bias = 1`, conv weights U(±1/sqrt(K)) as transformers initialises them.
+
+`random_plan` is the memory plan of such a model: weight bytes come from the shape's parameter count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from deltaspec.cache.memory_plan import MemoryPlan, plan_memory
+from deltaspec.config import (
+    EngineConfig,
+    ModelConfig,
+    parse_dtype,
+    resolve_engine_config,
+)
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.shapes import parameter_counts, shape_config
+from deltaspec.model.weights import load_model
+from deltaspec.ops.dispatch import OpTable
+
+OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
+ZERO_CENTRED_NORMS = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "norm.weight", "norm_embedding.weight",
+                      "norm_hidden.weight")
+
+
+def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill `out` (shape `shape`) with the random init of parameter `name` (see the module docstring)."""
+    if name.endswith("linear_attn.A_log"):
+        out.copy_(torch.empty(shape, dtype=torch.float32, device=out.device).uniform_(0, 16, generator=gen)
+                  .clamp_min(1e-4).log())
+    elif name.endswith(("linear_attn.dt_bias", "linear_attn.norm_weight")):
+        out.fill_(1.0)
+    elif name.endswith("conv1d_weight"):
+        bound = 1 / math.sqrt(shape[-1])
+        out.uniform_(-bound, bound, generator=gen)
+    elif name.endswith(".bias") or name.endswith(ZERO_CENTRED_NORMS):
+        out.zero_()
+    elif name.endswith("embed_tokens.weight"):
+        out.normal_(0.0, 0.02, generator=gen)
+    elif name.endswith(OUTPUT_PROJECTIONS):
+        out.normal_(0.0, 1 / math.sqrt(shape[-1] * 2 * config.num_hidden_layers), generator=gen)
+    elif len(shape) >= 2:  # input projections, LM head, router, MTP fc, experts' gate_up
+        out.normal_(0.0, 1 / math.sqrt(shape[-1]), generator=gen)
+    else:
+        raise DeltaspecError(f"No random init is defined for parameter {name} {list(shape)}.")
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: OpTable, seed: int = 0,
+                 progress: bool = True) -> HybridModel:
+    """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint."""
+    with torch.device("meta"):
+        model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    weights = {}
+    params = [(n, p) for n, p in model.named_parameters() if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    for name, param in tqdm(params, desc="Random weights", unit="tensor", disable=not progress):
+        weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
+        _draw(name, param.shape, config, weights[name], gen)
+    if config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    model.load_state_dict(weights, assign=True, strict=True)
+    model.fuse_projections()
+    return model.eval()
+
+
+def random_plan(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfig, dict, None]:
+    """`plan_for` of a random-weights configuration: (plan, resolved config, model config, {}, no directory)."""
+    if not config.random_weights:
+        raise DeltaspecError("--shape only applies with --random-weights; add --random-weights, or drop --shape "
+                             "to load a checkpoint.")
+    if config.shape is None:
+        raise DeltaspecError("--random-weights needs --shape NAME (qwen3.5-27b, qwen3.5-9b, qwen3.5-0.8b, "
+                             "qwen3.5-35b-a3b or qwen3-next-80b-a3b).")
+    if config.model is not None:
+        raise DeltaspecError("--random-weights builds a model from --shape and loads no checkpoint; drop --model.")
+    if "draft" in config.speculative.split("+") and not config.draft_model:
+        raise DeltaspecError("speculative='draft' with --random-weights needs --draft-model PATH; or use mtp or ngram.")
+    model_config = replace(shape_config(config.shape, config.shape_overrides), eos_token_ids=())
+    resolved = resolve_engine_config(config, "bfloat16")
+    dtype, device = parse_dtype(resolved.dtype), torch.device(resolved.device)
+    streams, ctx = resolved.max_num_seqs, resolved.max_model_len
+    if resolved.num_kv_blocks:
+        ctx = resolved.num_kv_blocks * resolved.block_size // streams
+    weights = parameter_counts(model_config)["total"] * dtype.itemsize
+    plan = plan_memory(model_config, len(model_config.attention_layer_ids) + model_config.num_mtp_layers, weights,
+                       dtype, parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
+                       resolved.max_num_batched_tokens, resolved.prefill_chunk, device,
+                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0)
+    return plan, resolved, model_config, {}, None
+
+
+def build_model(config: EngineConfig, model_dir: Path | None, model_config: ModelConfig, raw: dict,
+                dtype: torch.dtype, device: torch.device, ops: OpTable, progress: bool) -> HybridModel:
+    """The engine's model: random weights of the shape, or the checkpoint at `model_dir`."""
+    if config.random_weights:
+        return random_model(model_config, dtype, device, ops, config.seed, progress)
+    return load_model(model_dir, model_config, raw, dtype, device, ops, progress=progress)

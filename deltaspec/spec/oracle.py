@@ -1,0 +1,105 @@
+"""`OracleDrafter`: drafts the target's own greedy continuation, accepted at a chosen rate (benchmarks only).
+
+A benchmark first runs the prompt greedily without drafting and hands the continuation to the oracle
+(`expect`). At draft position i (1-based) the oracle proposes the right next token with probability
+p_i of the acceptance profile, given that positions 1..i-1 were right; otherwise it proposes a wrong
+token there (the reference token + 1) and fills the rest of the draft with reference tokens, so every
+pass verifies the full draft length and greedy verification accepts exactly the leading right tokens.
+The draws are deterministic per (seed, sequence, round).
+
+In low precision a verify pass can round differently from plain decoding, so the target's committed
+tokens may drift from the reference. The oracle re-anchors each round: if the committed tokens no longer
+match the reference it proposes nothing for that sequence from then on (`diverged` counts such
+sequences), so the measured acceptance is honest rather than the profile's. With `keep_length` (the
+verify-cost benchmark, where only the row count matters) it keeps proposing full-length drafts of
+reference tokens instead. `proposed` lists the length of every draft it returned.
+"""
+
+from __future__ import annotations
+
+import random
+
+from deltaspec.errors import DeltaspecError
+from deltaspec.spec.drafter import Draft, DraftRequest
+
+
+def expected_acceptance_length(profile: list[float]) -> float:
+    """AL of a conditional acceptance profile: sum_j prod_{i<=j} p_i."""
+    al, reach = 0.0, 1.0
+    for p in profile:
+        reach *= p
+        al += reach
+    return al
+
+
+def profile_for_acceptance_length(al: float, k: int) -> list[float]:
+    """A constant profile [p] * k with sum_{j=1..k} p^j == al (bisection); needs 0 <= al <= k."""
+    if not 0 <= al <= k:
+        raise DeltaspecError(f"An acceptance length of {al} is impossible with {k} draft tokens; use 0..{k}.")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_acceptance_length([mid] * k) < al else (lo, mid)
+    return [round((lo + hi) / 2, 6)] * k
+
+
+def parse_profile(text: str) -> list[float]:
+    try:
+        profile = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise DeltaspecError(f"An acceptance profile is comma-separated probabilities like 0.9,0.8,0.7; got {text!r}.") \
+            from None
+    if not profile or any(not 0 <= p <= 1 for p in profile):
+        raise DeltaspecError(f"An acceptance profile needs one to many probabilities in [0, 1]; got {text!r}.")
+    return profile
+
+
+class OracleDrafter:
+    name = "oracle"
+
+    def __init__(self, profile: list[float], vocab_size: int, seed: int = 0, keep_length: bool = False):
+        self.profile, self.vocab_size, self.seed, self.keep_length = list(profile), vocab_size, seed, keep_length
+        self.proposed: list[int] = []
+        self.reference: dict[str, tuple[int, list[int]]] = {}  # seq_id -> (prompt length, greedy continuation)
+        self.rounds: dict[str, int] = {}
+        self.diverged: set[str] = set()
+
+    def expect(self, seq_id: str, prompt_len: int, continuation: list[int]) -> None:
+        """The target's greedy continuation of sequence `seq_id`, whose prompt has `prompt_len` tokens."""
+        self.reference[seq_id] = (prompt_len, list(continuation))
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = [self._draft(r) for r in requests]
+        self.proposed.extend(len(d) for d in drafts)
+        return drafts
+
+    def _draft(self, request: DraftRequest) -> Draft:
+        if request.seq_id not in self.reference or (request.seq_id in self.diverged and not self.keep_length):
+            return Draft([])
+        prompt_len, ref = self.reference[request.seq_id]
+        generated = request.token_ids[prompt_len:]
+        if generated != ref[:len(generated)]:
+            self.diverged.add(request.seq_id)
+            if not self.keep_length:
+                return Draft([])
+        round_no = self.rounds[request.seq_id] = self.rounds.get(request.seq_id, 0) + 1
+        rng = random.Random(f"{self.seed}:{request.seq_id}:{round_no}")
+        start = len(generated)
+        tokens, right = [], True
+        for i in range(min(request.max_tokens, len(self.profile))):
+            truth = ref[min(start + i, len(ref) - 1)]
+            if right and rng.random() >= self.profile[i]:
+                right = False
+                truth = (truth + 1) % self.vocab_size  # the first wrong token; later ones are never verified
+            tokens.append(truth)
+        return Draft(tokens)
+
+    def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
+        pass  # stateless per round: the next propose compares the committed tokens with the reference
+
+    def on_finish(self, seq_id: str) -> None:
+        self.reference.pop(seq_id, None)
+        self.rounds.pop(seq_id, None)
+
+    def state_bytes(self) -> int:
+        return sum(8 * len(ref) for _, ref in self.reference.values())
