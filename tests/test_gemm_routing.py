@@ -1,0 +1,90 @@
+"""The skinny-GEMM routing table on the CPU (F.linear is the only candidate there): measuring, the
+JSON cache, routing, and the verify-cost curve."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaspec.ops import gemm_routing
+from deltaspec.ops.gemm_routing import ROW_BUCKETS, GemmRouter
+
+SHAPES = {(16, 8): 3, (24, 40): 1}  # (N, K) -> weights of that shape per pass
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELTASPEC_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def output_size_as_ms(fn, device):
+    """A deterministic stand-in for the clock: 'milliseconds' = elements of the product."""
+    return float(fn().numel())
+
+
+def refuse_to_measure(fn, device):
+    raise AssertionError("measured although the table was cached")
+
+
+def test_table_saved_then_reloaded_without_measuring(cache_root, monkeypatch):
+    first = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    assert first.measured
+    files = list(cache_root.glob("gemm-routes_*.json"))
+    assert files == [first.path]
+    saved = json.loads(first.path.read_text())
+    assert saved["device"] == "cpu" and saved["dtype"] == "float32" and saved["buckets"] == list(ROW_BUCKETS)
+    assert set(saved["shapes"]) == {"16x8", "24x40"}
+    assert saved["shapes"]["24x40"]["64"]["best"] == "torch"
+
+    monkeypatch.setattr(gemm_routing, "time_ms", refuse_to_measure)
+    second = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    assert not second.measured
+    assert second.table == first.table
+
+
+def test_only_missing_shapes_are_measured(cache_root, monkeypatch):
+    GemmRouter({(16, 8): 1}, torch.float32, "cpu", show_progress=False)
+    calls = []
+    monkeypatch.setattr(gemm_routing, "time_ms", lambda fn, device: calls.append(1) or 1.0)
+    router = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    assert router.measured and len(calls) == len(ROW_BUCKETS)
+    assert set(json.loads(router.path.read_text())["shapes"]) == {"16x8", "24x40"}
+
+
+def test_stale_table_is_measured_again(cache_root, monkeypatch):
+    router = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    stale = json.loads(router.path.read_text())
+    stale["candidates"] = ["torch", "a-kernel-that-no-longer-exists"]
+    router.path.write_text(json.dumps(stale))
+    assert GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False).measured
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 65])
+def test_linear_matches_f_linear(cache_root, rows):
+    router = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    torch.manual_seed(0)
+    weight = torch.randn(24, 40)
+    x = torch.randn(rows, 40)
+    torch.testing.assert_close(router.linear(x, weight), F.linear(x, weight))
+    batched = torch.randn(2, rows, 40)  # [batch, rows, K]
+    torch.testing.assert_close(router.linear(batched, weight), F.linear(batched, weight))
+    unknown = torch.randn(7, 40)  # a shape that was not measured
+    torch.testing.assert_close(router.linear(x, unknown), F.linear(x, unknown))
+    assert router.route((24, 40), rows) == "torch"
+
+
+def test_relative_costs_interpolate_between_buckets(cache_root, monkeypatch):
+    monkeypatch.setattr(gemm_routing, "time_ms", output_size_as_ms)
+    router = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    per_row = 3 * 16 + 1 * 24  # multiplicity * N, summed over shapes
+    assert router.pass_cost_ms(5) == pytest.approx(5 * per_row)
+    costs = router.relative_costs(70)
+    assert len(costs) == 70 and costs[0] == 1.0
+    assert costs == pytest.approx(tuple(float(rows) for rows in range(1, 71)))
+
+
+def test_relative_costs_of_real_timings(cache_root):
+    costs = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False).relative_costs(16)
+    assert len(costs) == 16 and costs[0] == 1.0 and all(cost > 0 for cost in costs)
