@@ -47,7 +47,7 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
     mtp = "mtp" in engine.config.speculative.split("+")
     say("measuring copy bandwidth ...")
     bandwidth = copy_bandwidth(engine.device)
-    decode_run(engine, context, min(max_tokens, 8), WARMUP_SEED)
+    decode_run(engine, context, min(max_tokens, 4), WARMUP_SEED)
     per_run = []
     for i in range(runs):
         per_run.append(decode_run(engine, context, max_tokens, seed=i))

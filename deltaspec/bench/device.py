@@ -22,7 +22,7 @@ from deltaspec.engine.sequence import Sequence
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams
 
-COPY_BYTES = {"cuda": 1 << 30, "cpu": 128 << 20}  # large enough to leave every cache
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # large enough to leave every cache
 _ids = itertools.count()
 
 

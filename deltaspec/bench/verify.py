@@ -51,7 +51,7 @@ def bench_verify(config: EngineConfig, context: int, rows: list[int], rounds: in
         raise DeltaspecError(f"{max(rows)} rows exceed --max-num-batched-tokens {engine.config.max_num_batched_tokens}.")
     results = []
     for r in rows:
-        timed_passes(engine, r, random_prompt(engine, context, WARMUP_SEED), 2)  # warm-up (graphs, kernels)
+        timed_passes(engine, r, random_prompt(engine, context, WARMUP_SEED), 1)  # warm-up (graphs, kernels)
         times = [t for i in range(runs) for t in timed_passes(engine, r, random_prompt(engine, context, i), rounds)]
         if not times:
             raise DeltaspecError(f"No pass verified {r} rows; raise --rounds.")

@@ -1,0 +1,163 @@
+"""The device benchmarks (decode, verify, concurrency, prefill, spec-oracle) run on the CPU with the embedded
+model or a small shape; their JSON has the fields the issue asks for, related by DESIGN §6's definitions.
+Speeds are not checked (CI machines vary), only that they are positive and consistent."""
+
+import json
+
+import pytest
+import torch
+
+from deltaspec.bench.device import bench_engine, copy_bandwidth
+from deltaspec.bench.roofline import bytes_per_step
+from deltaspec.cli import main
+from deltaspec.config import EngineConfig
+from deltaspec.errors import DeltaspecError
+from deltaspec.spec.drafter import DraftRequest
+from deltaspec.spec.oracle import (
+    OracleDrafter,
+    expected_acceptance_length,
+    parse_profile,
+    profile_for_acceptance_length,
+)
+
+SMALL_27B = ["--random-weights", "--shape", "qwen3.5-27b"]
+
+
+def bench(argv, tmp_path, capsys) -> dict:
+    out = tmp_path / "report.json"
+    assert main(["bench", *argv, "--device", "cpu", "--json", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == report
+    assert report["device"] == "cpu" and report["dtype"] and "commit" in report
+    return report
+
+
+def test_bench_decode_reports_the_roofline_consistently(tmp_path, capsys):
+    r = bench(["decode", "--context", "4", "--max-tokens", "3", "--runs", "1"], tmp_path, capsys)
+    for key in ("decode_tok_s", "step_ms", "bytes_per_step", "bandwidth_gb_s", "roofline_tok_s", "roofline_fraction"):
+        assert r[key] > 0, key
+    assert r["step_ms"] == pytest.approx(1000 / r["decode_tok_s"])
+    assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_gb_s"] * 1e9 / r["bytes_per_step"])
+    assert r["roofline_fraction"] == pytest.approx(r["decode_tok_s"] / r["roofline_tok_s"])
+    assert r["bytes_per_step"] == sum(r["bytes_per_step_parts"][k] for k in ("weights", "kv", "gdn_state"))
+    assert r["roofline_violation"] is False and r["speculative"] == "none" and r["context"] == 4
+    assert r["model"].endswith("target") and r["runs"] == 1 and len(r["per_run"]) == 1
+
+
+def test_bytes_per_step_reads_each_weight_once_and_one_embedding_row():
+    engine = bench_engine(EngineConfig(device="cpu", dtype="float32"), 32)
+    config, model = engine.model_config, engine.model
+    unique = {p.data_ptr(): p for n, p in model.named_parameters() if not n.startswith("mtp.")}
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    # tied embeddings: the LM head reads the whole table, the embedding lookup one more row
+    weights = (sum(p.numel() for p in unique.values()) + config.hidden_size) * 4
+    parts = bytes_per_step(engine, context=10)
+    assert config.tie_word_embeddings and parts["weights"] == weights
+    assert bytes_per_step(engine, 10, mtp=True)["weights"] == weights + mtp * 4
+    attention = len(config.attention_layer_ids)
+    assert parts["kv"] == 10 * attention * 2 * config.num_key_value_heads * config.head_dim * 4
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    conv = (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * 4
+    assert parts["gdn_state"] == 2 * len(config.gdn_layer_ids) * (state + conv)
+    assert copy_bandwidth(torch.device("cpu"), nbytes=8 << 20, repeats=2) > 0
+
+
+def test_bench_decode_on_a_small_random_shape(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(EngineConfig, "__init__", _with_small_shape(EngineConfig.__init__))
+    r = bench(["decode", *SMALL_27B, "--context", "4", "--max-tokens", "2", "--runs", "1"], tmp_path, capsys)
+    assert r["shape"] == "qwen3.5-27b" and r["random_weights"] is True and r["decode_tok_s"] > 0
+
+
+def _with_small_shape(init):
+    """EngineConfig that cuts a --shape down for CI (shape_overrides is Python-only, not a CLI flag)."""
+    def patched(self, *args, **kwargs):
+        if kwargs.get("shape") and not kwargs.get("shape_overrides"):
+            kwargs["shape_overrides"] = (("num_hidden_layers", 4), ("hidden_size", 64), ("intermediate_size", 128),
+                                         ("vocab_size", 512))
+        init(self, *args, **kwargs)
+    return patched
+
+
+def test_bench_verify_reports_each_row_count_and_its_ratio(tmp_path, capsys):
+    r = bench(["verify", "--context", "4", "--rows", "1,3", "--rounds", "1", "--runs", "1"], tmp_path, capsys)
+    assert [row["rows"] for row in r["rows"]] == [1, 3]
+    assert r["rows"][0]["ratio_to_1_row"] == 1.0
+    for row in r["rows"]:
+        assert row["step_ms"] > 0 and row["passes"] >= 1
+        assert row["ratio_to_1_row"] == pytest.approx(row["step_ms"] / r["rows"][0]["step_ms"])
+
+
+def test_bench_concurrency_reports_aggregate_by_the_tpot_definition(tmp_path, capsys):
+    r = bench(["concurrency", "--context", "6", "--max-tokens", "3", "--concurrency", "1,2", "--runs", "1"],
+              tmp_path, capsys)
+    assert [level["concurrency"] for level in r["levels"]] == [1, 2]
+    for level in r["levels"]:
+        run = level["per_run"][0]
+        assert run["aggregate_tok_s"] == pytest.approx(level["concurrency"] * 1000 / run["tpot_ms_mean"])
+        assert level["aggregate_tok_s"] == run["aggregate_tok_s"]
+    assert r["levels"][0]["ratio_to_single_stream"] == 1.0
+    assert r["levels"][1]["ratio_to_single_stream"] == pytest.approx(
+        r["levels"][1]["aggregate_tok_s"] / r["levels"][0]["aggregate_tok_s"])
+
+
+def test_bench_prefill_reports_length_over_time_to_first_token(tmp_path, capsys):
+    r = bench(["prefill", "--lengths", "8,24", "--runs", "1", "--prefill-chunk", "16"], tmp_path, capsys)
+    assert [row["length"] for row in r["lengths"]] == [8, 24] and r["prefill_chunk"] == 16
+    for row in r["lengths"]:
+        assert row["prefill_tok_s"] == pytest.approx(row["length"] / row["ttft_s"]) and row["ttft_s"] > 0
+
+
+def test_bench_spec_oracle_hits_the_profile_in_float64(tmp_path, capsys):
+    """All-accept at k = 2 with 2 full rounds: AL is exactly 2, and the output is the plain greedy one."""
+    r = bench(["spec-oracle", "--oracle-profile", "1,1", "--context", "4", "--max-tokens", "7", "--runs", "1",
+               "--dtype", "float64"], tmp_path, capsys)
+    run = r["per_run"][0]
+    assert r["profile"] == [1.0, 1.0] and r["expected_acceptance_length"] == 2.0
+    assert r["acceptance_length"] == 2.0 and run["rounds"] == 2 and run["matches_plain"] and not run["diverged"]
+    assert r["speedup"] == pytest.approx(r["spec_decode_tok_s"] / r["plain_decode_tok_s"])
+
+
+def test_oracle_profiles():
+    assert expected_acceptance_length([0.5, 0.5]) == 0.5 + 0.25
+    profile = profile_for_acceptance_length(3.0, 7)
+    assert len(profile) == 7 and expected_acceptance_length(profile) == pytest.approx(3.0, abs=1e-4)
+    assert parse_profile("0.9, 0.8") == [0.9, 0.8]
+    for bad in ("", "1.5", "a,b"):
+        with pytest.raises(DeltaspecError):
+            parse_profile(bad)
+    with pytest.raises(DeltaspecError, match="impossible"):
+        profile_for_acceptance_length(5, 4)
+
+
+def test_oracle_accepts_at_the_profile_rate_and_stops_after_divergence():
+    ref = list(range(100, 140))
+    oracle = OracleDrafter([0.7, 0.5], vocab_size=1000, seed=3)
+    oracle.expect("s", 2, ref)
+    rights = []
+    for n in range(30):  # each round: the context is the prompt + the first n reference tokens
+        draft = oracle.propose([DraftRequest("s", [1, 2, *ref[:n]], 2)])[0].tokens
+        assert len(draft) == 2 and draft[0] in (ref[n], ref[n] + 1)
+        rights.append(draft[0] == ref[n])
+        if draft[0] != ref[n]:
+            assert draft[1] == ref[n + 1]  # filler after the first wrong token
+    assert 0.4 < sum(rights) / len(rights) < 0.95
+    again = OracleDrafter([0.7, 0.5], vocab_size=1000, seed=3)
+    again.expect("s", 2, ref)
+    assert again.propose([DraftRequest("s", [1, 2], 2)])[0].tokens == \
+        OracleDrafter.propose(_fresh(ref), [DraftRequest("s", [1, 2], 2)])[0].tokens
+    assert oracle.propose([DraftRequest("s", [1, 2, 999], 2)])[0].tokens == [] and "s" in oracle.diverged
+    keep = OracleDrafter([1.0, 1.0], vocab_size=1000, keep_length=True)
+    keep.expect("s", 2, ref)
+    assert len(keep.propose([DraftRequest("s", [1, 2, 999], 2)])[0].tokens) == 2 and keep.proposed == [2]
+
+
+def _fresh(ref):
+    oracle = OracleDrafter([0.7, 0.5], vocab_size=1000, seed=3)
+    oracle.expect("s", 2, ref)
+    return oracle
+
+
+def test_a_context_beyond_the_model_is_a_clear_error(capsys):
+    assert main(["bench", "decode", "--device", "cpu", "--context", "5000", "--max-tokens", "4", "--runs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's 4096 positions" in err and "Traceback" not in err

@@ -1,0 +1,135 @@
+"""`--random-weights --shape NAME`: real shapes as ModelConfigs, parameter counts without allocation, seeded random
+models that run through the engine, the memory plan, and the CLI's errors and boolean flags."""
+
+import pytest
+import torch
+
+from deltaspec.cli import build_parser, engine_config, main
+from deltaspec.config import FULL_ATTENTION, EngineConfig
+from deltaspec.engine.engine import Engine, plan_for
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.random_init import random_model
+from deltaspec.model.shapes import SHAPES, parameter_counts, shape_config
+from deltaspec.ops.dispatch import ops_for
+from deltaspec.sample.params import SamplingParams
+
+# A 27B-shaped model cut down for a 2-core CI machine: the real heads and head dims, fewer layers, narrower.
+SMALL = (("num_hidden_layers", 4), ("hidden_size", 64), ("intermediate_size", 128), ("vocab_size", 512))
+
+
+def test_qwen35_27b_has_the_issue_numbers_and_27b_parameters():
+    c = shape_config("qwen3.5-27b")
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (64, 5120, 17408, 248320)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (24, 4, 256)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == \
+        (16, 48, 128, 128)
+    assert c.attention_layer_ids == tuple(range(3, 64, 4)) and c.layer_types[3] == FULL_ATTENTION
+    assert (c.partial_rotary_factor, c.rope_theta, c.tie_word_embeddings, c.num_mtp_layers) == (0.25, 1e7, False, 1)
+    counts = parameter_counts(c)
+    assert 26.5e9 < counts["total"] - counts["mtp"] < 27.5e9
+    assert counts["embedding"] == counts["lm_head"] == 248320 * 5120
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_parameter_count_matches_the_model_built_on_meta(name):
+    config = shape_config(name)
+    with torch.device("meta"):
+        model = HybridModel(config, ops_for(torch.device("cpu")), torch.float32, "meta", config.num_mtp_layers)
+    tied = config.tie_word_embeddings  # the LM head becomes the embedding table when the weights are loaded
+    params = [p for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")]
+    assert sum(p.numel() for p in params) == parameter_counts(config)["total"]
+    moe = parameter_counts(config)["experts"]
+    assert (moe > 0) == (config.moe is not None)
+
+
+def test_overrides_rederive_layers_and_reach_moe_fields():
+    c = shape_config("qwen3-next-80b-a3b", (("num_hidden_layers", 8), ("num_experts", 4)))
+    assert c.num_hidden_layers == 8 and len(c.layer_types) == len(c.moe_layers) == 8 and c.moe.num_experts == 4
+    assert c.gdn_layout == "qwen3_next" and c.attention_layer_ids == (3, 7)
+    with pytest.raises(DeltaspecError, match="dense"):
+        shape_config("qwen3.5-27b", (("num_experts", 4),))
+    with pytest.raises(DeltaspecError, match="Unknown shape 'qwen9'"):
+        shape_config("qwen9")
+
+
+def test_random_model_is_seeded_finite_and_input_dependent():
+    config = shape_config("qwen3.5-27b", SMALL)
+    ops = ops_for(torch.device("cpu"))
+    a = random_model(config, torch.float32, torch.device("cpu"), ops, seed=1, progress=False)
+    b = random_model(config, torch.float32, torch.device("cpu"), ops, seed=1, progress=False)
+    c = random_model(config, torch.float32, torch.device("cpu"), ops, seed=2, progress=False)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert not torch.equal(pa["lm_head.weight"], pc["lm_head.weight"])
+    assert all(torch.isfinite(p).all() for p in pa.values())
+    assert torch.all(pa["model.norm.weight"] == 0)  # zero-centred norms start at the identity
+    a_log = pa["model.layers.0.linear_attn.A_log"]
+    assert torch.all(a_log.exp() <= 16) and torch.all(pa["model.layers.0.linear_attn.dt_bias"] == 1)
+
+
+def test_deep_bfloat16_stack_stays_finite_with_varied_logits():
+    """12 layers in bf16 at the real head geometry: no inf/nan, logits that depend on the token."""
+    deep = (("num_hidden_layers", 12), ("hidden_size", 128), ("intermediate_size", 256), ("vocab_size", 256))
+    engine = Engine(EngineConfig(random_weights=True, shape="qwen3.5-27b", shape_overrides=deep, device="cpu",
+                                 dtype="bfloat16", max_model_len=64, max_num_seqs=1), progress=False)
+    assert engine.model_config.num_hidden_layers == 12 and engine.model_config.linear_num_value_heads == 48
+    hidden = engine.model.model.embed_tokens(torch.arange(8))
+    logits = engine.model.compute_logits(engine.model.model.norm(hidden)).float()
+    seq = engine.add_request("r", None, list(range(20, 28)), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                           ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+    assert len(seq.output_ids) == 4 and len(set(seq.output_ids)) > 1
+
+
+def test_engine_runs_the_moe_shapes_with_random_weights():
+    for name, extra in (("qwen3.5-35b-a3b", (("num_experts", 4), ("num_experts_per_tok", 2),
+                                                                     ("moe_intermediate_size", 16),
+                                                                     ("shared_expert_intermediate_size", 16))),
+                        ("qwen3-next-80b-a3b", (("num_experts", 4), ("num_experts_per_tok", 2),
+                                                ("moe_intermediate_size", 16), ("shared_expert_intermediate_size", 16)))):
+        engine = Engine(EngineConfig(random_weights=True, shape=name, shape_overrides=SMALL + extra,
+                                     device="cpu", max_model_len=32, max_num_seqs=1, num_kv_blocks=0), progress=False)
+        assert engine.tokenizer is None and engine.model_dir is None
+        seq = engine.add_request("r", None, [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        assert len(seq.output_ids) == 3 and all(0 <= t < 512 for t in seq.output_ids)
+
+
+def test_memory_plan_counts_the_shape_weights_without_allocating():
+    plan, resolved, config, raw, model_dir = plan_for(EngineConfig(random_weights=True, shape="qwen3.5-27b",
+                                                                   dtype="bfloat16", device="cpu"))
+    assert plan.weights == parameter_counts(config)["total"] * 2 and 50 < plan.weights / 2**30 < 52
+    assert model_dir is None and raw == {} and resolved.dtype == "bfloat16"
+    assert plan.kv_per_token == (16 + 1) * 2 * 4 * 256 * 2  # 16 attention layers + the MTP layer
+
+
+def test_cli_bool_flags_and_python_only_fields():
+    parser = build_parser()
+    args = parser.parse_args(["plan", "--random-weights", "--shape", "qwen3.5-9b"])
+    assert engine_config(args).random_weights is True and engine_config(args).shape == "qwen3.5-9b"
+    assert engine_config(parser.parse_args(["plan"])).random_weights is False
+    assert engine_config(parser.parse_args(["plan", "--no-random-weights"])).random_weights is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["plan", "--shape-overrides", "x"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--random-weights"], "needs --shape"),
+    (["--shape", "qwen3.5-27b"], "only applies with --random-weights"),
+    (["--random-weights", "--shape", "gpt-5"], "Unknown shape"),
+    (["--random-weights", "--shape", "qwen3.5-27b", "--model", "x"], "drop --model"),
+])
+def test_user_errors_are_one_sentence(argv, message, capsys):
+    assert main(["plan", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_plan_command_prints_the_random_weights_budget(capsys):
+    code = main(["plan", "--random-weights", "--shape", "qwen3.5-27b", "--dtype", "bfloat16", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code in (0, 2) and out.startswith("weights") and "50.8" in out.splitlines()[0]
