@@ -56,7 +56,7 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
     step_bytes = bytes_per_step(engine, context + max_tokens / 2, mtp)
     report = identity(engine, "decode", context=context, max_tokens=max_tokens, runs=runs,
                       speculative=engine.config.speculative, decode_tok_s=tok_s, step_ms=1000 / tok_s,
-                      **roofline(tok_s, step_bytes["total"], bandwidth), bytes_per_step_parts=step_bytes,
+                      **roofline(tok_s, step_bytes["total"], bandwidth, engine.config.speculative == "none"), bytes_per_step_parts=step_bytes,
                       kv_context_mean=context + max_tokens / 2, per_run=per_run)
     if report["roofline_violation"]:
         say("WARNING: decode is faster than the bandwidth roofline -- the bytes-per-step count or the timing is wrong")

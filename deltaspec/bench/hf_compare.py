@@ -5,12 +5,14 @@ on the meta device from a config made from the engine's `ModelConfig`, then give
 `load_state_dict(model.hf_state_dict(), assign=True)`: views, no copy (conv weights are viewed as
 [C, 1, K]). Its rotary tables are rebuilt on the device. Timing follows DESIGN §6 as far as `generate`
 allows: t1 = time of generate(1 token) (prefill + first token), tN = time of generate(N tokens), decode
-tok/s = (N - 1) / (tN - t1), each the median over runs. transformers takes the GDN fast path (fla's
-kernels) when fla is importable; the report says whether it was.
+tok/s = (N - 1) / (median tN - median t1). transformers takes the GDN fast path (fla's kernels) when fla
+is importable and usable on the device; the report says whether fla imported and which kernels
+transformers said it replaced by its torch reference.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -107,22 +109,45 @@ def _generate_seconds(model, prompt: torch.Tensor, new_tokens: int, device: torc
     return time.perf_counter() - start
 
 
+class _Fallbacks(logging.Handler):
+    """Collects transformers' "falling back to its reference PyTorch implementation" warnings."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "falling back" in record.getMessage():
+            self.messages.append(record.getMessage().split(" is falling back")[0].strip("` "))
+
+
 @torch.inference_mode()
 def hf_decode(engine: Engine, context: int, max_tokens: int, runs: int) -> dict:
-    """transformers' decode tok/s on the engine's weights: {"hf_decode_tok_s", "hf_per_run", "fla_version", ...}."""
+    """transformers' decode tok/s on the engine's weights, (N - 1) / (median tN - median t1), with its
+    per-run times, version, whether fla was importable, and the kernels transformers said it replaced by
+    torch code (`hf_fallbacks`; transformers versions that do not say so leave it empty)."""
     import transformers
 
     say("building the transformers model on the engine's weights ...")
     model = hf_model(engine)
-    _generate_seconds(model, torch.tensor([random_prompt(engine, context, 1 << 20)], device=engine.device),
-                      min(max_tokens, 4), engine.device)  # warm-up
+    fallbacks = _Fallbacks()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(fallbacks)
+    try:  # the first prefill and decode steps are where transformers picks (and reports) its kernels
+        _generate_seconds(model, torch.tensor([random_prompt(engine, context, 1 << 20)], device=engine.device),
+                          min(max_tokens, 4), engine.device)
+    finally:
+        logger.removeHandler(fallbacks)
     per_run = []
     for i in range(runs):
         prompt = torch.tensor([random_prompt(engine, context, i)], device=engine.device)
-        first = _generate_seconds(model, prompt, 1, engine.device)
-        total = _generate_seconds(model, prompt, max_tokens, engine.device)
-        per_run.append({"first_token_s": first, "total_s": total, "decode_tok_s": (max_tokens - 1) / (total - first)})
-        say(f"transformers run {i + 1}/{runs}: {per_run[-1]['decode_tok_s']:.2f} tok/s")
-    return {"hf_decode_tok_s": statistics.median(r["decode_tok_s"] for r in per_run), "hf_per_run": per_run,
-            "hf_class": type(model).__name__, "transformers_version": transformers.__version__,
-            "fla_importable": fla_version() is not None, "fla_version": fla_version()}
+        per_run.append({"first_token_s": _generate_seconds(model, prompt, 1, engine.device),
+                        "total_s": _generate_seconds(model, prompt, max_tokens, engine.device)})
+        say(f"transformers run {i + 1}/{runs}: {max_tokens} tokens in {per_run[-1]['total_s']:.2f} s")
+    decode_s = statistics.median(r["total_s"] for r in per_run) - statistics.median(r["first_token_s"] for r in per_run)
+    if max_tokens < 2 or decode_s <= 0:
+        raise DeltaspecError(f"transformers' decode time could not be told apart from its first token over "
+                             f"{max_tokens} tokens; raise --max-tokens.")
+    return {"hf_decode_tok_s": (max_tokens - 1) / decode_s, "hf_per_run": per_run, "hf_class": type(model).__name__,
+            "transformers_version": transformers.__version__, "fla_importable": fla_version() is not None,
+            "fla_version": fla_version(), "hf_fallbacks": sorted(set(fallbacks.messages))}

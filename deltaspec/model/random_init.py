@@ -75,6 +75,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     model.load_state_dict(weights, assign=True, strict=True)
+    weights.clear()  # the model holds the only references: fusing frees each group's parts as it goes
     model.fuse_projections()
     return model.eval()
 
