@@ -5,7 +5,8 @@ A benchmark first runs the prompt greedily without drafting and hands the contin
 p_i of the acceptance profile, given that positions 1..i-1 were right; otherwise it proposes a wrong
 token there (the reference token + 1) and fills the rest of the draft with reference tokens, so every
 pass verifies the full draft length and greedy verification accepts exactly the leading right tokens.
-The draws are deterministic per (seed, sequence, round).
+The draws are deterministic per (seed, prompt, position), whatever the request id, so a rerun of the same
+prompt proposes the same drafts as long as its committed tokens are the same.
 
 In low precision a verify pass can round differently from plain decoding, so the target's committed
 tokens may drift from the reference. The oracle re-anchors each round: if the committed tokens no longer
@@ -61,7 +62,6 @@ class OracleDrafter:
         self.profile, self.vocab_size, self.seed, self.keep_length = list(profile), vocab_size, seed, keep_length
         self.proposed: list[int] = []
         self.reference: dict[str, tuple[int, list[int]]] = {}  # seq_id -> (prompt length, greedy continuation)
-        self.rounds: dict[str, int] = {}
         self.diverged: set[str] = set()
 
     def expect(self, seq_id: str, prompt_len: int, continuation: list[int]) -> None:
@@ -82,9 +82,8 @@ class OracleDrafter:
             self.diverged.add(request.seq_id)
             if not self.keep_length:
                 return Draft([])
-        round_no = self.rounds[request.seq_id] = self.rounds.get(request.seq_id, 0) + 1
-        rng = random.Random(f"{self.seed}:{request.seq_id}:{round_no}")
         start = len(generated)
+        rng = random.Random(f"{self.seed}:{hash(tuple(request.token_ids[:prompt_len]))}:{start}")
         tokens, right = [], True
         for i in range(min(request.max_tokens, len(self.profile))):
             truth = ref[min(start + i, len(ref) - 1)]
@@ -99,7 +98,6 @@ class OracleDrafter:
 
     def on_finish(self, seq_id: str) -> None:
         self.reference.pop(seq_id, None)
-        self.rounds.pop(seq_id, None)
 
     def state_bytes(self) -> int:
         return sum(8 * len(ref) for _, ref in self.reference.values())
