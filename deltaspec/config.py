@@ -136,6 +136,11 @@ class EngineConfig:
         "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"})
     draft_model: str | None = field(default=None, metadata={
         "help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"})
+    kernels: str = field(default="auto", metadata={
+        "help": "op implementations: auto (Triton kernels on CUDA, torch references elsewhere), reference "
+                "(torch references everywhere)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "run every pass eagerly, without CUDA graphs"})
     random_weights: bool = field(default=False, metadata={
         "help": "build the model of --shape with random weights on the device (no checkpoint, no tokenizer: "
                 "prompts are token ids); for benchmarks"})
@@ -183,6 +188,8 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         state_dtype = "float64" if dtype_name == "float64" else "float32"
     else:
         state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
+    if cfg.kernels not in ("auto", "reference"):
+        raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
     for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "prefill_chunk",
                  "draft_tokens"):
         if getattr(cfg, name) < 1:

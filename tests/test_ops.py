@@ -7,9 +7,15 @@ import torch.nn.functional as F
 from deltaspec.ops.attention import paged_attention, write_kv
 from deltaspec.ops.conv import causal_conv1d
 from deltaspec.ops.gdn import gated_delta_rule
+from deltaspec.ops.layout import SeqLayout
 from deltaspec.ops.norms import l2_norm
 
 torch.manual_seed(0)
+
+
+def lay(lens, slots, fold=None, speculative=None, context_lens=None, block_tables=None):
+    return SeqLayout.build(lens, context_lens or lens, slots, "cpu", fold=fold, speculative=speculative,
+                           block_tables=block_tables)
 
 
 def naive_gdn(q, k, v, g, beta, state):
@@ -46,7 +52,7 @@ def test_gated_delta_rule_matches_row_by_row_recurrence_across_chunks():
         rows = slice(start, start + length)
         expected[rows] = naive_gdn(q[rows], k[rows], v[rows], g[rows], beta[rows], expected_state[slot])
         start += length
-    out = gated_delta_rule(q, k, v, g, beta, state, lens, slots)
+    out = gated_delta_rule(q, k, v, g, beta, state, lay(lens, slots))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(state, expected_state, rtol=0, atol=1e-12)
 
@@ -54,7 +60,7 @@ def test_gated_delta_rule_matches_row_by_row_recurrence_across_chunks():
 def test_gated_delta_rule_float32_state_keeps_float32():
     q, k, v, g, beta = (t.float() for t in random_gdn_inputs(70))
     state = torch.zeros(1, 4, 8, 6)
-    out = gated_delta_rule(q, k, v.bfloat16(), g, beta, state, [70], [0])
+    out = gated_delta_rule(q, k, v.bfloat16(), g, beta, state, lay([70], [0]))
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32 and state.abs().sum() > 0
 
 
@@ -66,7 +72,7 @@ def test_causal_conv1d_carries_the_window_between_pieces():
     conv_state = torch.zeros(2, kernel - 1, channels, dtype=torch.float64)
     pieces, got, start = [1, 2, 9, 1, 10], [], 0
     for length in pieces:
-        got.append(causal_conv1d(x[start:start + length], weight, conv_state, [length], [1]))
+        got.append(causal_conv1d(x[start:start + length], weight, conv_state, lay([length], [1])))
         start += length
     torch.testing.assert_close(torch.cat(got), expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(conv_state[1], x[-(kernel - 1):], rtol=0, atol=0)
@@ -86,8 +92,8 @@ def test_paged_attention_matches_dense_causal_attention_with_scattered_pages():
         slots = tables[b][pos // block_size] * block_size + pos % block_size
         write_kv(keys[b], values[b], k_cache, v_cache, slots)
     q = torch.randn(sum(lens_new), hq, d, dtype=torch.float64)
-    out = paged_attention(q, k_cache, v_cache, tables, lens_new, [c + n for c, n in zip(lens_cached, lens_new)],
-                          d ** -0.5)
+    out = paged_attention(q, k_cache, v_cache, lay(lens_new, [0, 1], context_lens=[c + n for c, n in zip(
+        lens_cached, lens_new)], block_tables=tables.tolist()), d ** -0.5)
     start = 0
     for b, (c, n) in enumerate(zip(lens_cached, lens_new)):
         qb = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
@@ -108,19 +114,21 @@ def test_speculative_rows_are_logged_and_accepted_rows_replayed_exactly():
     log = GDNLog(k=torch.zeros(3, 8, 2, 8, dtype=torch.float64), v=torch.zeros(3, 8, 4, 6, dtype=torch.float64),
                  g=torch.zeros(3, 8, 4, dtype=torch.float64), beta=torch.zeros(3, 8, 4, dtype=torch.float64))
     plain_state = state.clone()
-    plain = gated_delta_rule(q, k, v, g, beta, plain_state, [5, 7], [2, 0])  # rows 0-4: slot 2, 5-11: slot 0
+    plain = gated_delta_rule(q, k, v, g, beta, plain_state, lay([5, 7], [2, 0]))  # rows 0-4: slot 2, 5-11: slot 0
     spec_state = state.clone()
-    spec = gated_delta_rule(q[:5], k[:5], v[:5], g[:5], beta[:5], spec_state, [5], [2], speculative=[True], log=log)
+    spec = gated_delta_rule(q[:5], k[:5], v[:5], g[:5], beta[:5], spec_state, lay([5], [2], speculative=[True]),
+                            log=log)
     torch.testing.assert_close(spec, plain[:5], rtol=0, atol=1e-12)
     torch.testing.assert_close(spec_state, state, rtol=0, atol=0)  # nothing advanced
     for accepted in (0, 3, 5):
         folded = spec_state.clone()
-        rest = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], folded, [7], [2], fold=[accepted], log=log)
+        rest = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], folded, lay([7], [2], fold=[accepted]),
+                                log=log)
         expected_state = state.clone()
         if accepted:
             gated_delta_rule(q[:accepted], k[:accepted], v[:accepted], g[:accepted], beta[:accepted],
-                             expected_state, [accepted], [2])
-        expected = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], expected_state, [7], [2])
+                             expected_state, lay([accepted], [2]))
+        expected = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], expected_state, lay([7], [2]))
         torch.testing.assert_close(rest, expected, rtol=0, atol=1e-12)
         torch.testing.assert_close(folded, expected_state, rtol=0, atol=1e-12)
 
@@ -133,11 +141,12 @@ def test_conv_window_is_logged_and_replayed():
     log = torch.zeros(1, 8, channels, dtype=torch.float64)
     for accepted in (0, 1, 4):
         window = start.clone()
-        spec = causal_conv1d(x[:4], weight, window, [4], [0], speculative=[True], log=log)
+        spec = causal_conv1d(x[:4], weight, window, lay([4], [0], speculative=[True]), log=log)
         torch.testing.assert_close(window, start, rtol=0, atol=0)
-        out = causal_conv1d(x[4:], weight, window, [5], [0], fold=[accepted], log=log)
+        out = causal_conv1d(x[4:], weight, window, lay([5], [0], fold=[accepted]), log=log)
         reference = start.clone()
-        plain = causal_conv1d(torch.cat((x[:accepted], x[4:])), weight, reference, [accepted + 5], [0])
+        plain = causal_conv1d(torch.cat((x[:accepted], x[4:])), weight, reference, lay([accepted + 5], [0]))
         torch.testing.assert_close(out, plain[accepted:], rtol=0, atol=1e-12)
         torch.testing.assert_close(window, reference, rtol=0, atol=0)
-        torch.testing.assert_close(spec, causal_conv1d(x[:4], weight, start.clone(), [4], [0]), rtol=0, atol=0)
+        torch.testing.assert_close(spec, causal_conv1d(x[:4], weight, start.clone(), lay([4], [0])), rtol=0,
+                                   atol=0)

@@ -42,7 +42,7 @@ class MemoryPlan:
 
     @property
     def states(self) -> int:
-        return self.streams * self.state_per_stream
+        return (self.streams + 1) * self.state_per_stream  # + the scratch slot of CUDA-graph padding
 
     @property
     def total(self) -> int:
@@ -54,20 +54,21 @@ class MemoryPlan:
 
     def max_streams(self) -> int:
         """Most streams of `ctx` tokens that fit next to the weights and workspace."""
-        room = self.available - self.weights - self.workspace - self.reserve
+        room = self.available - self.weights - self.workspace - self.reserve - self.state_per_stream
         per_stream = math.ceil(self.ctx / self.block_size) * self.block_size * self.kv_per_token + self.state_per_stream
         return max(room // per_stream, 0)
 
     def max_ctx(self) -> int:
         """Longest context (a multiple of the block size) that `streams` streams fit in."""
-        room = (self.available - self.weights - self.workspace - self.reserve) // self.streams - self.state_per_stream
+        room = (self.available - self.weights - self.workspace - self.reserve - self.state_per_stream) \
+            // self.streams - self.state_per_stream
         if room <= 0 or self.kv_per_token == 0:
             return 0
         return room // self.kv_per_token // self.block_size * self.block_size
 
     def table(self) -> str:
         rows = [("weights", self.weights), (f"attention KV ({self.streams} streams x {self.ctx} tokens)", self.kv),
-                (f"GDN states ({self.streams} slots)", self.states), ("workspace (one forward pass)", self.workspace),
+                (f"GDN states ({self.streams} slots + scratch)", self.states), ("workspace (one forward pass)", self.workspace),
                 ("reserve (runtime)", self.reserve), ("total needed", self.total),
                 (f"free on {self.device}", self.available)]
         width = max(len(name) for name, _ in rows)

@@ -2,7 +2,8 @@
 
 A running sequence owns one slot index for its whole life; every op reads and writes its state
 in place at that index. A slot is zeroed when it is handed out, which is the state of an empty
-prefix. With speculative decoding each slot also has a replay log of `log_rows` rows per layer
+prefix. One extra slot, `scratch_slot`, is never handed out: padding sequences of CUDA-graph
+buckets read and write it. With speculative decoding each slot also has a replay log of `log_rows` rows per layer
 (the inputs of rows being verified, `deltaspec.ops.gdn`): memory per sequence is one state plus
 the log, whatever the draft length.
 """
@@ -20,6 +21,8 @@ class GDNStateCache:
     def __init__(self, num_layers: int, num_slots: int, num_k_heads: int, num_v_heads: int, key_dim: int,
                  value_dim: int, conv_dim: int, conv_kernel: int, state_dtype: torch.dtype, conv_dtype: torch.dtype,
                  device: torch.device, log_rows: int = 0):
+        self.scratch_slot = num_slots
+        num_slots += 1
         self.state = [torch.zeros((num_slots, num_v_heads, key_dim, value_dim), dtype=state_dtype, device=device)
                       for _ in range(num_layers)]
         self.conv = [torch.zeros((num_slots, conv_kernel - 1, conv_dim), dtype=conv_dtype, device=device)
@@ -33,7 +36,7 @@ class GDNStateCache:
                            beta=zeros(num_v_heads)) for _ in range(num_layers)] if log_rows else [None] * num_layers
         self.conv_log = [zeros(conv_dim, dtype=conv_dtype) for _ in range(num_layers)] if log_rows else \
             [None] * num_layers
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(self.scratch_slot - 1, -1, -1))
 
     @property
     def num_free(self) -> int:

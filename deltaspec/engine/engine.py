@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from deltaspec.cache.manager import CacheManager
 from deltaspec.config import EngineConfig, parse_dtype, resolve_engine_config
+from deltaspec.engine.cuda_graphs import CudaGraphRunner
 from deltaspec.engine.runner import Runner, StepOutput
 from deltaspec.engine.scheduler import Scheduled, Scheduler
 from deltaspec.engine.sequence import Sequence
@@ -26,7 +28,7 @@ from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import apply_penalties, make_generator, sample
 from deltaspec.spec.drafter import DraftRequest
 from deltaspec.spec.factory import make_drafter
-from deltaspec.spec.policy import DraftLengthPolicy
+from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
 from deltaspec.spec.verify import verify_sampling
 
 
@@ -75,9 +77,11 @@ class Engine:
         self.model_dir = model_dir
         self.device = torch.device(self.config.device)
         self.dtype = parse_dtype(self.config.dtype)
+        self.ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
         self.model = build_model(self.config, model_dir, self.model_config, raw, self.dtype, self.device,
-                                 ops_for(self.device), progress)
+                                 self.ops, progress)
         self.tokenizer = Tokenizer.from_dir(model_dir) if model_dir is not None else None
+        verify_costs = self._route_gemms(progress)
         self.max_model_len = self.config.max_model_len
         cfg = self.config
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
@@ -86,13 +90,38 @@ class Engine:
                                   log_rows=cfg.draft_tokens + 1 if cfg.speculative != "none" else 0)
         self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk)
         self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size, self._mtp_drafter)
-        self.draft_policy = DraftLengthPolicy(max_k=cfg.draft_tokens)
-        self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device)
+        self.draft_policy = DraftLengthPolicy(max_k=cfg.draft_tokens, table=verify_costs)
+        self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device, self._graph_runner())
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         self.eos_ids = frozenset(eos)
         self._seed_counter = itertools.count(cfg.seed)
+
+    def _route_gemms(self, progress: bool) -> VerifyCostTable:
+        """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply by the device's
+        measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements;
+        elsewhere keep torch's matmul and the default cost estimate."""
+        if self.device.type != "cuda" or self.config.kernels == "reference" \
+                or self.dtype not in (torch.bfloat16, torch.float16):
+            return VerifyCostTable()
+        from deltaspec.ops.gemm_routing import GemmRouter
+
+        router = GemmRouter(self.model.linear_shapes(), self.dtype, self.device, show_progress=progress)
+        self.ops = replace(self.ops, linear=router.linear)
+        self.model.use_ops(self.ops)
+        return VerifyCostTable(router.relative_costs(max(self.config.draft_tokens + 1, 2)))
+
+    def _graph_runner(self) -> CudaGraphRunner | None:
+        """CUDA graphs for decode and verify passes: on CUDA with the Triton kernels (the references sync
+        with the host), for dense models (MoE routing syncs too), unless --enforce-eager."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager or cfg.kernels == "reference" \
+                or self.model_config.moe is not None:
+            return None
+        log_rows = cfg.draft_tokens + 1 if cfg.speculative != "none" else 0
+        return CudaGraphRunner(self.model, self.cache.caches, cfg.block_size, self.device, cfg.max_num_seqs,
+                               log_rows, cfg.max_model_len, self.cache.gdn.scratch_slot)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -167,6 +196,8 @@ class Engine:
         for item in schedule:
             item.seq.num_computed += item.num_rows
             item.seq.pending_fold = 0  # this pass replayed it
+        for i in result.logged:
+            schedule[i].seq.pending_fold = 1  # its one row ran as a verify row; fold it next pass
         updated = self._commit_verified(schedule, result.verify_logits)
         if getattr(self.drafter, "wants_hidden", False):
             for item, start, row in zip(schedule, before, result.row_starts):

@@ -1,4 +1,8 @@
-"""One decoder block (`h += mixer(norm1(h)); h += mlp(norm2(h))`) and the caches it reads."""
+"""Decoder blocks (`h += mixer(norm1(h)); h += mlp(norm2(h))`) and the caches they read.
+
+The residual stream runs with each add fused into the norm that follows it: a block takes its
+normed input and the residual, and returns the next block's normed input and the residual.
+"""
 
 from dataclasses import dataclass
 
@@ -38,10 +42,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches, cos, sin) -> torch.Tensor:
-        x = self.input_layernorm(h)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch, caches: ModelCaches, cos, sin,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x = input_layernorm(residual) [T, hidden] -> (next_norm(new residual), new residual)."""
         if self.is_gdn:
-            h = h + self.linear_attn(x, batch, caches)
+            mixed = self.linear_attn(x, batch, caches)
         else:
-            h = h + self.self_attn(x, batch, caches, cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            mixed = self.self_attn(x, batch, caches, cos, sin)
+        x, residual = self.post_attention_layernorm.add(mixed, residual)
+        return next_norm.add(self.mlp(x), residual)
+
+
+def run_blocks(layers: nn.ModuleList, h: torch.Tensor, final_norm: RMSNorm, batch: ForwardBatch,
+               caches: ModelCaches, cos, sin) -> torch.Tensor:
+    """h [T, hidden] through `layers`, then `final_norm` -> [T, hidden]."""
+    x, residual = layers[0].input_layernorm(h), h
+    for i, layer in enumerate(layers):
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        x, residual = layer(x, residual, batch, caches, cos, sin, next_norm)
+    return x

@@ -1,30 +1,23 @@
 """`ForwardBatch`: the flat tensors one forward pass runs on (built by the engine's runner).
 
-Rows of all sequences lie back to back. Sequence b contributes `query_lens[b]` rows (a prompt
-chunk, one decode row, or 1 + k verify rows) that continue its `context_lens[b] -
-query_lens[b]` already-computed tokens. Verify rows are `speculative`: GDN layers log them
-instead of advancing the state, and `fold` says how many logged rows of the previous verify pass
-were accepted (see `deltaspec.ops.gdn`). The lists are host copies the torch references loop
-over; kernels read the device tensors.
+Rows of all sequences lie back to back; `layout` (`deltaspec.ops.layout.SeqLayout`) says which
+rows belong to which sequence, where each sequence's state and KV pages live, and which rows are
+drafts being verified.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from deltaspec.ops.layout import SeqLayout
 
 
 @dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
-    slot_mapping: torch.Tensor  # [T] long: KV cache slot of each row
-    block_tables: torch.Tensor  # [B, max_blocks] long (padded with 0)
-    state_slots: torch.Tensor  # [B] long: GDN state slot of each sequence
-    query_lens: list[int]
-    context_lens: list[int]
-    state_slot_list: list[int]
-    fold: list[int] = field(default_factory=list)  # per sequence: accepted replay-log rows to fold first
-    speculative: list[bool] = field(default_factory=list)  # per sequence: rows are drafts being verified
+    slot_mapping: torch.Tensor  # [T] long: KV cache slot of each row (-1: a padding row, written nowhere)
+    layout: SeqLayout
 
     @property
     def num_rows(self) -> int:
@@ -33,8 +26,4 @@ class ForwardBatch:
     @property
     def last_row_indices(self) -> list[int]:
         """Index of each sequence's last row in this batch."""
-        ends, total = [], 0
-        for length in self.query_lens:
-            total += length
-            ends.append(total - 1)
-        return ends
+        return [start + length - 1 for start, length in zip(self.layout.row_starts, self.layout.query_lens)]

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from deltaspec.config import LINEAR_ATTENTION, ModelConfig
-from deltaspec.model.decoder import DecoderLayer, ModelCaches
+from deltaspec.model.decoder import DecoderLayer, ModelCaches, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
-from deltaspec.model.layers import RMSNorm, make_mlp
+from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, make_mlp
 from deltaspec.model.mtp import MTPHead
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.norms import compute_dtype
@@ -41,7 +41,7 @@ class TextModel(nn.Module):
         for i, kind in enumerate(config.layer_types):
             is_gdn = kind == LINEAR_ATTENTION
             layers.append(DecoderLayer(config, gdn_index if is_gdn else attn_index, ops, is_gdn,
-                                       make_mlp(config, config.moe_layers[i])))
+                                       make_mlp(config, config.moe_layers[i], ops)))
             gdn_index, attn_index = gdn_index + is_gdn, attn_index + (not is_gdn)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -52,7 +52,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextModel(config, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, ops)
         self.mtp = MTPHead(config, num_mtp_layers, len(config.attention_layer_ids), ops) if num_mtp_layers else None
         self.rotary = RotaryTable(config, dtype, device)
 
@@ -61,13 +61,45 @@ class HybridModel(nn.Module):
         """Attention layers with a KV cache: the model's, then the MTP head's."""
         return len(self.config.attention_layer_ids) + (len(self.mtp.layers) if self.mtp else 0)
 
+    def fuse_projections(self) -> None:
+        """Fuse every group of projections that reads the same input into one weight (after loading)."""
+        for module in [m for m in self.modules() if hasattr(m, "fuse")]:
+            module.fuse()
+
+    def use_ops(self, ops: OpTable) -> None:
+        """Make every module call `ops` (e.g. once the device's GEMM routing is known)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    def linear_shapes(self) -> dict[tuple[int, int], int]:
+        """(out, in) of every weight a pass multiplies by -> how many of them (the MTP head included)."""
+        shapes: dict[tuple[int, int], int] = {}
+        for module in self.modules():
+            if isinstance(module, Linear):
+                shape = tuple(module.weight.shape)
+                shapes[shape] = shapes.get(shape, 0) + 1
+        return shapes
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight under its Hugging Face checkpoint name; fused projections come back as views."""
+        from deltaspec.model.weights import checkpoint_name
+
+        out, fused = {}, []
+        for name, module in self.named_modules():
+            if isinstance(module, FusedLinear):
+                out.update(module.hf_weights(name.rpartition(".")[0]))
+                fused.append(name + ".")
+        for name, param in self.named_parameters():
+            if not name.startswith(tuple(fused)):
+                out[checkpoint_name(name)] = param
+        return out
+
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """All rows of `batch` through the stack -> final hidden states [T, hidden]."""
-        h = self.model.embed_tokens(batch.token_ids)
         cos, sin = self.rotary(batch.positions)
-        for layer in self.model.layers:
-            h = layer(h, batch, caches, cos, sin)
-        return self.model.norm(h)
+        return run_blocks(self.model.layers, self.model.embed_tokens(batch.token_ids), self.model.norm, batch,
+                          caches, cos, sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]."""

@@ -1,4 +1,10 @@
-"""Shared building blocks: zero-centred RMSNorm, SwiGLU MLP, and the mixture-of-experts MLP."""
+"""Shared building blocks: linear layers that go through the op table, projections fused into one
+weight, zero-centred RMSNorm, SwiGLU MLP, and the mixture-of-experts MLP.
+
+Modules are built with the checkpoint's separate projections (so loading is a name lookup) and
+`fuse()`d once after loading: projections that read the same input become one weight, one GEMM
+per pass. `hf_weights()` gives the checkpoint-named weights back as views into the fused ones.
+"""
 
 import torch
 import torch.nn.functional as F
@@ -6,6 +12,62 @@ from torch import nn
 
 from deltaspec.config import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
+
+
+class Linear(nn.Module):
+    """`x @ weight.T (+ bias)` through the op table's `linear` (the device's skinny-GEMM routing)."""
+
+    def __init__(self, in_features: int, out_features: int, ops: OpTable, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.ops = ops
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class FusedLinear(Linear):
+    """Projections of the same input stacked into one weight [sum(out), in]; forward returns the
+    outputs split back per projection."""
+
+    def __init__(self, parts: dict[str, Linear], ops: OpTable):
+        first = next(iter(parts.values()))
+        with torch.device("meta"):
+            super().__init__(first.weight.shape[1], sum(p.out_features for p in parts.values()), ops,
+                             bias=first.bias is not None)
+        self.names = tuple(parts)
+        self.sizes = [p.out_features for p in parts.values()]
+        with torch.no_grad():
+            self.weight = nn.Parameter(torch.cat([p.weight for p in parts.values()]), requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(torch.cat([p.bias for p in parts.values()]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return super().forward(x).split(self.sizes, dim=-1)
+
+    def hf_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        """`{prefix}.{name}.weight` (and `.bias`) of each part, as views into the fused tensors; `prefix` is
+        the module holding the parts."""
+        out = {}
+        for name, weight in zip(self.names, self.weight.split(self.sizes)):
+            out[f"{prefix}.{name}.weight"] = weight
+        if self.bias is not None:
+            out.update({f"{prefix}.{name}.bias": b for name, b in zip(self.names, self.bias.split(self.sizes))})
+        return out
+
+
+def fuse(module: nn.Module, fused_name: str, part_names: list[str], ops: OpTable) -> None:
+    """Replace `module`'s Linear children `part_names` by one FusedLinear called `fused_name`."""
+    parts = {name: getattr(module, name) for name in part_names}
+    setattr(module, fused_name, FusedLinear(parts, ops))
+    for name in part_names:
+        delattr(module, name)
 
 
 class RMSNorm(nn.Module):
@@ -20,18 +82,26 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x) in one op."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class MLP(nn.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, gate and up fused into `gate_up_proj` once loaded."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, ops: OpTable):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, ops)
+        self.up_proj = Linear(hidden, intermediate, ops)
+        self.down_proj = Linear(intermediate, hidden, ops)
+        self.ops = ops
+
+    def fuse(self) -> None:
+        fuse(self, "gate_up_proj", ["gate_proj", "up_proj"], self.ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.ops.linear(x, self.gate_up_proj.weight)))
 
 
 class Experts(nn.Module):
@@ -56,14 +126,14 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Softmax router (fp32), top-k experts (renormalised), plus a sigmoid-gated shared expert."""
 
-    def __init__(self, moe: MoEConfig, hidden: int):
+    def __init__(self, moe: MoEConfig, hidden: int, ops: OpTable):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.gate = Linear(hidden, moe.num_experts, ops)
         self.experts = Experts(moe, hidden)
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = MLP(hidden, moe.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert = MLP(hidden, moe.shared_expert_intermediate_size, ops)
+            self.shared_expert_gate = Linear(hidden, 1, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [N, E]
@@ -77,7 +147,7 @@ class SparseMoE(nn.Module):
         return out
 
 
-def make_mlp(config: ModelConfig, use_moe: bool) -> nn.Module:
+def make_mlp(config: ModelConfig, use_moe: bool, ops: OpTable) -> nn.Module:
     if use_moe and config.moe is not None:
-        return SparseMoE(config.moe, config.hidden_size)
-    return MLP(config.hidden_size, config.intermediate_size)
+        return SparseMoE(config.moe, config.hidden_size, ops)
+    return MLP(config.hidden_size, config.intermediate_size, ops)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from deltaspec.config import ModelConfig
-from deltaspec.model.decoder import DecoderLayer
+from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
-from deltaspec.model.layers import RMSNorm, make_mlp
+from deltaspec.model.layers import Linear, RMSNorm, make_mlp
 from deltaspec.ops.dispatch import OpTable
 
 
@@ -20,17 +20,15 @@ class MTPHead(nn.Module):
     def __init__(self, config: ModelConfig, num_layers: int, first_kv_index: int, ops: OpTable):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = Linear(2 * hidden, hidden, ops)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, ops)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, first_kv_index + i, ops, is_gdn=False, mlp=make_mlp(config, config.moe is not None))
+            DecoderLayer(config, first_kv_index + i, ops, is_gdn=False, mlp=make_mlp(config, config.moe is not None, ops))
             for i in range(num_layers))
         self.norm = RMSNorm(hidden, eps, ops)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches, cos, sin):
         """embeds, hidden [T, hidden] -> MTP hidden states [T, hidden]."""
         h = self.fc(torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1))
-        for layer in self.layers:
-            h = layer(h, batch, caches, cos, sin)
-        return self.norm(h)
+        return run_blocks(self.layers, h, self.norm, batch, caches, cos, sin)

@@ -169,6 +169,7 @@ def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: to
         raise DeltaspecError(f"The checkpoint at {model_dir} lacks {len(missing)} tensors the model needs: "
                              f"{_listing(missing)}.")
     model.load_state_dict(loaded, assign=True, strict=True)
+    model.fuse_projections()
     return model.eval()
 
 

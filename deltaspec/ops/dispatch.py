@@ -9,12 +9,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from deltaspec.ops import activation, attention, conv, gdn, norms
 
 
 @dataclass(frozen=True)
 class OpTable:
+    linear: Callable
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
@@ -27,6 +29,7 @@ class OpTable:
 
 
 REFERENCE = OpTable(
+    linear=F.linear,
     rms_norm=norms.rms_norm,
     add_rms_norm=norms.add_rms_norm,
     gated_rms_norm=norms.gated_rms_norm,
@@ -49,7 +52,11 @@ def register(device_type: str, op_name: str, fn: Callable) -> None:
 
 
 def ops_for(device: torch.device | str, reference_only: bool = False) -> OpTable:
-    """The op table for `device`: registered kernels where present, torch references elsewhere."""
+    """The op table for `device`: registered kernels where present, torch references elsewhere.
+    On CUDA the Triton kernels register themselves the first time they are asked for."""
     if reference_only:
         return REFERENCE
-    return replace(REFERENCE, **_BACKENDS.get(torch.device(device).type, {}))
+    kind = torch.device(device).type
+    if kind == "cuda":
+        import deltaspec.ops.triton.backend  # noqa: F401  (registers the kernels)
+    return replace(REFERENCE, **_BACKENDS.get(kind, {}))

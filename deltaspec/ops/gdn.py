@@ -10,7 +10,7 @@ reads key head h // (Hv / Hk). Per row, with decay `g` in log space:
 
 Single-row segments use that step directly; longer ones the chunked form below, which is the
 same recurrence solved 64 rows at a time. Arithmetic runs in float32 (float64 for float64 inputs
-or states); the output has q's dtype.
+or states); the output has v's dtype.
 
 Speculative rows and the replay log (DESIGN §4): for a sequence marked `speculative`, the rows'
 outputs are computed from its state but the state is not advanced; instead each row's inputs

@@ -175,6 +175,8 @@ class GemmRouter:
         """Milliseconds per call, or None when the candidate cannot run this shape (a configuration
         that does not compile for this device, e.g. one needing more shared memory than it has)."""
         try:
+            if fn is not F.linear and not _agrees(fn(x, weight), F.linear(x, weight)):
+                raise ValueError("its result differs from torch's")
             return time_ms(lambda: fn(x, weight), self.device)
         except Exception as error:  # any failure only removes the candidate
             if fn is F.linear:
@@ -215,6 +217,13 @@ class GemmRouter:
         partial = self.path.with_suffix(".json.tmp")
         partial.write_text(json.dumps({**self._header(), "shapes": shapes}, indent=1))
         partial.replace(self.path)
+
+
+def _agrees(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """A candidate's product matches torch's within 16-bit rounding (a kernel that is fast but wrong on
+    this device must never be routed to)."""
+    scale = expected.float().abs().max().clamp(min=1.0)
+    return bool(((got.float() - expected.float()).abs().max() <= 2e-2 * scale).item())
 
 
 def _bucket(rows: int) -> int:

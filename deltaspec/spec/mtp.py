@@ -19,6 +19,7 @@ import torch
 from deltaspec.cache.manager import CacheManager
 from deltaspec.engine.sequence import Sequence
 from deltaspec.model.forward_batch import ForwardBatch
+from deltaspec.ops.layout import SeqLayout
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.spec.draft_model import as_drafts, pick_drafts
 from deltaspec.spec.drafter import Draft, DraftRequest
@@ -56,15 +57,12 @@ class MTPDrafter:
             tables.append(seq.blocks)
             lens.append(len(toks))
             ctx.append(pos[-1] + 1)
-        width = max(len(t) for t in tables)
 
         def tensor(values):
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        batch = ForwardBatch(token_ids=tensor(token_ids), positions=tensor(positions), slot_mapping=tensor(slots),
-                             block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
-                             state_slots=tensor([0] * len(rows)), query_lens=lens, context_lens=ctx,
-                             state_slot_list=[0] * len(rows))
+        layout = SeqLayout.build(lens, ctx, [0] * len(rows), self.device, block_tables=tables)
+        batch = ForwardBatch(tensor(token_ids), tensor(positions), tensor(slots), layout)
         with torch.inference_mode():
             out = self.model.mtp_forward(batch, torch.cat(hidden), self.cache.caches)
         return out[batch.last_row_indices]

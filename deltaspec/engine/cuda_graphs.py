@@ -1,0 +1,147 @@
+"""CUDA graphs for decode and verify passes, captured per (batch, rows) bucket (DESIGN §6).
+
+A pass where every sequence decodes (one row each, no drafts) or verifies drafts (every sequence
+then runs as a verify pass, with or without drafts of its own) is padded to a bucket: B sequences
+of R rows. Padding sequences use the state cache's scratch slot; padding rows write no KV
+(slot -1), log into replay-log rows that are never folded, and come after every real row, so they
+change nothing a real row reads. A bucket's graph is captured the first time it is needed and
+replayed afterwards with new contents in its static input tensors; between replays the host only
+writes those inputs and reads the outputs. Passes with prompt rows, prompt logprobs, or models
+whose ops sync with the host (mixture-of-experts routing) run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaspec.engine.scheduler import Scheduled
+from deltaspec.model.decoder import ModelCaches
+from deltaspec.model.forward_batch import ForwardBatch
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.ops.layout import SeqLayout
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+ROW_BUCKETS = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class Bucket:
+    """One captured graph: its static inputs (`batch`) and outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    batch: ForwardBatch
+    hidden: torch.Tensor  # [B * R, hidden]
+    logits: torch.Tensor  # [B * R, vocab]
+
+
+@dataclass
+class GraphPass:
+    """What one replay gives the runner: per sequence, the outputs of its real rows."""
+
+    hidden: torch.Tensor  # [real rows, hidden], a copy (the next replay overwrites the graph's buffers)
+    logits: torch.Tensor  # [real rows, vocab], a copy
+    row_starts: list[int]  # first real row of each scheduled sequence in `hidden` / `logits`
+
+
+def sizes_up_to(limit: int, buckets: tuple[int, ...]) -> list[int]:
+    """The buckets below `limit`, then `limit` itself."""
+    return [b for b in buckets if b < limit] + [limit]
+
+
+class CudaGraphRunner:
+    def __init__(self, model: HybridModel, caches: ModelCaches, block_size: int, device: torch.device,
+                 max_num_seqs: int, log_rows: int, max_model_len: int, scratch_slot: int):
+        self.model = model
+        self.caches = caches
+        self.block_size = block_size
+        self.device = device
+        self.batch_sizes = sizes_up_to(max_num_seqs, BATCH_BUCKETS)
+        self.row_sizes = [1] + (sizes_up_to(log_rows, ROW_BUCKETS) if log_rows > 1 else [])
+        self.table_width = -(-(max_model_len + max(self.row_sizes)) // block_size)
+        self.scratch_slot = scratch_slot
+        self.pool = torch.cuda.graph_pool_handle()
+        self.buckets: dict[tuple[int, int], Bucket] = {}
+
+    def bucket_for(self, schedule: list[Scheduled]) -> tuple[int, int] | None:
+        """(B, R) for a pass of decode or verify rows only, None for anything else."""
+        if not schedule or len(schedule) > self.batch_sizes[-1]:
+            return None
+        rows = 1
+        for item in schedule:
+            seq = item.seq
+            if item.num_rows != 1 + len(seq.draft) or seq.num_computed < len(seq.prompt_ids) \
+                    or seq.params.prompt_logprobs is not None:
+                return None
+            rows = max(rows, item.num_rows)
+        if any(item.seq.draft for item in schedule):
+            fitting = [r for r in self.row_sizes if r >= rows and r > 1]
+            if not fitting:
+                return None
+            rows = fitting[0]
+        return next(b for b in self.batch_sizes if b >= len(schedule)), rows
+
+    def run(self, schedule: list[Scheduled], key: tuple[int, int]) -> GraphPass:
+        bucket = self.buckets.get(key) or self._capture(*key)
+        num_rows = self._fill(bucket.batch, schedule, key[1])
+        bucket.graph.replay()
+        rows = torch.tensor([b * key[1] + i for b, n in enumerate(num_rows) for i in range(n)], device=self.device)
+        starts, total = [], 0
+        for n in num_rows:
+            starts.append(total)
+            total += n
+        return GraphPass(bucket.hidden.index_select(0, rows), bucket.logits.index_select(0, rows), starts)
+
+    def _fill(self, batch: ForwardBatch, schedule: list[Scheduled], rows: int) -> list[int]:
+        """Write the pass's inputs into the bucket's static tensors; returns each sequence's real rows."""
+        size = batch.layout.num_seqs
+        token_ids, positions, slot_mapping = [0] * (size * rows), list(range(rows)) * size, [-1] * (size * rows)
+        context = [rows] * size
+        slots, fold = [self.scratch_slot] * size, [0] * size
+        tables = torch.zeros((size, self.table_width), dtype=torch.int32)
+        real_rows = []
+        for b, item in enumerate(schedule):
+            seq, start, n = item.seq, item.seq.num_computed, item.num_rows
+            ids = seq.row_ids
+            for i in range(rows):
+                position = start + i
+                positions[b * rows + i] = position
+                if i < n:
+                    token_ids[b * rows + i] = ids[position]
+                    slot_mapping[b * rows + i] = seq.blocks[position // self.block_size] * self.block_size \
+                        + position % self.block_size
+            context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.pending_fold
+            tables[b, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+            real_rows.append(n)
+        layout = batch.layout
+        for static, values in ((batch.token_ids, token_ids), (batch.positions, positions),
+                               (batch.slot_mapping, slot_mapping), (layout.context_lens_t, context),
+                               (layout.slots_t, slots), (layout.fold_t, fold)):
+            static.copy_(torch.tensor(values, dtype=static.dtype), non_blocking=True)
+        layout.block_tables.copy_(tables, non_blocking=True)
+        return real_rows
+
+    def _capture(self, size: int, rows: int) -> Bucket:
+        speculative = rows > 1
+        layout = SeqLayout.build([rows] * size, [rows] * size, [self.scratch_slot] * size, self.device,
+                                 speculative=[speculative] * size,
+                                 block_tables=[[0] * self.table_width] * size)
+        total = size * rows
+        batch = ForwardBatch(torch.zeros(total, dtype=torch.long, device=self.device),
+                             torch.arange(rows, device=self.device).repeat(size),
+                             torch.full((total,), -1, dtype=torch.long, device=self.device), layout)
+        with torch.inference_mode():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
+                    self.model.compute_logits(self.model(batch, self.caches))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.model(batch, self.caches)
+                logits = self.model.compute_logits(hidden)
+        bucket = Bucket(graph, batch, hidden, logits)
+        self.buckets[(size, rows)] = bucket
+        return bucket

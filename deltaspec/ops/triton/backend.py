@@ -1,0 +1,25 @@
+"""Registers the Triton kernels as the CUDA implementations of the ops (imported by
+`deltaspec.ops.dispatch.ops_for` the first time a CUDA op table is asked for).
+
+`linear` is not registered here: its route depends on the model's weight shapes, so the engine
+builds a `deltaspec.ops.gemm_routing.GemmRouter` once the model is loaded and installs its
+`linear` (see `Engine`).
+"""
+
+from deltaspec.ops.dispatch import register
+from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, norms
+
+KERNELS = {
+    "rms_norm": norms.rms_norm,
+    "add_rms_norm": norms.add_rms_norm,
+    "gated_rms_norm": norms.gated_rms_norm,
+    "silu_mul": activation.silu_mul,
+    "causal_conv1d": conv.causal_conv1d,
+    "gdn_gates": gdn_gates.gdn_gates,
+    "gated_delta_rule": gdn.gated_delta_rule,
+    "write_kv": attention.write_kv,
+    "paged_attention": attention.paged_attention,
+}
+
+for name, kernel in KERNELS.items():
+    register("cuda", name, kernel)
