@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue #6's device benchmarks on a random-weight Qwen3.5-27B-shaped model (bf16), one JSON report
+# and one log per benchmark in OUT_DIR. Usage: tools/gpu_bench.sh OUT_DIR [decode] [verify]
+# [concurrency] [prefill] [spec-oracle] (default: all). Set SHAPE to bench another shape.
+set -uo pipefail
+out=${1:?usage: tools/gpu_bench.sh OUT_DIR [benchmarks...]}
+shift
+mkdir -p "$out"
+benches=("$@")
+[ ${#benches[@]} -eq 0 ] && benches=(decode verify concurrency prefill spec-oracle)
+model=(--random-weights --shape "${SHAPE:-qwen3.5-27b}" --device cuda --dtype bfloat16)
+declare -A extra=(
+  [decode]="--context 128 --max-tokens 64 --runs 3 --compare-hf"
+  [verify]="--context 128 --rows 1,2,4,8,16,32,64 --runs 3"
+  [concurrency]="--concurrency 1,4,16,32 --context 128 --max-tokens 64 --runs 3"
+  [prefill]="--lengths 1024,8192,32768 --runs 3"
+  [spec-oracle]="--oracle-al 3 --draft-tokens 4 --context 128 --max-tokens 64 --runs 3"
+)
+for bench in "${benches[@]}"; do
+  # shellcheck disable=SC2086
+  if python3 -m deltaspec.cli bench "$bench" ${extra[$bench]} "${model[@]}" --out "$out/$bench.json" \
+      > /dev/null 2> "$out/$bench.log"; then
+    echo "$bench: done"
+  else
+    echo "$bench: failed"; tail -5 "$out/$bench.log"
+  fi
+done
