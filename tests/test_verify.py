@@ -14,7 +14,7 @@ import torch
 
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator, processed_probs
-from deltaspec.spec.verify import VerifyResult, verify_greedy, verify_sampling
+from deltaspec.spec.verify import VerifyResult, verify_greedy, verify_greedy_tokens, verify_sampling
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom (scipy is not installed;
 # computed once with mpmath).
@@ -490,3 +490,16 @@ def test_shape_mismatches_raise() -> None:
         verify_sampling([torch.zeros(2, 4)], [[1]], [torch.ones(2, 4) / 4], [PLAIN], [None])
     with pytest.raises(ValueError, match="params"):
         verify_sampling([torch.zeros(1, 4)], [[]], [None], [], [None])
+
+
+def test_greedy_verification_from_device_argmax_equals_the_logits_path():
+    torch.manual_seed(3)
+    drafts = [[], [4, 1, 7], [2, 2], [5, 0, 3, 3]]
+    logits = [torch.randn(1 + len(d), 8) for d in drafts]
+    for d, rows in zip(drafts, logits):  # make some drafts right, so acceptance varies
+        for i, token in enumerate(d[:len(d) // 2 + 1]):
+            rows[i, token] += 10.0
+    expected = verify_greedy(logits, drafts)
+    got = verify_greedy_tokens([rows.argmax(-1).tolist() for rows in logits], drafts)
+    assert got == expected and any(expected.accepted) and not all(
+        a == len(d) for a, d in zip(expected.accepted, drafts))

@@ -13,7 +13,7 @@ declare -A extra=(
   [decode]="--context 128 --max-tokens 64 --runs 3 --compare-hf"
   [verify]="--context 128 --rows 1,2,4,8,16,32,64 --runs 3"
   [concurrency]="--concurrency 1,4,16,32 --context 128 --max-tokens 64 --runs 3"
-  [prefill]="--lengths 1024,8192,32768 --runs 3"
+  [prefill]="--lengths 1024,8192,32768 --runs 3 --prefill-chunk 8192 --max-num-batched-tokens 8192"
   [spec-oracle]="--oracle-al 3 --draft-tokens 4 --context 128 --max-tokens 64 --runs 3"
 )
 for bench in "${benches[@]}"; do

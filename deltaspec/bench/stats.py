@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -18,7 +19,10 @@ def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
 
 
 def commit() -> str | None:
-    """The git commit of the deltaspec checkout, when it is one."""
+    """The git commit of the deltaspec checkout, when it is one (DELTASPEC_COMMIT overrides it, for copies of
+    a checkout whose .git is stale or absent, such as a tree shipped to another machine)."""
+    if os.environ.get("DELTASPEC_COMMIT"):
+        return os.environ["DELTASPEC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                               text=True, timeout=5).stdout.strip() or None

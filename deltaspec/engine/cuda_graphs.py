@@ -27,13 +27,26 @@ ROW_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
 @dataclass
+class StaticInputs:
+    """A bucket's inputs, as views into one int64 and one int32 device buffer so that a pass's inputs
+    travel in two host-to-device copies (from pinned host buffers of the same layout)."""
+
+    batch: ForwardBatch
+    longs: torch.Tensor  # device int64: token_ids | positions | slot_mapping | slots
+    ints: torch.Tensor  # device int32: context_lens | fold | block_tables
+    host_longs: torch.Tensor  # pinned host copies of the two
+    host_ints: torch.Tensor
+
+
+@dataclass
 class Bucket:
-    """One captured graph: its static inputs (`batch`) and outputs."""
+    """One captured graph: its static inputs and outputs."""
 
     graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch
+    inputs: StaticInputs
     hidden: torch.Tensor  # [B * R, hidden]
     logits: torch.Tensor  # [B * R, vocab]
+    greedy: torch.Tensor  # [B * R] argmax of each row's logits
 
 
 @dataclass
@@ -42,6 +55,7 @@ class GraphPass:
 
     hidden: torch.Tensor  # [real rows, hidden], a copy (the next replay overwrites the graph's buffers)
     logits: torch.Tensor  # [real rows, vocab], a copy
+    greedy: list[int]  # argmax of each real row (read with the pass's one device-to-host sync)
     row_starts: list[int]  # first real row of each scheduled sequence in `hidden` / `logits`
 
 
@@ -84,64 +98,73 @@ class CudaGraphRunner:
 
     def run(self, schedule: list[Scheduled], key: tuple[int, int]) -> GraphPass:
         bucket = self.buckets.get(key) or self._capture(*key)
-        num_rows = self._fill(bucket.batch, schedule, key[1])
+        num_rows = self._fill(bucket.inputs, schedule, key[1])
         bucket.graph.replay()
         rows = torch.tensor([b * key[1] + i for b, n in enumerate(num_rows) for i in range(n)], device=self.device)
         starts, total = [], 0
         for n in num_rows:
             starts.append(total)
             total += n
-        return GraphPass(bucket.hidden.index_select(0, rows), bucket.logits.index_select(0, rows), starts)
+        return GraphPass(bucket.hidden.index_select(0, rows), bucket.logits.index_select(0, rows),
+                         bucket.greedy.index_select(0, rows).tolist(), starts)
 
-    def _fill(self, batch: ForwardBatch, schedule: list[Scheduled], rows: int) -> list[int]:
+    def _fill(self, inputs: StaticInputs, schedule: list[Scheduled], rows: int) -> list[int]:
         """Write the pass's inputs into the bucket's static tensors; returns each sequence's real rows."""
-        size = batch.layout.num_seqs
+        size = inputs.batch.layout.num_seqs
         token_ids, positions, slot_mapping = [0] * (size * rows), list(range(rows)) * size, [-1] * (size * rows)
-        context = [rows] * size
-        slots, fold = [self.scratch_slot] * size, [0] * size
-        tables = torch.zeros((size, self.table_width), dtype=torch.int32)
+        context, slots, fold = [rows] * size, [self.scratch_slot] * size, [0] * size
+        tables = [0] * (size * self.table_width)
         real_rows = []
         for b, item in enumerate(schedule):
             seq, start, n = item.seq, item.seq.num_computed, item.num_rows
-            ids = seq.row_ids
+            ids, bs = seq.row_ids, self.block_size
             for i in range(rows):
-                position = start + i
-                positions[b * rows + i] = position
-                if i < n:
-                    token_ids[b * rows + i] = ids[position]
-                    slot_mapping[b * rows + i] = seq.blocks[position // self.block_size] * self.block_size \
-                        + position % self.block_size
+                positions[b * rows + i] = start + i
+            token_ids[b * rows:b * rows + n] = ids[start:start + n]
+            slot_mapping[b * rows:b * rows + n] = [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
             context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.pending_fold
-            tables[b, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+            tables[b * self.table_width:b * self.table_width + len(seq.blocks)] = seq.blocks
             real_rows.append(n)
-        layout = batch.layout
-        for static, values in ((batch.token_ids, token_ids), (batch.positions, positions),
-                               (batch.slot_mapping, slot_mapping), (layout.context_lens_t, context),
-                               (layout.slots_t, slots), (layout.fold_t, fold)):
-            static.copy_(torch.tensor(values, dtype=static.dtype), non_blocking=True)
-        layout.block_tables.copy_(tables, non_blocking=True)
+        inputs.host_longs.copy_(torch.tensor(token_ids + positions + slot_mapping + slots, dtype=torch.long))
+        inputs.host_ints.copy_(torch.tensor(context + fold + tables, dtype=torch.int32))
+        inputs.longs.copy_(inputs.host_longs, non_blocking=True)
+        inputs.ints.copy_(inputs.host_ints, non_blocking=True)
         return real_rows
 
-    def _capture(self, size: int, rows: int) -> Bucket:
-        speculative = rows > 1
+    def _static_inputs(self, size: int, rows: int) -> StaticInputs:
+        total, width = size * rows, self.table_width
+        longs = torch.zeros(3 * total + size, dtype=torch.long, device=self.device)
+        ints = torch.zeros(2 * size + size * width, dtype=torch.int32, device=self.device)
+        token_ids, positions, slot_mapping, slots = longs.split([total, total, total, size])
+        context, fold, tables = ints.split([size, size, size * width])
         layout = SeqLayout.build([rows] * size, [rows] * size, [self.scratch_slot] * size, self.device,
-                                 speculative=[speculative] * size,
-                                 block_tables=[[0] * self.table_width] * size)
-        total = size * rows
-        batch = ForwardBatch(torch.zeros(total, dtype=torch.long, device=self.device),
-                             torch.arange(rows, device=self.device).repeat(size),
-                             torch.full((total,), -1, dtype=torch.long, device=self.device), layout)
+                                 speculative=[rows > 1] * size)
+        layout.context_lens_t, layout.slots_t, layout.fold_t = context, slots, fold
+        layout.block_tables = tables.view(size, width)
+        inputs = StaticInputs(ForwardBatch(token_ids, positions, slot_mapping, layout), longs, ints,
+                              torch.empty_like(longs, device="cpu").pin_memory(),
+                              torch.empty_like(ints, device="cpu").pin_memory())
+        positions.copy_(torch.arange(rows, device=self.device).repeat(size))
+        slot_mapping.fill_(-1)
+        context.fill_(rows)
+        slots.fill_(self.scratch_slot)
+        return inputs
+
+    def _capture(self, size: int, rows: int) -> Bucket:
+        inputs = self._static_inputs(size, rows)
+        batch = inputs.batch
         with torch.inference_mode():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                    self.model.compute_logits(self.model(batch, self.caches))
+                    self.model.compute_logits(self.model(batch, self.caches)).argmax(-1)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self.model(batch, self.caches)
                 logits = self.model.compute_logits(hidden)
-        bucket = Bucket(graph, batch, hidden, logits)
+                greedy = logits.argmax(-1)
+        bucket = Bucket(graph, inputs, hidden, logits, greedy)
         self.buckets[(size, rows)] = bucket
         return bucket

@@ -29,7 +29,10 @@ from deltaspec.sample.sampler import apply_penalties, make_generator, sample
 from deltaspec.spec.drafter import DraftRequest
 from deltaspec.spec.factory import make_drafter
 from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
-from deltaspec.spec.verify import verify_sampling
+from deltaspec.spec.verify import verify_greedy_tokens, verify_sampling
+
+
+ROUTED_WEIGHT_ELEMENTS = 1 << 22  # weights of at least 4 M elements get a measured GEMM route
 
 
 def default_model_path() -> Path:
@@ -70,6 +73,13 @@ def plan_for(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfi
     return plan, resolved, model_config, raw, model_dir
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """The next token is the argmax of the raw logits: greedy, no penalties, no logprobs, min_tokens met."""
+    p = seq.params
+    return p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty \
+        and p.logprobs is None and len(seq.output_ids) >= p.min_tokens
+
+
 class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.plan, self.config, self.model_config, raw, model_dir = plan_for(config)
@@ -101,13 +111,16 @@ class Engine:
     def _route_gemms(self, progress: bool) -> VerifyCostTable:
         """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply by the device's
         measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements;
-        elsewhere keep torch's matmul and the default cost estimate."""
+        elsewhere keep torch's matmul and the default cost estimate. Weights too small to be bandwidth-bound
+        stay on torch's matmul without measuring."""
         if self.device.type != "cuda" or self.config.kernels == "reference" \
                 or self.dtype not in (torch.bfloat16, torch.float16):
             return VerifyCostTable()
         from deltaspec.ops.gemm_routing import GemmRouter
 
-        router = GemmRouter(self.model.linear_shapes(), self.dtype, self.device, show_progress=progress)
+        shapes = {shape: count for shape, count in self.model.linear_shapes().items()
+                  if shape[0] * shape[1] >= ROUTED_WEIGHT_ELEMENTS}
+        router = GemmRouter(shapes, self.dtype, self.device, show_progress=progress)
         self.ops = replace(self.ops, linear=router.linear)
         self.model.use_ops(self.ops)
         return VerifyCostTable(router.relative_costs(max(self.config.draft_tokens + 1, 2)))
@@ -198,7 +211,7 @@ class Engine:
             item.seq.pending_fold = 0  # this pass replayed it
         for i in result.logged:
             schedule[i].seq.pending_fold = 1  # its one row ran as a verify row; fold it next pass
-        updated = self._commit_verified(schedule, result.verify_logits)
+        updated = self._commit_verified(schedule, result.verify_logits, result.greedy, result.row_starts)
         if getattr(self.drafter, "wants_hidden", False):
             for item, start, row in zip(schedule, before, result.row_starts):
                 if not item.seq.finished:
@@ -207,6 +220,10 @@ class Engine:
         if not result.sample_index:
             return updated
         seqs = [schedule[i].seq for i in result.sample_index]
+        if result.greedy is not None and all(map(plain_greedy, seqs)):
+            for i, seq in zip(result.sample_index, seqs):
+                self._append(seq, [result.greedy[result.row_starts[i] + schedule[i].num_rows - 1]], [None])
+            return updated + seqs
         params = [s.params for s in seqs]
         logits = apply_penalties(result.sample_logits, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
                                  params, [s.eos_ids for s in seqs])
@@ -218,15 +235,21 @@ class Engine:
             self._append(seq, [token], [lp])
         return updated + seqs
 
-    def _commit_verified(self, schedule: list[Scheduled], verify_logits: dict[int, torch.Tensor]) -> list[Sequence]:
-        """Verify the drafts of the sequences that had some, keep the accepted rows, append the new tokens."""
+    def _commit_verified(self, schedule: list[Scheduled], verify_logits: dict[int, torch.Tensor],
+                         greedy: list[int] | None, starts: list[int]) -> list[Sequence]:
+        """Verify the drafts of the sequences that had some, keep the accepted rows, append the new tokens.
+        When the pass computed every row's argmax on device and all are plain greedy, those decide."""
         if not verify_logits:
             return []
         seqs = [schedule[i].seq for i in verify_logits]
         drafts = [list(seq.draft) for seq in seqs]
-        probs = [None if seq.draft_probs is None else seq.draft_probs[:len(seq.draft)] for seq in seqs]
-        verdict = verify_sampling(list(verify_logits.values()), drafts, probs, [s.params for s in seqs],
-                                  [s.generator for s in seqs])
+        if greedy is not None and all(map(plain_greedy, seqs)):
+            verdict = verify_greedy_tokens([greedy[starts[i]:starts[i] + 1 + len(d)]
+                                            for i, d in zip(verify_logits, drafts)], drafts)
+        else:
+            probs = [None if seq.draft_probs is None else seq.draft_probs[:len(seq.draft)] for seq in seqs]
+            verdict = verify_sampling(list(verify_logits.values()), drafts, probs, [s.params for s in seqs],
+                                      [s.generator for s in seqs])
         for seq, logits, draft, tokens, accepted in zip(seqs, verify_logits.values(), drafts, verdict.tokens,
                                                         verdict.accepted):
             seq.num_computed -= len(draft) - accepted  # rejected rows never happened

@@ -27,6 +27,7 @@ class StepOutput:
     hidden: torch.Tensor  # [T, hidden] final hidden state of every row (the MTP drafter reads committed ones)
     row_starts: list[int]  # first row of each scheduled sequence
     logged: set[int]  # schedule positions without drafts that still ran as verify rows (their row is logged)
+    greedy: list[int] | None  # argmax of every row (indexed like `hidden`), when the pass computed it on device
 
 
 def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:
@@ -69,14 +70,14 @@ class Runner:
             replay = self.graphs.run(schedule, key)
             logged = {i for i, item in enumerate(schedule) if not item.seq.draft} if key[1] > 1 else set()
             return self._outputs(schedule, replay.hidden, replay.row_starts, lambda rows: replay.logits[rows],
-                                 logged)
+                                 logged, replay.greedy)
         batch = build_batch(schedule, self.block_size, self.device)
         hidden = self.model(batch, self.caches)  # [T, hidden]
         return self._outputs(schedule, hidden, batch.layout.row_starts, lambda rows: self.model.compute_logits(
-            hidden[rows]), set())
+            hidden[rows]), set(), None)
 
     def _outputs(self, schedule: list[Scheduled], hidden: torch.Tensor, starts: list[int], logits_of,
-                 logged: set[int]) -> StepOutput:
+                 logged: set[int], greedy: list[int] | None) -> StepOutput:
         verify_logits = {i: logits_of(slice(starts[i], starts[i] + item.num_rows))
                          for i, item in enumerate(schedule) if item.seq.draft}
         sample_index = [i for i, item in enumerate(schedule) if item.completes_prompt and not item.seq.draft]
@@ -88,4 +89,4 @@ class Runner:
                 prompt_logits[i] = logits_of(slice(starts[i], starts[i] + prompt_rows))
         rows = [starts[i] + schedule[i].num_rows - 1 for i in sample_index]
         sample_logits = logits_of(rows) if rows else hidden.new_zeros(0)
-        return StepOutput(sample_logits, sample_index, prompt_logits, verify_logits, hidden, starts, logged)
+        return StepOutput(sample_logits, sample_index, prompt_logits, verify_logits, hidden, starts, logged, greedy)

@@ -16,6 +16,9 @@ API. Both functions return a `VerifyResult`:
 `torch.argmax`) equals the draft, then append the target's argmax. Equals plain greedy decoding
 token for token.
 
+`verify_greedy_tokens(target_argmax, drafts)`: the same from the target's argmax of each row (host ints),
+when the pass computed them on device.
+
 `verify_sampling(target_logits, drafts, draft_probs, params, generators)`: lossless speculative
 sampling (Leviathan et al. 2023, Chen et al. 2023). With p_i = `processed_probs(target row i)` and
 q_i the drafter's distribution for draft i (`draft_probs[b]` [k_b, V], processed with the same
@@ -136,6 +139,16 @@ def _result(
     counts, finals = torch.stack([accepted, final]).tolist()  # the one device-to-host transfer
     tokens = [list(d[:n]) + [t] for d, n, t in zip(drafts, counts, finals)]
     return VerifyResult(tokens=tokens, accepted=counts)
+
+
+def verify_greedy_tokens(target_argmax: list[list[int]], drafts: list[list[int]]) -> VerifyResult:
+    """Greedy verification from each row's argmax (`target_argmax[b]` has 1 + k_b entries)."""
+    tokens, accepted = [], []
+    for argmax, draft in zip(target_argmax, drafts):
+        n = next((i for i, (t, d) in enumerate(zip(argmax, draft)) if t != d), len(draft))
+        tokens.append(list(argmax[:n + 1]))
+        accepted.append(n)
+    return VerifyResult(tokens, accepted)
 
 
 def verify_greedy(target_logits: list[torch.Tensor], drafts: list[list[int]]) -> VerifyResult:

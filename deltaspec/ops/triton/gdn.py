@@ -140,10 +140,11 @@ def _log_rows_kernel(
              + dk_offsets, key.to(log_k_ptr.dtype.element_ty), mask=dk_mask)
 
 
-def _is_plain_prefill(layout: SeqLayout, device: torch.device) -> bool:
-    """A prefill pass (never captured, so host lists may be read) with nothing to log or fold, on CUDA."""
-    return (device.type == "cuda" and layout.max_query_len > PREFILL_MIN_QUERY_LEN
-            and not any(layout.speculative) and not any(layout.fold))
+def _is_plain_prefill(layout: SeqLayout, device: torch.device, dtype: torch.dtype) -> bool:
+    """A 16-bit prefill pass (never captured, so host lists may be read) with nothing to log or fold, on CUDA.
+    float32 models keep the recurrent kernel: fla's chunk kernel multiplies in TF32."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and layout.max_query_len > PREFILL_MIN_QUERY_LEN and not any(layout.speculative) and not any(layout.fold))
 
 
 def _chunked_prefill(q, k, v, g, beta, state, layout: SeqLayout) -> torch.Tensor:
@@ -179,7 +180,7 @@ def gated_delta_rule(
     _, num_value_heads, value_dim = v.shape
     assert num_value_heads % num_key_heads == 0 and key_dim <= MAX_KEY_DIM
     assert all(t.stride(-1) == 1 for t in (q, k, v, g, beta, state)), "last dims must be contiguous"
-    if _is_plain_prefill(layout, q.device):
+    if _is_plain_prefill(layout, q.device, v.dtype):
         return _chunked_prefill(q, k, v, g, beta, state, layout)
 
     out = torch.empty((num_tokens, num_value_heads, value_dim), dtype=v.dtype, device=v.device)  # [T, Hv, Dv]
