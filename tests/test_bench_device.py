@@ -188,3 +188,16 @@ def test_compare_hf_runs_transformers_on_the_same_weights(tmp_path, capsys):
     assert r["hf_decode_tok_s"] > 0 and r["hf_class"] == "Qwen3_5ForCausalLM"
     assert r["speedup_vs_hf"] == pytest.approx(r["decode_tok_s"] / r["hf_decode_tok_s"])
     assert isinstance(r["fla_importable"], bool) and isinstance(r["hf_fallbacks"], list)
+
+
+def test_bench_profile_lists_where_decode_steps_spend_their_time(tmp_path, capsys):
+    r = bench(["profile", "--context", "8", "--streams", "2", "--steps", "2", "--top", "5"], tmp_path, capsys)
+    assert r["benchmark"] == "profile" and r["time_kind"] == "cpu" and r["streams"] == 2
+    kernels = r["kernels"]
+    assert 0 < len(kernels) <= 5 and r["profiled_ms_per_step"] > 0
+    assert all(k["calls"] > 0 and k["total_ms"] > 0 for k in kernels)
+    assert kernels == sorted(kernels, key=lambda k: -k["total_ms"])
+    assert 0 < sum(k["share"] for k in kernels) <= 1 + 1e-9
+    for k in kernels:
+        assert k["us_per_step"] == pytest.approx(1000 * k["total_ms"] / 2)
+    assert any(k["name"] in ("aten::mm", "aten::addmm", "aten::linear") for k in kernels)

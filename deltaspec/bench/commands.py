@@ -1,6 +1,6 @@
-"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|spec-oracle`: run a scenario and write
+"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|spec-oracle|profile`: run a scenario and write
 JSON. serve and agents run against an in-process server or --url; the device benchmarks (decode, verify,
-concurrency, prefill, spec-oracle) drive the engine directly and never import the server."""
+concurrency, prefill, spec-oracle, profile) drive the engine directly and never import the server."""
 
 from __future__ import annotations
 
@@ -152,15 +152,26 @@ def cmd_bench_spec_oracle(args: argparse.Namespace, engine_config) -> None:
                                  f"(profile expects {r['expected_acceptance_length']:.2f})")
 
 
+def cmd_bench_profile(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.profile import bench_profile
+
+    r = bench_profile(engine_config, args.streams, args.context, args.steps, args.top)
+    lines = [f"{k['share'] * 100:5.1f} %  {k['us_per_step']:9.1f} us/step  {k['calls']:6d} calls  {k['name'][:90]}"
+             for k in r["kernels"]]
+    write_device_report(r, args, f"{r['profiled_ms_per_step']:.2f} ms of {r['time_kind']} time per step:\n"
+                        + "\n".join(lines))
+
+
 def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
-    """decode, verify, concurrency, prefill, spec-oracle: the engine on this device, no server."""
-    def common(parser, max_tokens: int | None = 64, context: bool = True):
+    """decode, verify, concurrency, prefill, spec-oracle, profile: the engine on this device, no server."""
+    def common(parser, max_tokens: int | None = 64, context: bool = True, runs: bool = True):
         if context:
             parser.add_argument("--context", type=int, default=128, help="prompt tokens (default: 128)")
         if max_tokens is not None:
             parser.add_argument("--max-tokens", type=int, default=max_tokens,
                                 help=f"new tokens per request, eos ignored (default: {max_tokens})")
-        parser.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
+        if runs:
+            parser.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
         parser.add_argument("--json", action="store_true", help="print the JSON report (default: a summary line)")
         parser.add_argument("--out", default=None, help="also write the JSON report here")
         add_engine_flags(parser)
@@ -192,6 +203,12 @@ def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
                              "expected acceptance length (default: 3)")
     common(oracle)
     oracle.set_defaults(func=lambda args: cmd_bench_spec_oracle(args, engine_config(args)))
+    prof = scenarios.add_parser("profile", help="kernel time breakdown of decode steps of C streams")
+    prof.add_argument("--streams", type=int, default=1, help="streams decoding together (default: 1)")
+    prof.add_argument("--steps", type=int, default=8, help="profiled decode steps (default: 8)")
+    prof.add_argument("--top", type=int, default=25, help="kernels listed, by own time (default: 25)")
+    common(prof, max_tokens=None, runs=False)
+    prof.set_defaults(func=lambda args: cmd_bench_profile(args, engine_config(args)))
 
 
 def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
