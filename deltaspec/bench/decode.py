@@ -6,10 +6,11 @@ over runs; step_ms = 1000 / decode tok/s. Bytes per step, measured copy bandwidt
 fraction of it come from `deltaspec.bench.roofline`; `--compare-hf` adds transformers' speed on the same
 weights (`deltaspec.bench.hf_compare`).
 
-spec-oracle: per run, a plain greedy decode of the prompt gives the reference continuation; then the same
-prompt decodes speculatively with the oracle drafter (`deltaspec.spec.oracle`) at a fixed draft length and
-the given acceptance profile, timing the whole propose / verify / rollback / commit path (re-anchored on
-its own output when low precision makes it drift, see `spec_run`). Reported: plain and speculative decode
+spec-oracle: per run, a plain greedy decode of the prompt (timed), then a reference continuation computed by
+passes of the measured run's shape (`shaped_reference`); then the same prompt decodes speculatively with the
+oracle drafter (`deltaspec.spec.oracle`) at a fixed draft length and the given acceptance profile, timing the
+whole propose / verify / rollback / commit path (re-anchored on its own output if it still drifts, see
+`spec_run`). Reported: plain and speculative decode
 tok/s, the speed-up, measured AL against the profile's expected AL.
 """
 
@@ -75,14 +76,28 @@ def oracle_engine(config: EngineConfig, longest: int, draft_tokens: int, streams
     return bench_engine(replace(config, speculative="ngram", draft_tokens=max(draft_tokens, 1)), longest, streams)
 
 
+def shaped_reference(engine: Engine, prompt: list[int], max_tokens: int, plain_ids: list[int], k: int) -> list[int]:
+    """The greedy continuation as passes of the measured run's shape compute it: an oracle whose first draft
+    token is always wrong makes every pass verify k drafts and keep one token, so every token comes from a
+    (k + 1)-row verify pass, as in the measured run. A verify pass can round differently from a 1-row decode
+    pass in bf16, but rows of passes of one shape round alike, so the measured run follows this reference."""
+    rejecting = OracleDrafter([0.0] * k, engine.model_config.vocab_size, engine.config.seed, keep_length=True)
+    engine.drafter = rejecting
+    seq = start(engine, [prompt], max_tokens)[0]
+    rejecting.expect(seq.request_id, len(prompt), plain_ids)
+    drive(engine, [seq])
+    engine.drafter = None
+    return seq.output_ids
+
+
 def spec_run(engine: Engine, oracle: OracleDrafter, prompt: list[int], max_tokens: int, calibrations: int = 8) -> dict:
-    """A plain greedy run (timed, and the first reference), then the prompt with the oracle drafting. When the
-    speculative run's tokens drift from the reference (a verify pass rounding differently), its own output
-    becomes the next reference and it runs again: the passes before the drift repeat exactly, so each retry
-    drifts later, if at all. The last attempt is the timed one; `attempts` says how many ran."""
+    """A plain greedy run (timed), a reference run of the measured run's pass shape (`shaped_reference`), then
+    the prompt with the oracle drafting. When the speculative run's tokens still drift from the reference, its
+    own output becomes the next reference and it runs again: the passes before the drift repeat exactly, so
+    each retry drifts later, if at all. The last attempt is the timed one; `attempts` says how many ran."""
     engine.drafter = None
     plain = run(engine, [prompt], max_tokens)[0]
-    reference = plain.output_ids
+    reference = shaped_reference(engine, prompt, max_tokens, plain.output_ids, len(oracle.profile))
     for attempt in range(1, calibrations + 2):
         engine.drafter = oracle
         seq = start(engine, [prompt], max_tokens)[0]
