@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from deltaspec.bench.device import bench_engine, identity, random_prompt, say, start, sync

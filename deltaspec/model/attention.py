@@ -8,7 +8,6 @@ from deltaspec.config import ModelConfig
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import Linear, RMSNorm, fuse
 from deltaspec.ops.dispatch import OpTable
-from deltaspec.ops.rope import apply_rope
 
 
 class GatedAttention(nn.Module):
@@ -35,8 +34,8 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         q_gate, k, v = self.qkv_proj(x)
         q, gate = q_gate.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k.view(t, self.kv_heads, self.head_dim)), cos, sin)
+        q = self.ops.norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
+        k = self.ops.norm_rope(k.view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, self.k_norm.eps)
         v = v.view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = caches.kv.k[self.kv_index], caches.kv.v[self.kv_index]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)

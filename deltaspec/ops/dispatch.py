@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deltaspec.ops import activation, attention, conv, gdn, norms
+from deltaspec.ops import activation, attention, conv, gdn, norms, rope
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class OpTable:
     add_rms_norm: Callable
     gated_rms_norm: Callable
     silu_mul: Callable
+    norm_rope: Callable
     causal_conv1d: Callable
     gdn_gates: Callable
     gated_delta_rule: Callable
@@ -34,6 +35,7 @@ REFERENCE = OpTable(
     add_rms_norm=norms.add_rms_norm,
     gated_rms_norm=norms.gated_rms_norm,
     silu_mul=activation.silu_mul,
+    norm_rope=rope.norm_rope,
     causal_conv1d=conv.causal_conv1d,
     gdn_gates=gdn.gdn_gates,
     gated_delta_rule=gdn.gated_delta_rule,

@@ -1,9 +1,12 @@
-"""Rotary position embedding reference: NeoX-style (rotate-half) on the first `rotary_dim` dims.
+"""Rotary position embedding reference: NeoX-style (rotate-half) on the first `rotary_dim` dims, alone
+and after the zero-centred RMSNorm that gated attention applies to q and k first (`norm_rope`).
 
 Qwen3.5's text-only M-RoPE has equal temporal/height/width positions, which is exactly 1-D RoPE.
 """
 
 import torch
+
+from deltaspec.ops.norms import rms_norm
 
 
 def inv_frequencies(rotary_dim: int, theta: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -27,3 +30,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((rot * c + rotated_half * s, rest), dim=-1)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """`apply_rope(rms_norm(x, weight, eps), cos, sin)` for x [T, heads, head_dim] (q or k of gated
+    attention), rounded to x's dtype after the norm and after each product and sum of the rotation."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)

@@ -7,13 +7,14 @@ builds a `deltaspec.ops.gemm_routing.GemmRouter` once the model is loaded and in
 """
 
 from deltaspec.ops.dispatch import register
-from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, norms
+from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, norms, rope
 
 KERNELS = {
     "rms_norm": norms.rms_norm,
     "add_rms_norm": norms.add_rms_norm,
     "gated_rms_norm": norms.gated_rms_norm,
     "silu_mul": activation.silu_mul,
+    "norm_rope": rope.norm_rope,
     "causal_conv1d": conv.causal_conv1d,
     "gdn_gates": gdn_gates.gdn_gates,
     "gated_delta_rule": gdn.gated_delta_rule,
