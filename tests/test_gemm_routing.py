@@ -88,3 +88,29 @@ def test_relative_costs_interpolate_between_buckets(cache_root, monkeypatch):
 def test_relative_costs_of_real_timings(cache_root):
     costs = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False).relative_costs(16)
     assert len(costs) == 16 and costs[0] == 1.0 and all(cost > 0 for cost in costs)
+
+
+def test_a_shipped_table_for_the_same_stack_skips_measuring(cache_root, tmp_path_factory, monkeypatch):
+    measured = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    shipped = tmp_path_factory.mktemp("shipped")
+    measured.path.rename(shipped / measured.path.name)  # the user's cache is now empty
+    monkeypatch.setattr(gemm_routing, "SHIPPED_TABLES", shipped)
+    monkeypatch.setattr(gemm_routing, "time_ms", refuse_to_measure)
+    reused = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    assert not reused.measured and reused.table == measured.table
+
+
+def test_the_shipped_h200_table_covers_the_27b_shape():
+    from deltaspec.engine.engine import ROUTED_WEIGHT_ELEMENTS
+    from deltaspec.model.hybrid import HybridModel
+    from deltaspec.model.shapes import shape_config
+    from deltaspec.ops.dispatch import REFERENCE
+
+    files = list(gemm_routing.SHIPPED_TABLES.glob("gemm-routes_NVIDIA-H200_*_bfloat16.json"))
+    assert files
+    table = json.loads(files[0].read_text())
+    with torch.device("meta"):
+        model = HybridModel(shape_config("qwen3.5-27b"), REFERENCE, torch.bfloat16, "meta", num_mtp_layers=1)
+    model.fuse_projections()
+    routed = {f"{n}x{k}" for (n, k) in model.linear_shapes() if n * k >= ROUTED_WEIGHT_ELEMENTS}
+    assert routed <= set(table["shapes"]) and all(len(v) == len(ROW_BUCKETS) for v in table["shapes"].values())

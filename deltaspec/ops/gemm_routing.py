@@ -13,7 +13,8 @@ The table is cached as JSON in `$DELTASPEC_CACHE_DIR` (default `~/.cache/deltasp
      "shapes": {"<N>x<K>": {"<bucket>": {"best": "<candidate>", "ms": {"<candidate>": 0.0123, ...}}}}}
 
 A file written with other buckets or another candidate list is measured again; shapes missing from
-a file are measured and added. The same timings give `pass_cost_ms` and `relative_costs`, which the
+a file are measured and added. Tables measured on the development H200 ship in `gemm_tables/` and are
+read when the cache has no file for the same device and versions. The same timings give `pass_cost_ms` and `relative_costs`, which the
 draft-length policy reads as the device's verify-cost curve.
 """
 
@@ -42,6 +43,10 @@ FORMAT_VERSION = 1
 CPU_REPEATS = 5
 
 Shape = tuple[int, int]  # (N, K) of a weight [N, K]
+# Tables measured on the development GPU with the versions in their names, shipped like vLLM's tuned
+# kernel configs: an identical device and software stack skips the first-run measurement (the user's
+# own cache still wins, and any other stack measures).
+SHIPPED_TABLES = Path(__file__).resolve().parent / "gemm_tables"
 
 
 def cache_dir() -> Path:
@@ -196,14 +201,19 @@ class GemmRouter:
                 "buckets": list(ROW_BUCKETS), "candidates": list(self.candidates)}
 
     def _load(self) -> dict[Shape, dict[int, dict]]:
-        """The cached table, or an empty one when the file is absent or was written for other
-        buckets or candidates."""
-        try:
-            data = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
-        if {key: data.get(key) for key in self._header()} != self._header():
-            return {}
+        """The cached table (the user's cache first, then the tables shipped in `SHIPPED_TABLES`), or an
+        empty one when neither has a file written for this device, versions, buckets and candidates."""
+        for path in (self.path, SHIPPED_TABLES / self.path.name):
+            try:
+                data = json.loads(path.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            if {key: data.get(key) for key in self._header()} == self._header():
+                return self._table_of(data)
+        return {}
+
+    @staticmethod
+    def _table_of(data: dict) -> dict[Shape, dict[int, dict]]:
         table = {}
         for key, by_bucket in data["shapes"].items():
             n, k = (int(part) for part in key.split("x"))
