@@ -1,6 +1,6 @@
-"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|spec-oracle|profile`: run a scenario and write
-JSON. serve and agents run against an in-process server or --url; the device benchmarks (decode, verify,
-concurrency, prefill, spec-oracle, profile) drive the engine directly and never import the server."""
+"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|longctx|spec-oracle|profile`: run a scenario
+and write JSON. serve and agents run against an in-process server or --url; the device benchmarks (decode, verify,
+concurrency, prefill, longctx, spec-oracle, profile) drive the engine directly and never import the server."""
 
 from __future__ import annotations
 
@@ -140,6 +140,17 @@ def cmd_bench_prefill(args: argparse.Namespace, engine_config) -> None:
                                            for row in r["lengths"]))
 
 
+def cmd_bench_longctx(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.longctx import bench_longctx
+
+    r = bench_longctx(engine_config, args.doc_tokens, args.question_tokens, args.max_tokens, args.runs)
+    write_device_report(r, args, f"{r['doc_tokens']}-token document: first-question TTFT {r['first_ttft_s']:.3f} s, "
+                                 f"follow-up TTFT {r['follow_up_ttft_s']:.3f} s ({r['follow_up_num_cached_tokens']:.0f} "
+                                 f"of {r['follow_up_prompt_tokens']} tokens cached, prefix caching "
+                                 f"{'on' if r['prefix_caching'] else 'off'}), follow-up decode "
+                                 f"{r['follow_up_decode_tok_s']:.2f} tok/s")
+
+
 def cmd_bench_spec_oracle(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.decode import bench_spec_oracle
     from deltaspec.spec.oracle import parse_profile, profile_for_acceptance_length
@@ -163,7 +174,7 @@ def cmd_bench_profile(args: argparse.Namespace, engine_config) -> None:
 
 
 def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
-    """decode, verify, concurrency, prefill, spec-oracle, profile: the engine on this device, no server."""
+    """decode, verify, concurrency, prefill, longctx, spec-oracle, profile: the engine on this device, no server."""
     def common(parser, max_tokens: int | None = 64, context: bool = True, runs: bool = True):
         if context:
             parser.add_argument("--context", type=int, default=128, help="prompt tokens (default: 128)")
@@ -194,6 +205,12 @@ def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
     prefill.add_argument("--lengths", default="1024,8192,32768", help="prompt lengths (default: 1024,8192,32768)")
     common(prefill, max_tokens=None, context=False)
     prefill.set_defaults(func=lambda args: cmd_bench_prefill(args, engine_config(args)))
+    longctx = scenarios.add_parser("longctx", help="first-question and follow-up TTFT on a long document, the "
+                                                   "follow-up's cached tokens and decode tok/s at that depth")
+    longctx.add_argument("--doc-tokens", type=int, default=8192, help="document tokens (default: 8192)")
+    longctx.add_argument("--question-tokens", type=int, default=32, help="tokens per question (default: 32)")
+    common(longctx, context=False)
+    longctx.set_defaults(func=lambda args: cmd_bench_longctx(args, engine_config(args)))
     oracle = scenarios.add_parser("spec-oracle", help="speculative decoding with an oracle drafter at a known "
                                                       "acceptance profile, against plain decoding")
     oracle.add_argument("--oracle-profile", default=None,
