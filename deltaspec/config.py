@@ -136,6 +136,13 @@ class EngineConfig:
         "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"})
     draft_model: str | None = field(default=None, metadata={
         "help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "resume requests from checkpoints of earlier ones that share their prefix (GDN state + KV pages)",
+        "aliases": ("--prefix-caching",)})
+    prefix_checkpoints: int = field(default=0, metadata={
+        "help": "prefix checkpoints kept on the device, least recently used evicted first (0: two per stream)"})
+    prefix_checkpoint_min_prompt: int = field(default=1024, metadata={
+        "help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end"})
     kernels: str = field(default="auto", metadata={
         "help": "op implementations: auto (Triton kernels on CUDA, torch references elsewhere), reference "
                 "(torch references everywhere)"})
@@ -174,7 +181,8 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     """Resolve every "auto" field of `cfg`; the only place defaults depend on the machine.
 
     dtype auto: the checkpoint's own `torch_dtype` on CUDA, float32 on CPU (bfloat16 matmuls are
-    slow there). state_dtype auto: float32, or float64 for a float64 model.
+    slow there). state_dtype auto: float32, or float64 for a float64 model. prefix_checkpoints 0: two
+    per stream (none without prefix caching).
     """
     device = default_device() if cfg.device == "auto" else cfg.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -188,10 +196,13 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         state_dtype = "float64" if dtype_name == "float64" else "float32"
     else:
         state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
+    if cfg.prefix_checkpoints < 0:
+        raise DeltaspecError(f"prefix_checkpoints must be 0 (two per stream) or more, got {cfg.prefix_checkpoints}.")
     if cfg.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
     for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "prefill_chunk",
                  "draft_tokens"):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
-    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype)
+    checkpoints = (cfg.prefix_checkpoints or 2 * cfg.max_num_seqs) if cfg.enable_prefix_caching else 0
+    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype, prefix_checkpoints=checkpoints)

@@ -105,5 +105,5 @@ class LLM:
             request_id=first.request_id.rsplit("-", 1)[0], prompt=first.prompt, prompt_token_ids=first.prompt_ids,
             outputs=completions,
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
-            num_cached_tokens=0, finished=all(s.finished for s in group), metrics=first.metrics(),
+            num_cached_tokens=first.num_cached_tokens, finished=all(s.finished for s in group), metrics=first.metrics(),
         )

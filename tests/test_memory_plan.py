@@ -70,6 +70,8 @@ def test_kv_pages_scale_with_streams_and_context(checkpoints):
                                   max_model_len=128))[0]
     large = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4,
                                   max_model_len=256))[0]
-    assert large.kv == 4 * small.kv and large.states == small.states // 3 * 5  # streams + the scratch slot
+    assert large.kv == 4 * small.kv and large.state_per_stream == small.state_per_stream
+    # each stream's slot, two prefix checkpoints per stream by default, and the CUDA-graph scratch slot
+    assert (small.states, large.states) == (7 * small.state_per_stream, 13 * small.state_per_stream)
     # 2 attention layers x (K, V) x 2 KV heads x head_dim 16 x float32
     assert small.kv_per_token == 2 * 2 * 2 * 16 * torch.tensor([], dtype=torch.float32).element_size()

@@ -11,11 +11,13 @@ from deltaspec.errors import DeltaspecError
 
 
 class BlockAllocator:
-    """Free list of KV pages."""
+    """Free list of KV pages with reference counts: a page shared by several holders (sequences,
+    prefix checkpoints) returns to the free list when the last one frees it."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -26,10 +28,26 @@ class BlockAllocator:
             raise DeltaspecError(
                 f"The KV cache is out of pages ({count} needed, {len(self._free)} free); "
                 "allocate more with --num-kv-blocks or run fewer sequences at once.")
-        return [self._free.pop() for _ in range(count)]
+        blocks = [self._free.pop() for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def refs(self, block: int) -> int:
+        """How many holders `block` has (0: free)."""
+        return self._refs[block]
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of `blocks` (all in use)."""
+        for block in blocks:
+            self._refs[block] += 1
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """One holder fewer for each of `blocks`; pages nobody holds go back to the free list."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
 
 
 class PagedKVCache:
@@ -45,3 +63,8 @@ class PagedKVCache:
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy page `source` into page `target` in every layer."""
+        for cache in (*self.k, *self.v):
+            cache[target].copy_(cache[source])

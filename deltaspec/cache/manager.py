@@ -1,10 +1,13 @@
-"""CacheManager: hands KV pages and GDN state slots to sequences and takes them back."""
+"""CacheManager: hands KV pages and GDN state slots to sequences and takes them back, and keeps the
+prefix checkpoints (`deltaspec.cache.prefix_cache`) that let a new sequence resume where an earlier
+one left a checkpoint."""
 
 import math
 
 import torch
 
 from deltaspec.cache.kv_cache import PagedKVCache
+from deltaspec.cache.prefix_cache import PrefixCache
 from deltaspec.cache.state_cache import GDNStateCache
 from deltaspec.config import ModelConfig
 from deltaspec.model.decoder import ModelCaches
@@ -12,15 +15,17 @@ from deltaspec.model.decoder import ModelCaches
 
 class CacheManager:
     def __init__(self, config: ModelConfig, num_kv_layers: int, num_slots: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, log_rows: int = 0):
+                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, log_rows: int = 0,
+                 checkpoint_slots: int = 0):
         self.block_size = block_size
         self.kv = PagedKVCache(num_kv_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
                                dtype, device)
         self.gdn = GDNStateCache(len(config.gdn_layer_ids), num_slots, config.linear_num_key_heads,
                                  config.linear_num_value_heads, config.linear_key_head_dim,
                                  config.linear_value_head_dim, config.gdn_conv_dim, config.linear_conv_kernel_dim,
-                                 state_dtype, dtype, device, log_rows)
+                                 state_dtype, dtype, device, log_rows, checkpoint_slots)
         self.caches = ModelCaches(kv=self.kv, gdn=self.gdn)
+        self.prefix = PrefixCache(self.kv, self.gdn) if checkpoint_slots else None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -29,13 +34,30 @@ class CacheManager:
         return self.gdn.num_free > 0
 
     def admit(self, seq) -> None:
+        """Give `seq` a state slot; with prefix caching, resume it from the deepest checkpoint its tokens
+        continue (a request that wants prompt logprobs computes every prompt token)."""
         seq.state_slot = self.gdn.allocate()
+        seq.num_cached_tokens = 0
+        if self.prefix is None or seq.num_computed or seq.params.prompt_logprobs is not None:
+            return
+        checkpoint = self.prefix.lookup(seq.all_ids)
+        if checkpoint is not None:
+            seq.blocks = self.prefix.resume(checkpoint, seq.state_slot)
+            seq.num_computed = seq.num_cached_tokens = len(checkpoint.tokens)
+
+    def checkpoint(self, seq, length: int) -> None:
+        """Keep the state of `seq`, which has consumed exactly its first `length` tokens, for reuse."""
+        if self.prefix is not None and length > 0:
+            self.prefix.save(seq.all_ids[:length], seq.state_slot, seq.blocks)
 
     def reserve(self, seq, num_tokens: int) -> bool:
-        """Make `seq`'s pages cover `num_tokens` tokens; False (nothing taken) when pages run short."""
+        """Make `seq`'s pages cover `num_tokens` tokens, evicting prefix checkpoints if pages run short;
+        False (nothing taken) when they still do."""
         extra = self.blocks_needed(num_tokens) - len(seq.blocks)
         if extra <= 0:
             return True
+        if extra > self.kv.allocator.num_free and self.prefix is not None:
+            self.prefix.evict_for_pages(extra)
         if extra > self.kv.allocator.num_free:
             return False
         seq.blocks.extend(self.kv.allocator.allocate(extra))

@@ -35,6 +35,12 @@ class MemoryPlan:
     workspace: int
     reserve: int
     available: int
+    checkpoints: int = 0  # prefix-checkpoint slots, each one state
+
+    @property
+    def fixed_states(self) -> int:
+        """State slots that do not scale with the streams: the checkpoints and the CUDA-graph scratch slot."""
+        return (self.checkpoints + 1) * self.state_per_stream
 
     @property
     def kv(self) -> int:
@@ -42,7 +48,7 @@ class MemoryPlan:
 
     @property
     def states(self) -> int:
-        return (self.streams + 1) * self.state_per_stream  # + the scratch slot of CUDA-graph padding
+        return self.streams * self.state_per_stream + self.fixed_states
 
     @property
     def total(self) -> int:
@@ -54,13 +60,13 @@ class MemoryPlan:
 
     def max_streams(self) -> int:
         """Most streams of `ctx` tokens that fit next to the weights and workspace."""
-        room = self.available - self.weights - self.workspace - self.reserve - self.state_per_stream
+        room = self.available - self.weights - self.workspace - self.reserve - self.fixed_states
         per_stream = math.ceil(self.ctx / self.block_size) * self.block_size * self.kv_per_token + self.state_per_stream
         return max(room // per_stream, 0)
 
     def max_ctx(self) -> int:
         """Longest context (a multiple of the block size) that `streams` streams fit in."""
-        room = (self.available - self.weights - self.workspace - self.reserve - self.state_per_stream) \
+        room = (self.available - self.weights - self.workspace - self.reserve - self.fixed_states) \
             // self.streams - self.state_per_stream
         if room <= 0 or self.kv_per_token == 0:
             return 0
@@ -68,7 +74,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         rows = [("weights", self.weights), (f"attention KV ({self.streams} streams x {self.ctx} tokens)", self.kv),
-                (f"GDN states ({self.streams} slots + scratch)", self.states), ("workspace (one forward pass)", self.workspace),
+                (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states), ("workspace (one forward pass)", self.workspace),
                 ("reserve (runtime)", self.reserve), ("total needed", self.total),
                 (f"free on {self.device}", self.available)]
         width = max(len(name) for name, _ in rows)
@@ -125,9 +131,11 @@ def available_memory(device: torch.device) -> int:
 
 def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: torch.dtype, state_dtype: torch.dtype,
                 streams: int, ctx: int, block_size: int, batch_rows: int, prefill_chunk: int,
-                device: torch.device, available: int | None = None, log_rows: int = 0) -> MemoryPlan:
+                device: torch.device, available: int | None = None, log_rows: int = 0,
+                checkpoints: int = 0) -> MemoryPlan:
     """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
-    slot's speculative replay log (one state plus the log, independent of how many drafts are accepted)."""
+    slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
+    `checkpoints` prefix-checkpoint slots are each one more state."""
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
     kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * config.head_dim * size
@@ -150,7 +158,8 @@ def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: to
     return MemoryPlan(device=str(device), streams=streams, ctx=ctx, block_size=block_size, weights=weights,
                       kv_per_token=kv_per_token, state_per_stream=state,
                       workspace=activations + logits + attention_scores, reserve=RESERVE.get(device.type, GIB // 2),
-                      available=available_memory(device) if available is None else available)
+                      available=available_memory(device) if available is None else available,
+                      checkpoints=checkpoints)
 
 
 def require_fit(plan: MemoryPlan) -> None:

@@ -2,8 +2,9 @@
 
 A running sequence owns one slot index for its whole life; every op reads and writes its state
 in place at that index. A slot is zeroed when it is handed out, which is the state of an empty
-prefix. One extra slot, `scratch_slot`, is never handed out: padding sequences of CUDA-graph
-buckets read and write it. With speculative decoding each slot also has a replay log of `log_rows` rows per layer
+prefix. `checkpoint_slots` more slots hold prefix checkpoints (`deltaspec.cache.prefix_cache`), and
+one extra slot, `scratch_slot`, is never handed out: padding sequences of CUDA-graph buckets read
+and write it. With speculative decoding each slot also has a replay log of `log_rows` rows per layer
 (the inputs of rows being verified, `deltaspec.ops.gdn`): memory per sequence is one state plus
 the log, whatever the draft length.
 """
@@ -20,9 +21,11 @@ class GDNStateCache:
 
     def __init__(self, num_layers: int, num_slots: int, num_k_heads: int, num_v_heads: int, key_dim: int,
                  value_dim: int, conv_dim: int, conv_kernel: int, state_dtype: torch.dtype, conv_dtype: torch.dtype,
-                 device: torch.device, log_rows: int = 0):
-        self.scratch_slot = num_slots
-        num_slots += 1
+                 device: torch.device, log_rows: int = 0, checkpoint_slots: int = 0):
+        self.checkpoint_slots = range(num_slots, num_slots + checkpoint_slots)
+        self.scratch_slot = num_slots + checkpoint_slots
+        running_slots = num_slots
+        num_slots += checkpoint_slots + 1
         self.state = [torch.zeros((num_slots, num_v_heads, key_dim, value_dim), dtype=state_dtype, device=device)
                       for _ in range(num_layers)]
         self.conv = [torch.zeros((num_slots, conv_kernel - 1, conv_dim), dtype=conv_dtype, device=device)
@@ -36,7 +39,7 @@ class GDNStateCache:
                            beta=zeros(num_v_heads)) for _ in range(num_layers)] if log_rows else [None] * num_layers
         self.conv_log = [zeros(conv_dim, dtype=conv_dtype) for _ in range(num_layers)] if log_rows else \
             [None] * num_layers
-        self._free = list(range(self.scratch_slot - 1, -1, -1))
+        self._free = list(range(running_slots - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
@@ -53,6 +56,12 @@ class GDNStateCache:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    def copy_slot(self, source: int, target: int) -> None:
+        """Copy the recurrent state and conv window of slot `source` into slot `target`, every layer."""
+        for state, conv in zip(self.state, self.conv):
+            state[target].copy_(state[source])
+            conv[target].copy_(conv[source])
 
     def bytes(self) -> int:
         logs = [t for log in self.log if log is not None for t in (log.k, log.v, log.g, log.beta)]

@@ -69,7 +69,8 @@ def plan_for(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfi
                        weight_bytes(files, dtype, skip=lambda name: target_name(name) is None), dtype,
                        parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
                        resolved.max_num_batched_tokens, resolved.prefill_chunk, device,
-                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0)
+                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0,
+                       checkpoints=resolved.prefix_checkpoints)
     return plan, resolved, model_config, raw, model_dir
 
 
@@ -97,8 +98,10 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
                                   cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
-                                  log_rows=cfg.draft_tokens + 1 if cfg.speculative != "none" else 0)
-        self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk)
+                                  log_rows=cfg.draft_tokens + 1 if cfg.speculative != "none" else 0,
+                                  checkpoint_slots=cfg.prefix_checkpoints)
+        self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk,
+                                   checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt)
         self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size, self._mtp_drafter)
         self.draft_policy = DraftLengthPolicy(max_k=cfg.draft_tokens, table=verify_costs)
         self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device, self._graph_runner())
@@ -174,10 +177,15 @@ class Engine:
             self._finish(seq)
 
     def usage(self) -> dict:
-        """Running and waiting sequences, KV pages and GDN state slots in use."""
-        kv, gdn = self.cache.kv.allocator, self.cache.gdn
+        """Running and waiting sequences, KV pages and GDN state slots in use, and what prefix checkpoints hold
+        (their pages count as cached, not used: eviction frees them)."""
+        kv, gdn, prefix = self.cache.kv.allocator, self.cache.gdn, self.cache.prefix
+        cached = prefix.pages_held_only_here() if prefix is not None else 0
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "kv_blocks_used": kv.num_blocks - kv.num_free, "kv_blocks_total": kv.num_blocks,
+                "kv_blocks_used": kv.num_blocks - kv.num_free - cached, "kv_blocks_cached": cached,
+                "kv_blocks_total": kv.num_blocks,
+                "prefix_checkpoints": len(prefix.checkpoints) if prefix is not None else 0,
+                "prefix_hits": prefix.hits if prefix is not None else 0,
                 "state_slots_used": self.config.max_num_seqs - gdn.num_free,
                 "state_slots_total": self.config.max_num_seqs, "preemptions": self.scheduler.num_preemptions,
                 "steps": self.scheduler.step_count}
@@ -207,8 +215,11 @@ class Engine:
             self._record_prompt_logprobs(schedule[i], logits)
         before = [item.seq.num_computed for item in schedule]
         for item in schedule:
-            item.seq.num_computed += item.num_rows
-            item.seq.pending_fold = 0  # this pass replayed it
+            seq = item.seq
+            seq.num_computed += item.num_rows
+            seq.pending_fold = 0  # this pass replayed it
+            if seq.checkpoint_at and seq.checkpoint_at[0] == seq.num_computed and not seq.draft:
+                self.cache.checkpoint(seq, seq.checkpoint_at.pop(0))
         for i in result.logged:
             schedule[i].seq.pending_fold = 1  # its one row ran as a verify row; fold it next pass
         updated = self._commit_verified(schedule, result.verify_logits, result.greedy, result.row_starts)
@@ -298,6 +309,8 @@ class Engine:
             s for s in self.scheduler.running if s.request_id == seq_id), self.device, self.config.seed)
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.finish_reason in ("stop", "length") and seq.state_slot is not None:
+            self.cache.checkpoint(seq, seq.num_computed - seq.pending_fold)  # where its state stands
         self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.on_finish(seq.request_id)

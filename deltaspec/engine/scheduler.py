@@ -9,7 +9,9 @@ Every pass carries all runnable sequences together (DESIGN §3), within a budget
    together by remaining prompt, shortest first, with aging: a sequence's remaining work counts
    half as much for every `aging_steps` passes it has been in the engine, so long prompts are
    not starved;
-3. a waiting sequence is admitted when a GDN state slot and its pages are free.
+3. a waiting sequence is admitted when a GDN state slot and its pages are free; with prefix
+   caching it may resume from a checkpoint, and a long prompt's chunks end exactly at the
+   positions where it leaves checkpoints of its own (512 and 64 tokens before its end).
 
 When the KV pages run out for a running sequence, the most recently admitted other sequence is
 preempted: its caches are freed and it is recomputed later from its tokens (a GDN state cannot be
@@ -25,6 +27,8 @@ from deltaspec.cache.manager import CacheManager
 from deltaspec.engine.sequence import Sequence, Status
 from deltaspec.errors import DeltaspecError
 
+CHECKPOINT_OFFSETS = (512, 64)  # a long prompt leaves prefix checkpoints this many tokens before its end
+
 
 @dataclass
 class Scheduled:
@@ -38,8 +42,10 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, prefill_chunk: int, aging_steps: int = 16):
+    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, prefill_chunk: int, aging_steps: int = 16,
+                 checkpoint_min_prompt: int = 0):
         self.cache = cache
+        self.checkpoint_min_prompt = checkpoint_min_prompt  # 0: no prompt checkpoints
         self.budget = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.aging_steps = aging_steps
@@ -76,6 +82,21 @@ class Scheduler:
         self.num_preemptions += 1
         return True
 
+    def _checkpoint_positions(self, seq: Sequence) -> list[int]:
+        """Where a long prompt leaves prefix checkpoints: 512 and 64 tokens before its end, past what is computed."""
+        length = len(seq.prompt_ids)
+        if not self.checkpoint_min_prompt or self.cache.prefix is None or length < self.checkpoint_min_prompt:
+            return []
+        return [p for p in (length - CHECKPOINT_OFFSETS[0], length - CHECKPOINT_OFFSETS[1]) if p > seq.num_computed]
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Rows of `seq`'s next prompt chunk: within the chunk limit and the budget, ending at its next
+        checkpoint position if it has one."""
+        rows = min(seq.num_tokens - seq.num_computed, self.prefill_chunk, budget)
+        if seq.checkpoint_at:
+            rows = min(rows, seq.checkpoint_at[0] - seq.num_computed)
+        return rows
+
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         while not self.cache.reserve(seq, num_tokens):
             if not self._preempt_for(seq):
@@ -100,20 +121,24 @@ class Scheduler:
         for seq in candidates:
             if budget == 0:
                 break
-            rows = min(seq.num_tokens - seq.num_computed, self.prefill_chunk, budget)
             if seq.status is Status.WAITING:
                 if not self.cache.can_admit():
                     continue
                 self.cache.admit(seq)
+                seq.checkpoint_at = self._checkpoint_positions(seq)
+                rows = self._chunk(seq, budget)
                 if not self.cache.reserve(seq, seq.num_computed + rows):
                     self.cache.release(seq)
+                    seq.num_computed = seq.num_cached_tokens = 0
                     continue
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 seq.admitted_step = self.step_count
                 self.running.append(seq)
-            elif seq not in self.running or not self._reserve(seq, seq.num_computed + rows):
-                continue
+            else:
+                rows = self._chunk(seq, budget)
+                if seq not in self.running or not self._reserve(seq, seq.num_computed + rows):
+                    continue
             batch.append(Scheduled(seq, rows))
             budget -= rows
         batch = [item for item in batch if item.seq in self.running]

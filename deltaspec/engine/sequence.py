@@ -49,6 +49,8 @@ class Sequence:
     spec_accepted: int = 0  # draft tokens accepted in total
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: rounds whose draft i+1 was accepted
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: rounds that proposed a draft i+1
+    num_cached_tokens: int = 0  # tokens resumed from a prefix checkpoint instead of computed
+    checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to leave prefix checkpoints at
 
     @property
     def all_ids(self) -> list[int]:
@@ -80,7 +82,7 @@ class Sequence:
         """Time to first token, decode time and decode tok/s by DESIGN §6."""
         n_new = len(self.output_ids)
         out = {"arrival_time": self.arrival_wall_time, "num_prompt_tokens": len(self.prompt_ids),
-               "num_generated_tokens": n_new, "time_to_first_token": None, "decode_time": None,
+               "num_cached_tokens": self.num_cached_tokens, "num_generated_tokens": n_new, "time_to_first_token": None, "decode_time": None,
                "decode_tok_s": None, "time_per_output_token": None}
         if self.first_token_time is not None:
             out["time_to_first_token"] = self.first_token_time - self.arrival_time

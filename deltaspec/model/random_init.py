@@ -102,7 +102,8 @@ def random_plan(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelCo
     plan = plan_memory(model_config, len(model_config.attention_layer_ids) + model_config.num_mtp_layers, weights,
                        dtype, parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
                        resolved.max_num_batched_tokens, resolved.prefill_chunk, device,
-                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0)
+                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0,
+                       checkpoints=resolved.prefix_checkpoints)
     return plan, resolved, model_config, {}, None
 
 

@@ -69,6 +69,8 @@ class ServerContext:
             self.request_log.write({
                 "arrival_time": arrival, "request_id": request_id, "endpoint": endpoint,
                 "ttft_s": min(ttfts) if ttfts else None, "tpot_s": sum(tpots) / len(tpots) if tpots else None,
-                "prompt_tokens": prompt_tokens, "cached_tokens": 0, "generated_tokens": generated,
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": max((s.metrics.get("num_cached_tokens", 0) for s in samples), default=0),
+                "generated_tokens": generated,
                 "finish_reason": finish_reason, "n": n, "spec_rounds": rounds, "spec_accepted_tokens": accepted,
                 "acceptance_length": accepted / rounds if rounds else None})

@@ -20,7 +20,7 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.params import SamplingParams
 from deltaspec.server.errors import APIError
-from deltaspec.server.protocol import SamplingFields, UsageInfo
+from deltaspec.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 
 DISCONNECT_POLL_S = 0.1
 
@@ -176,6 +176,9 @@ async def merged(samples: list[Sample]) -> AsyncIterator[tuple[Sample, RequestDe
 
 
 def usage_of(prompt_tokens: int, samples: list[Sample]) -> UsageInfo:
-    """OpenAI usage of a request: its prompt tokens and the tokens of all its samples."""
+    """OpenAI usage of a request: its prompt tokens (of which `cached_tokens` resumed from a prefix checkpoint)
+    and the tokens of all its samples."""
     completion = sum(len(s.token_ids) for s in samples)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+    cached = max((s.metrics.get("num_cached_tokens", 0) for s in samples), default=0)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

@@ -38,8 +38,10 @@ class MTPDrafter:
 
     def observe(self, seq_id: str, first_position: int, hidden: torch.Tensor) -> None:
         """The target's final hidden states [n, H] of committed rows at positions first_position.."""
-        if first_position == 0:  # a new or recomputed sequence: its MTP cache starts over
-            self.hidden[seq_id], self.done[seq_id] = {}, 0
+        if seq_id not in self.done or first_position < self.done[seq_id]:
+            # a new, recomputed or resumed sequence: its MTP rows start here (a sequence resumed from a prefix
+            # checkpoint finds the MTP cache of the prefix in the pages it shares with the checkpoint)
+            self.hidden[seq_id], self.done[seq_id] = {}, first_position
         rows = self.hidden.setdefault(seq_id, {})
         for j in range(hidden.shape[0]):
             rows[first_position + j] = hidden[j]

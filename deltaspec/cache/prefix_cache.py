@@ -1,0 +1,129 @@
+"""Prefix checkpoints (DESIGN §4): a follow-up about a long document costs the follow-up, not the document.
+
+A GDN state cannot be truncated, so reuse works at checkpoints: at chosen positions p a sequence's
+recurrent state and conv window (every GDN layer) are copied into a checkpoint slot of the state
+cache, and the KV pages holding tokens [0, p) get one more reference. A new request whose tokens
+start with the checkpoint's p tokens (and go on past them) resumes there: its state slot gets the
+checkpoint's state, its page table starts with the checkpoint's full pages (shared: no one writes
+below a sequence's computed length) and a private copy of the partly filled last page, and only
+tokens from p on are prefilled.
+
+Checkpoints are addressed by content: a hash chain over the token blocks of the page size (each
+block's hash covers every token before it), plus the tokens of the partial last block; a match is
+confirmed token by token. The pool holds `capacity` checkpoints and evicts the least recently used
+one when it is full, or when pages run short (a checkpoint's pages go back to the pool once no
+sequence shares them). Running sequences never lose pages to eviction.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from deltaspec.cache.kv_cache import PagedKVCache
+from deltaspec.cache.state_cache import GDNStateCache
+
+
+def block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """hashes[i]: the chain hash of tokens[: i * block_size] (hashes[0] is the empty prefix)."""
+    hashes = [0]
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        hashes.append(hash((hashes[-1], tuple(tokens[start:start + block_size]))))
+    return hashes
+
+
+def prefix_key(tokens: list[int], length: int, block_size: int, hashes: list[int]) -> int:
+    """The content address of tokens[:length]: the chain hash of its full blocks and its partial tail."""
+    full = length // block_size
+    return hash((length, hashes[full], tuple(tokens[full * block_size:length])))
+
+
+@dataclass
+class Checkpoint:
+    tokens: tuple[int, ...]  # the prefix it holds the state of
+    slot: int  # its slot in the state cache
+    blocks: list[int]  # KV pages of tokens [0, len(tokens)), one reference each
+    last_used: int
+
+
+class PrefixCache:
+    def __init__(self, kv: PagedKVCache, gdn: GDNStateCache):
+        self.kv, self.gdn = kv, gdn
+        self.block_size = kv.block_size
+        self.checkpoints: dict[int, Checkpoint] = {}  # content address -> checkpoint
+        self._free_slots = list(gdn.checkpoint_slots)
+        self._clock = itertools.count()
+        self.hits = 0
+        self.evictions = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.gdn.checkpoint_slots)
+
+    def pages_held_only_here(self) -> int:
+        """KV pages that only checkpoints hold (no sequence): cached, and freed by eviction."""
+        holders: dict[int, int] = {}
+        for checkpoint in self.checkpoints.values():
+            for block in checkpoint.blocks:
+                holders[block] = holders.get(block, 0) + 1
+        return sum(count == self.kv.allocator.refs(block) for block, count in holders.items())
+
+    def lookup(self, tokens: list[int]) -> Checkpoint | None:
+        """The deepest checkpoint whose prefix `tokens` continues past (at least one token left to compute)."""
+        if not self.checkpoints:
+            return None
+        hashes = block_hashes(tokens, self.block_size)
+        for length in sorted({len(c.tokens) for c in self.checkpoints.values()}, reverse=True):
+            if length >= len(tokens):
+                continue
+            found = self.checkpoints.get(prefix_key(tokens, length, self.block_size, hashes))
+            if found is not None and found.tokens == tuple(tokens[:length]):
+                found.last_used = next(self._clock)
+                return found
+        return None
+
+    def resume(self, checkpoint: Checkpoint, slot: int) -> list[int]:
+        """Load `checkpoint` into state slot `slot`; returns the page table of its prefix for a new sequence
+        (shared full pages, a private copy of the partial last page)."""
+        self.gdn.copy_slot(checkpoint.slot, slot)
+        length = len(checkpoint.tokens)
+        full = length // self.block_size
+        shared = checkpoint.blocks[:full]
+        self.kv.allocator.share(shared)
+        self.hits += 1
+        if length % self.block_size == 0:
+            return list(shared)
+        self.evict_for_pages(1, keep=checkpoint)
+        private = self.kv.allocator.allocate(1)[0]
+        self.kv.copy_block(checkpoint.blocks[full], private)
+        return [*shared, private]
+
+    def save(self, tokens: list[int], slot: int, blocks: list[int]) -> None:
+        """Checkpoint the state in `slot`, which has consumed exactly `tokens`, with the pages holding them."""
+        length = len(tokens)
+        key = prefix_key(tokens, length, self.block_size, block_hashes(tokens, self.block_size))
+        if key in self.checkpoints and self.checkpoints[key].tokens == tuple(tokens):
+            self.checkpoints[key].last_used = next(self._clock)
+            return
+        if not self._free_slots:
+            self._evict_one()
+        if not self._free_slots:
+            return
+        checkpoint_slot = self._free_slots.pop()
+        self.gdn.copy_slot(slot, checkpoint_slot)
+        pages = blocks[:-(-length // self.block_size)]
+        self.kv.allocator.share(pages)
+        self.checkpoints[key] = Checkpoint(tuple(tokens), checkpoint_slot, list(pages), next(self._clock))
+
+    def evict_for_pages(self, needed: int, keep: Checkpoint | None = None) -> None:
+        """Evict least recently used checkpoints (but `keep`) until `needed` pages are free or none is left."""
+        while self.kv.allocator.num_free < needed and any(c is not keep for c in self.checkpoints.values()):
+            self._evict_one(keep)
+
+    def _evict_one(self, keep: Checkpoint | None = None) -> None:
+        key = min((k for k, c in self.checkpoints.items() if c is not keep),
+                  key=lambda k: self.checkpoints[k].last_used)
+        checkpoint = self.checkpoints.pop(key)
+        self.kv.allocator.free(checkpoint.blocks)
+        self._free_slots.append(checkpoint.slot)
+        self.evictions += 1

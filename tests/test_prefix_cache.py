@@ -1,0 +1,102 @@
+"""Prefix checkpoints (DESIGN §4) on the CPU in float64: a resumed request gives exactly the outputs of a
+full prefill, a prompt that diverges before a checkpoint does not use it, eviction never touches a
+running sequence, and speculative decoding on a resumed sequence stays token-exact."""
+
+import pytest
+
+from deltaspec import LLM, SamplingParams
+
+DOC = [(13 * i + 5) % 480 + 3 for i in range(300)]  # a "document" of 300 tokens
+MIN_PROMPT = 128  # prompts this long leave a checkpoint 64 tokens before their end (300 - 512 < 0: no other)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def engine(path, **options) -> LLM:
+    return LLM(str(path), dtype="float64", device="cpu", prefix_checkpoint_min_prompt=MIN_PROMPT, **options)
+
+
+def run(llm: LLM, prompts: list[list[int]], params=GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def assert_same_outputs(got, expected):
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            for token in lp_a:
+                assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def path(checkpoints):
+    return checkpoints["qwen3_5_r2"]
+
+
+def test_follow_ups_resume_from_checkpoints_and_match_a_full_prefill(path):
+    cached, plain = engine(path), engine(path, enable_prefix_caching=False)
+    first = run(cached, [DOC])[0]
+    answer = first.outputs[0].token_ids
+    assert first.num_cached_tokens == 0 and cached.engine.usage()["prefix_checkpoints"] == 2  # 236 and the end
+    follow_ups = [DOC[:250] + [7, 8, 9], DOC + answer + [11, 12, 13, 14]]
+    got = run(cached, follow_ups)
+    assert [o.num_cached_tokens for o in got] == [236, len(DOC) + len(answer) - 1]
+    expected = run(plain, follow_ups)
+    assert [o.num_cached_tokens for o in expected] == [0, 0]
+    assert_same_outputs(got, expected)
+
+
+def test_a_prompt_diverging_before_a_checkpoint_does_not_use_it(path):
+    cached, plain = engine(path), engine(path, enable_prefix_caching=False)
+    run(cached, [DOC])
+    changed = list(DOC)
+    changed[100] += 1  # differs from the document before every checkpoint
+    prompts = [changed + [1, 2, 3], DOC[:200] + [4, 5, 6]]
+    got = run(cached, prompts)
+    assert [o.num_cached_tokens for o in got] == [0, 0]
+    assert_same_outputs(got, run(plain, prompts))
+
+
+def test_the_whole_prompt_is_never_taken_from_a_checkpoint(path):
+    """A prompt equal to a checkpoint's prefix still computes its last token (its logits start the answer)."""
+    cached, plain = engine(path), engine(path, enable_prefix_caching=False)
+    run(cached, [DOC])
+    got = run(cached, [DOC[:236], DOC[:237]])
+    assert [o.num_cached_tokens for o in got] == [0, 236]
+    assert_same_outputs(got, run(plain, [DOC[:236], DOC[:237]]))
+
+
+def test_eviction_under_memory_pressure_never_corrupts_a_running_sequence(path):
+    """Three documents leave their checkpoints; then their follow-ups resume from them (sharing the
+    checkpoints' pages) while three fresh long prompts need pages, so checkpoints are evicted under the
+    running follow-ups. Every output equals the uncached one."""
+    options = {"max_num_seqs": 3, "prefix_checkpoints": 3, "num_kv_blocks": 70, "block_size": 16}
+    cached, plain = engine(path, **options), engine(path, enable_prefix_caching=False, **options)
+    docs = [DOC, DOC[150:] + DOC[:150], DOC[::-1]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    answers = [o.outputs[0].token_ids for o in run(cached, docs, params)]
+    follow_ups = [d + a + [20 + i] for i, (d, a) in enumerate(zip(docs, answers))]
+    fresh = [DOC[40 * i:] + DOC[:40 * i + 30] for i in (2, 4, 5)]  # longer: admitted after the follow-ups
+    got = run(cached, follow_ups + fresh, params)
+    usage = cached.engine.usage()
+    assert cached.engine.cache.prefix.evictions > 0 and sum(o.num_cached_tokens > 0 for o in got[:3]) >= 2
+    expected = run(plain, follow_ups + fresh, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert usage["kv_blocks_used"] == 0 and usage["running"] == 0
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "mtp", "draft"])
+def test_speculative_decoding_on_a_resumed_sequence_is_token_exact(speculative):
+    """Every drafter of the embedded model (its greedy output repeats, so n-gram drafts get accepted too).
+    A request that ends after a verify pass checkpoints where its state stands: before the rows still to
+    fold, so the follow-up resumes at most there."""
+    llm = LLM(dtype="float64", device="cpu", prefix_checkpoint_min_prompt=MIN_PROMPT, speculative=speculative,
+              draft_tokens=3)
+    plain = LLM(dtype="float64", device="cpu", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    first = run(llm, [DOC], params)[0]
+    follow_up = DOC + first.outputs[0].token_ids + DOC[:40]
+    got = run(llm, [follow_up], params)[0]
+    assert len(DOC) <= got.num_cached_tokens <= len(DOC) + len(first.outputs[0].token_ids) - 1
+    assert got.outputs[0].token_ids == run(plain, [follow_up], params)[0].outputs[0].token_ids
+    assert got.metrics.get("spec_accepted_tokens", 0) > 0
