@@ -280,3 +280,14 @@ def test_detokenizer_deltas_equal_the_whole_decode_for_random_splits(tokenizer):
                 i += step
             out += detok.finish([])
             assert out == tokenizer.decode(ids)
+
+
+def test_usage_reports_the_prompt_tokens_resumed_from_a_prefix_checkpoint():
+    from deltaspec.server.samples import usage_of
+
+    samples = [Sample(i, f"r-{i}", None, SamplingParams(), 40, token_ids=[1, 2, 3],
+                      metrics={"num_cached_tokens": cached}) for i, cached in enumerate((31, 31))]
+    usage = usage_of(40, samples)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 6, 46)
+    assert usage.prompt_tokens_details.cached_tokens == 31
+    assert usage_of(40, [Sample(0, "r", None, SamplingParams(), 40)]).prompt_tokens_details.cached_tokens == 0
