@@ -100,3 +100,16 @@ def test_speculative_decoding_on_a_resumed_sequence_is_token_exact(speculative):
     assert len(DOC) <= got.num_cached_tokens <= len(DOC) + len(first.outputs[0].token_ids) - 1
     assert got.outputs[0].token_ids == run(plain, [follow_up], params)[0].outputs[0].token_ids
     assert got.metrics.get("spec_accepted_tokens", 0) > 0
+
+
+def test_a_follow_up_resumes_even_when_the_pages_are_exactly_one_sequence(path):
+    """No free page for a copy of the checkpoint's partial last page: the sequence takes that page over
+    (only the checkpoint held it) and the checkpoint goes."""
+    options = {"max_num_seqs": 1, "max_model_len": 320, "num_kv_blocks": 20, "block_size": 16}
+    cached, plain = engine(path, **options), engine(path, enable_prefix_caching=False, **options)
+    answer = run(cached, [DOC])[0].outputs[0].token_ids
+    assert cached.engine.cache.kv.allocator.num_free == 0  # the checkpoints hold every page
+    follow_up = DOC + answer + [11, 12, 13, 14]
+    got = run(cached, [follow_up])
+    assert got[0].num_cached_tokens == len(DOC) + len(answer) - 1
+    assert_same_outputs(got, run(plain, [follow_up]))

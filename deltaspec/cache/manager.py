@@ -41,8 +41,9 @@ class CacheManager:
         if self.prefix is None or seq.num_computed or seq.params.prompt_logprobs is not None:
             return
         checkpoint = self.prefix.lookup(seq.all_ids)
-        if checkpoint is not None:
-            seq.blocks = self.prefix.resume(checkpoint, seq.state_slot)
+        blocks = self.prefix.resume(checkpoint, seq.state_slot) if checkpoint is not None else None
+        if blocks is not None:
+            seq.blocks = blocks
             seq.num_computed = seq.num_cached_tokens = len(checkpoint.tokens)
 
     def checkpoint(self, seq, length: int) -> None:

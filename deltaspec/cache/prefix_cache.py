@@ -40,6 +40,7 @@ def prefix_key(tokens: list[int], length: int, block_size: int, hashes: list[int
 
 @dataclass
 class Checkpoint:
+    key: int  # its content address
     tokens: tuple[int, ...]  # the prefix it holds the state of
     slot: int  # its slot in the state cache
     blocks: list[int]  # KV pages of tokens [0, len(tokens)), one reference each
@@ -82,21 +83,31 @@ class PrefixCache:
                 return found
         return None
 
-    def resume(self, checkpoint: Checkpoint, slot: int) -> list[int]:
+    def resume(self, checkpoint: Checkpoint, slot: int) -> list[int] | None:
         """Load `checkpoint` into state slot `slot`; returns the page table of its prefix for a new sequence
-        (shared full pages, a private copy of the partial last page)."""
-        self.gdn.copy_slot(checkpoint.slot, slot)
+        (shared full pages, a private copy of the partial last page), or None when no page can be had for
+        that copy (the sequence then prefills in full). With no free page, a partial page that only the
+        checkpoint holds is handed over to the sequence and the checkpoint is dropped."""
         length = len(checkpoint.tokens)
-        full = length // self.block_size
+        full, partial = divmod(length, self.block_size)
+        if partial:
+            self.evict_for_pages(1, keep=checkpoint)
+            if not self.kv.allocator.num_free and self.kv.allocator.refs(checkpoint.blocks[full]) > 1:
+                return None
+        self.gdn.copy_slot(checkpoint.slot, slot)
         shared = checkpoint.blocks[:full]
         self.kv.allocator.share(shared)
         self.hits += 1
-        if length % self.block_size == 0:
+        if not partial:
             return list(shared)
-        self.evict_for_pages(1, keep=checkpoint)
-        private = self.kv.allocator.allocate(1)[0]
-        self.kv.copy_block(checkpoint.blocks[full], private)
-        return [*shared, private]
+        if self.kv.allocator.num_free:
+            private = self.kv.allocator.allocate(1)[0]
+            self.kv.copy_block(checkpoint.blocks[full], private)
+            return [*shared, private]
+        page = checkpoint.blocks[full]
+        self.kv.allocator.share([page])  # the sequence's reference; dropping the checkpoint leaves it the only one
+        self._drop(checkpoint.key)
+        return [*shared, page]
 
     def save(self, tokens: list[int], slot: int, blocks: list[int]) -> None:
         """Checkpoint the state in `slot`, which has consumed exactly `tokens`, with the pages holding them."""
@@ -113,7 +124,7 @@ class PrefixCache:
         self.gdn.copy_slot(slot, checkpoint_slot)
         pages = blocks[:-(-length // self.block_size)]
         self.kv.allocator.share(pages)
-        self.checkpoints[key] = Checkpoint(tuple(tokens), checkpoint_slot, list(pages), next(self._clock))
+        self.checkpoints[key] = Checkpoint(key, tuple(tokens), checkpoint_slot, list(pages), next(self._clock))
 
     def evict_for_pages(self, needed: int, keep: Checkpoint | None = None) -> None:
         """Evict least recently used checkpoints (but `keep`) until `needed` pages are free or none is left."""
@@ -121,9 +132,11 @@ class PrefixCache:
             self._evict_one(keep)
 
     def _evict_one(self, keep: Checkpoint | None = None) -> None:
-        key = min((k for k, c in self.checkpoints.items() if c is not keep),
-                  key=lambda k: self.checkpoints[k].last_used)
+        self._drop(min((k for k, c in self.checkpoints.items() if c is not keep),
+                       key=lambda k: self.checkpoints[k].last_used))
+        self.evictions += 1
+
+    def _drop(self, key: int) -> None:
         checkpoint = self.checkpoints.pop(key)
         self.kv.allocator.free(checkpoint.blocks)
         self._free_slots.append(checkpoint.slot)
-        self.evictions += 1
