@@ -113,3 +113,17 @@ def test_a_follow_up_resumes_even_when_the_pages_are_exactly_one_sequence(path):
     got = run(cached, [follow_up])
     assert got[0].num_cached_tokens == len(DOC) + len(answer) - 1
     assert_same_outputs(got, run(plain, [follow_up]))
+
+
+def test_a_follow_up_is_scheduled_by_what_its_checkpoint_leaves_to_compute(path):
+    """Shortest remaining work first: a follow-up with 5 tokens left after its checkpoint goes before a
+    fresh 280-token prompt that arrived first."""
+    cached = engine(path, max_num_seqs=1)
+    answer = run(cached, [DOC])[0].outputs[0].token_ids
+    eng, params = cached.engine, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    fresh = eng.add_request("fresh", None, DOC[::-1][:280], params)
+    follow_up = eng.add_request("follow-up", None, DOC + answer + [11, 12, 13, 14], params)
+    while eng.has_unfinished():
+        eng.step()
+    assert follow_up.num_cached_tokens == len(DOC) + len(answer) - 1 and fresh.num_cached_tokens == 0
+    assert follow_up.first_token_time < fresh.first_token_time

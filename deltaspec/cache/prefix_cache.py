@@ -69,8 +69,9 @@ class PrefixCache:
                 holders[block] = holders.get(block, 0) + 1
         return sum(count == self.kv.allocator.refs(block) for block, count in holders.items())
 
-    def lookup(self, tokens: list[int]) -> Checkpoint | None:
-        """The deepest checkpoint whose prefix `tokens` continues past (at least one token left to compute)."""
+    def lookup(self, tokens: list[int], touch: bool = True) -> Checkpoint | None:
+        """The deepest checkpoint whose prefix `tokens` continues past (at least one token left to compute);
+        `touch` marks it used (a mere estimate, such as the scheduler's, does not)."""
         if not self.checkpoints:
             return None
         hashes = block_hashes(tokens, self.block_size)
@@ -79,7 +80,8 @@ class PrefixCache:
                 continue
             found = self.checkpoints.get(prefix_key(tokens, length, self.block_size, hashes))
             if found is not None and found.tokens == tuple(tokens[:length]):
-                found.last_used = next(self._clock)
+                if touch:
+                    found.last_used = next(self._clock)
                 return found
         return None
 

@@ -6,7 +6,8 @@ Every pass carries all runnable sequences together (DESIGN §3), within a budget
 1. one decode row for every running sequence whose prompt is done, plus its draft tokens to verify;
 2. prompt chunks, at most `prefill_chunk` rows per sequence per pass, so a long prompt delays the
    others by at most one chunk. Prefills already running and waiting sequences are ordered
-   together by remaining prompt, shortest first, with aging: a sequence's remaining work counts
+   together by remaining prompt (for a waiting sequence, what its prefix checkpoint would leave),
+   shortest first, with aging: a sequence's remaining work counts
    half as much for every `aging_steps` passes it has been in the engine, so long prompts are
    not starved;
 3. a waiting sequence is admitted when a GDN state slot and its pages are free; with prefix
@@ -56,6 +57,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.step_count
+        if self.cache.prefix is not None:  # a follow-up's remaining work is what its checkpoint leaves
+            found = self.cache.prefix.lookup(seq.all_ids, touch=False)
+            seq.expected_cached = len(found.tokens) if found is not None else 0
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -63,7 +67,8 @@ class Scheduler:
 
     def _priority(self, seq: Sequence) -> float:
         age = self.step_count - seq.enqueued_step
-        return (seq.num_tokens - seq.num_computed) / 2 ** (age / self.aging_steps)
+        done = seq.num_computed if seq.status is Status.RUNNING else max(seq.num_computed, seq.expected_cached)
+        return (seq.num_tokens - done) / 2 ** (age / self.aging_steps)
 
     def _preempt_for(self, needy: Sequence) -> bool:
         """Free the pages of the most recently admitted other running sequence; False if none."""

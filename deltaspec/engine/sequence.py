@@ -50,6 +50,7 @@ class Sequence:
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: rounds whose draft i+1 was accepted
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: rounds that proposed a draft i+1
     num_cached_tokens: int = 0  # tokens resumed from a prefix checkpoint instead of computed
+    expected_cached: int = 0  # tokens a checkpoint held when the sequence arrived (a scheduling estimate)
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to leave prefix checkpoints at
 
     @property
