@@ -141,6 +141,8 @@ class EngineConfig:
         "aliases": ("--prefix-caching",)})
     prefix_checkpoints: int = field(default=0, metadata={
         "help": "prefix checkpoints kept on the device, least recently used evicted first (0: two per stream)"})
+    prefix_offload_gib: float = field(default=0.0, metadata={
+        "help": "host memory (GiB) that keeps prefix checkpoints evicted from the device, for later reuse"})
     prefix_checkpoint_min_prompt: int = field(default=1024, metadata={
         "help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end"})
     kernels: str = field(default="auto", metadata={
@@ -196,6 +198,8 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         state_dtype = "float64" if dtype_name == "float64" else "float32"
     else:
         state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
+    if cfg.prefix_offload_gib < 0:
+        raise DeltaspecError(f"prefix_offload_gib must be 0 (no offload) or more, got {cfg.prefix_offload_gib}.")
     if cfg.prefix_checkpoints < 0:
         raise DeltaspecError(f"prefix_checkpoints must be 0 (two per stream) or more, got {cfg.prefix_checkpoints}.")
     if cfg.kernels not in ("auto", "reference"):

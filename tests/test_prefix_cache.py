@@ -127,3 +127,21 @@ def test_a_follow_up_is_scheduled_by_what_its_checkpoint_leaves_to_compute(path)
         eng.step()
     assert follow_up.num_cached_tokens == len(DOC) + len(answer) - 1 and fresh.num_cached_tokens == 0
     assert follow_up.first_token_time < fresh.first_token_time
+
+
+@pytest.mark.parametrize("offload_gib", [0.0, 0.5])
+def test_checkpoints_evicted_from_the_device_are_reused_from_host_memory(path, offload_gib):
+    """One device checkpoint slot: a second document evicts the first one's checkpoints; with a host budget
+    they are kept there, and the first document's follow-up resumes from host memory exactly."""
+    options = {"prefix_checkpoints": 1, "prefix_offload_gib": offload_gib}
+    cached, plain = engine(path, **options), engine(path, enable_prefix_caching=False)
+    answer = run(cached, [DOC])[0].outputs[0].token_ids
+    run(cached, [DOC[::-1]])
+    follow_up = DOC + answer + [11, 12, 13, 14]
+    got = run(cached, [follow_up])
+    host = cached.engine.cache.prefix.host
+    if offload_gib:
+        assert got[0].num_cached_tokens == len(DOC) + len(answer) - 1 and host.hits == 1
+    else:
+        assert got[0].num_cached_tokens == 0 and not host.entries
+    assert_same_outputs(got, run(plain, [follow_up]))

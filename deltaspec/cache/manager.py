@@ -16,7 +16,7 @@ from deltaspec.model.decoder import ModelCaches
 class CacheManager:
     def __init__(self, config: ModelConfig, num_kv_layers: int, num_slots: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, log_rows: int = 0,
-                 checkpoint_slots: int = 0):
+                 checkpoint_slots: int = 0, offload_bytes: int = 0):
         self.block_size = block_size
         self.kv = PagedKVCache(num_kv_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
                                dtype, device)
@@ -25,7 +25,7 @@ class CacheManager:
                                  config.linear_value_head_dim, config.gdn_conv_dim, config.linear_conv_kernel_dim,
                                  state_dtype, dtype, device, log_rows, checkpoint_slots)
         self.caches = ModelCaches(kv=self.kv, gdn=self.gdn)
-        self.prefix = PrefixCache(self.kv, self.gdn) if checkpoint_slots else None
+        self.prefix = PrefixCache(self.kv, self.gdn, offload_bytes) if checkpoint_slots else None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)

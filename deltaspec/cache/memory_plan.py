@@ -74,7 +74,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         rows = [("weights", self.weights), (f"attention KV ({self.streams} streams x {self.ctx} tokens)", self.kv),
-                (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states), ("workspace (one forward pass)", self.workspace),
+                (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states),
+                ("workspace (one forward pass)", self.workspace),
                 ("reserve (runtime)", self.reserve), ("total needed", self.total),
                 (f"free on {self.device}", self.available)]
         width = max(len(name) for name, _ in rows)

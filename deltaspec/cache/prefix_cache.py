@@ -12,7 +12,8 @@ Checkpoints are addressed by content: a hash chain over the token blocks of the 
 block's hash covers every token before it), plus the tokens of the partial last block; a match is
 confirmed token by token. The pool holds `capacity` checkpoints and evicts the least recently used
 one when it is full, or when pages run short (a checkpoint's pages go back to the pool once no
-sequence shares them). Running sequences never lose pages to eviction.
+sequence shares them), into host memory when `offload_bytes` allows (`deltaspec.cache.host_checkpoints`).
+Running sequences never lose pages to eviction.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from deltaspec.cache.host_checkpoints import HostCheckpoint, HostCheckpoints
 from deltaspec.cache.kv_cache import PagedKVCache
 from deltaspec.cache.state_cache import GDNStateCache
 
@@ -48,12 +50,13 @@ class Checkpoint:
 
 
 class PrefixCache:
-    def __init__(self, kv: PagedKVCache, gdn: GDNStateCache):
+    def __init__(self, kv: PagedKVCache, gdn: GDNStateCache, offload_bytes: int = 0):
         self.kv, self.gdn = kv, gdn
         self.block_size = kv.block_size
         self.checkpoints: dict[int, Checkpoint] = {}  # content address -> checkpoint
         self._free_slots = list(gdn.checkpoint_slots)
         self._clock = itertools.count()
+        self.host = HostCheckpoints(offload_bytes, kv, gdn, lambda: next(self._clock))
         self.hits = 0
         self.evictions = 0
 
@@ -69,28 +72,36 @@ class PrefixCache:
                 holders[block] = holders.get(block, 0) + 1
         return sum(count == self.kv.allocator.refs(block) for block, count in holders.items())
 
-    def lookup(self, tokens: list[int], touch: bool = True) -> Checkpoint | None:
-        """The deepest checkpoint whose prefix `tokens` continues past (at least one token left to compute);
-        `touch` marks it used (a mere estimate, such as the scheduler's, does not)."""
-        if not self.checkpoints:
+    def lookup(self, tokens: list[int], touch: bool = True) -> Checkpoint | HostCheckpoint | None:
+        """The deepest checkpoint, on the device or offloaded, whose prefix `tokens` continues past (at least
+        one token left to compute); `touch` marks it used (a mere estimate, such as the scheduler's, does not)."""
+        if not self.checkpoints and not self.host.entries:
             return None
         hashes = block_hashes(tokens, self.block_size)
-        for length in sorted({len(c.tokens) for c in self.checkpoints.values()}, reverse=True):
+        lengths = {len(c.tokens) for c in (*self.checkpoints.values(), *self.host.entries.values())}
+        for length in sorted(lengths, reverse=True):
             if length >= len(tokens):
                 continue
-            found = self.checkpoints.get(prefix_key(tokens, length, self.block_size, hashes))
+            key = prefix_key(tokens, length, self.block_size, hashes)
+            found = self.checkpoints.get(key) or self.host.entries.get(key)
             if found is not None and found.tokens == tuple(tokens[:length]):
                 if touch:
                     found.last_used = next(self._clock)
                 return found
         return None
 
-    def resume(self, checkpoint: Checkpoint, slot: int) -> list[int] | None:
+    def resume(self, checkpoint: Checkpoint | HostCheckpoint, slot: int) -> list[int] | None:
         """Load `checkpoint` into state slot `slot`; returns the page table of its prefix for a new sequence
         (shared full pages, a private copy of the partial last page), or None when no page can be had for
         that copy (the sequence then prefills in full). With no free page, a partial page that only the
-        checkpoint holds is handed over to the sequence and the checkpoint is dropped."""
+        checkpoint holds is handed over to the sequence and the checkpoint is dropped. An offloaded
+        checkpoint is copied back into fresh pages."""
         length = len(checkpoint.tokens)
+        if isinstance(checkpoint, HostCheckpoint):
+            self.evict_for_pages(-(-length // self.block_size))
+            blocks = self.host.restore(checkpoint, slot)
+            self.hits += blocks is not None
+            return blocks
         full, partial = divmod(length, self.block_size)
         if partial:
             self.evict_for_pages(1, keep=checkpoint)
@@ -134,8 +145,11 @@ class PrefixCache:
             self._evict_one(keep)
 
     def _evict_one(self, keep: Checkpoint | None = None) -> None:
-        self._drop(min((k for k, c in self.checkpoints.items() if c is not keep),
-                       key=lambda k: self.checkpoints[k].last_used))
+        key = min((k for k, c in self.checkpoints.items() if c is not keep),
+                  key=lambda k: self.checkpoints[k].last_used)
+        victim = self.checkpoints[key]
+        self.host.offload(key, victim.tokens, victim.slot, victim.blocks)
+        self._drop(key)
         self.evictions += 1
 
     def _drop(self, key: int) -> None:

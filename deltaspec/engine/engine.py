@@ -99,7 +99,8 @@ class Engine:
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
                                   cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
                                   log_rows=cfg.draft_tokens + 1 if cfg.speculative != "none" else 0,
-                                  checkpoint_slots=cfg.prefix_checkpoints)
+                                  checkpoint_slots=cfg.prefix_checkpoints,
+                                  offload_bytes=int(cfg.prefix_offload_gib * 2 ** 30))
         self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk,
                                    checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt)
         self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size, self._mtp_drafter)

@@ -83,7 +83,8 @@ class Sequence:
         """Time to first token, decode time and decode tok/s by DESIGN §6."""
         n_new = len(self.output_ids)
         out = {"arrival_time": self.arrival_wall_time, "num_prompt_tokens": len(self.prompt_ids),
-               "num_cached_tokens": self.num_cached_tokens, "num_generated_tokens": n_new, "time_to_first_token": None, "decode_time": None,
+               "num_cached_tokens": self.num_cached_tokens, "num_generated_tokens": n_new,
+               "time_to_first_token": None, "decode_time": None,
                "decode_tok_s": None, "time_per_output_token": None}
         if self.first_token_time is not None:
             out["time_to_first_token"] = self.first_token_time - self.arrival_time
