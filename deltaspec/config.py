@@ -151,8 +151,8 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every pass eagerly, without CUDA graphs"})
     random_weights: bool = field(default=False, metadata={
-        "help": "build the model of --shape with random weights on the device (no checkpoint, no tokenizer: "
-                "prompts are token ids); for benchmarks"})
+        "help": "build the model of --shape with random weights on the device (no checkpoint; the embedded "
+                "model's tokenizer); for benchmarks"})
     shape: str | None = field(default=None, metadata={
         "help": "model shape for --random-weights: qwen3.5-0.8b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
                 "qwen3-next-80b-a3b"})

@@ -133,3 +133,16 @@ def test_plan_command_prints_the_random_weights_budget(capsys):
     code = main(["plan", "--random-weights", "--shape", "qwen3.5-27b", "--dtype", "bfloat16", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code in (0, 2) and out.startswith("weights") and "50.8" in out.splitlines()[0]
+
+
+def test_a_real_shaped_random_model_borrows_the_embedded_tokenizer():
+    """Text prompts work on random weights when the embedded tokenizer's ids fit the shape's vocabulary."""
+    engine = Engine(EngineConfig(random_weights=True, shape="qwen3.5-0.8b", shape_overrides=SMALL + (
+        ("vocab_size", 8192),), device="cpu", max_model_len=64, max_num_seqs=1), progress=False)
+    assert engine.tokenizer is not None and engine.tokenizer.vocab_size <= 8192
+    ids = engine.encode("def add(a, b):")
+    seq = engine.add_request("r", "def add(a, b):", ids, SamplingParams(max_tokens=2, temperature=0.0,
+                                                                         ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seq.output_ids) == 2

@@ -91,7 +91,7 @@ class Engine:
         self.ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
         self.model = build_model(self.config, model_dir, self.model_config, raw, self.dtype, self.device,
                                  self.ops, progress)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if model_dir is not None else None
+        self.tokenizer = Tokenizer.from_dir(model_dir) if model_dir is not None else self._borrowed_tokenizer()
         verify_costs = self._route_gemms(progress)
         self.max_model_len = self.config.max_model_len
         cfg = self.config
@@ -111,6 +111,12 @@ class Engine:
             eos |= self.tokenizer.eos_token_ids
         self.eos_ids = frozenset(eos)
         self._seed_counter = itertools.count(cfg.seed)
+
+    def _borrowed_tokenizer(self) -> Tokenizer | None:
+        """A random-weight model borrows the embedded model's tokenizer when its ids fit the shape's vocabulary
+        (they fit every real shape), so the server and the text benchmarks run on it too."""
+        borrowed = Tokenizer.from_dir(default_model_path())
+        return borrowed if borrowed is not None and borrowed.vocab_size <= self.model_config.vocab_size else None
 
     def _route_gemms(self, progress: bool) -> VerifyCostTable:
         """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply by the device's

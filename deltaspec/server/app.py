@@ -40,9 +40,12 @@ DEFAULT_MODEL_NAME = "deltaspec-default"
 
 
 def served_model_name(engine: Engine, config: ServerConfig) -> str:
-    """--served-model-name, else the checkpoint directory's name (or the hub id as given)."""
+    """--served-model-name, else the checkpoint directory's name (or the hub id as given; SHAPE-random for
+    --random-weights)."""
     if config.served_model_name:
         return config.served_model_name
+    if engine.config.random_weights:
+        return f"{engine.config.shape}-random"
     model = engine.config.model
     if model is None:
         return DEFAULT_MODEL_NAME
