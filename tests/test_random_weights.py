@@ -138,7 +138,7 @@ def test_plan_command_prints_the_random_weights_budget(capsys):
 def test_a_real_shaped_random_model_borrows_the_embedded_tokenizer():
     """Text prompts work on random weights when the embedded tokenizer's ids fit the shape's vocabulary."""
     engine = Engine(EngineConfig(random_weights=True, shape="qwen3.5-0.8b", shape_overrides=SMALL + (
-        ("vocab_size", 8192),), device="cpu", max_model_len=64, max_num_seqs=1), progress=False)
+        ("vocab_size", 3 * 8192),), device="cpu", max_model_len=64, max_num_seqs=1), progress=False)
     assert engine.tokenizer is not None and engine.tokenizer.vocab_size <= 8192
     ids = engine.encode("def add(a, b):")
     seq = engine.add_request("r", "def add(a, b):", ids, SamplingParams(max_tokens=2, temperature=0.0,
@@ -146,3 +146,7 @@ def test_a_real_shaped_random_model_borrows_the_embedded_tokenizer():
     while engine.has_unfinished():
         engine.step()
     assert len(seq.output_ids) == 2
+    tokenizer = engine.tokenizer
+    word = tokenizer.encode(" add")[0]
+    assert tokenizer.decode([word + 2 * 8192]) == tokenizer.decode([word]) == " add"
+    assert tokenizer.decode_token(word + 8192) == " add" and tokenizer.id_to_token(word + 8192) is not None

@@ -19,7 +19,7 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.cache.memory_plan import MemoryPlan, plan_memory, require_fit, weight_bytes
 from deltaspec.config import ModelConfig
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
-from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
 from deltaspec.model.random_init import build_model, random_plan
 from deltaspec.model.weights import checkpoint_files, count_mtp_layers, resolve_model_path, target_name
 from deltaspec.ops.dispatch import ops_for
@@ -114,9 +114,12 @@ class Engine:
 
     def _borrowed_tokenizer(self) -> Tokenizer | None:
         """A random-weight model borrows the embedded model's tokenizer when its ids fit the shape's vocabulary
-        (they fit every real shape), so the server and the text benchmarks run on it too."""
-        borrowed = Tokenizer.from_dir(default_model_path())
-        return borrowed if borrowed is not None and borrowed.vocab_size <= self.model_config.vocab_size else None
+        (they fit every real shape), so the server and the text benchmarks run on it too; ids beyond the
+        borrowed vocabulary decode as ids within it (`BorrowedTokenizer`)."""
+        lent = Tokenizer.from_dir(default_model_path())
+        if lent is None or lent.vocab_size > self.model_config.vocab_size:
+            return None
+        return BorrowedTokenizer.lend(lent)
 
     def _route_gemms(self, progress: bool) -> VerifyCostTable:
         """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply by the device's

@@ -258,3 +258,26 @@ class Tokenizer:
                     f"{exc.message})."
                 ) from exc
         return self._compiled[source]
+
+
+class BorrowedTokenizer(Tokenizer):
+    """Another model's tokenizer lent to a random-weight model with a larger vocabulary: encoding is unchanged,
+    and an id beyond the lent vocabulary decodes as that id modulo its size, so every generated token shows as
+    text (streamed text and its timing behave as with a real model; the text itself is meaningless)."""
+
+    @classmethod
+    def lend(cls, lent: Tokenizer) -> "BorrowedTokenizer":
+        return cls(lent._backend, source=lent._source, special_tokens=lent._special_tokens,
+                   eos_token_ids=lent._eos_token_ids, chat_templates=lent._chat_templates)
+
+    def _fold(self, token_id: int) -> int:
+        return int(token_id) % self.vocab_size
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return super().decode([self._fold(i) for i in ids], skip_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        return super().decode_token(self._fold(token_id))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return super().id_to_token(self._fold(token_id))
