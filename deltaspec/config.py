@@ -159,6 +159,11 @@ class EngineConfig:
     shape_overrides: tuple[tuple[str, int], ...] = field(default=(), metadata={
         "cli": False, "help": "(Python only) ModelConfig/MoEConfig fields replaced in the shape, for small tests"})
 
+    @property
+    def log_rows(self) -> int:
+        """Rows of each state slot's speculative replay log: the drafts plus the bonus row, 0 without speculation."""
+        return self.draft_tokens + 1 if self.speculative != "none" else 0
+
 
 @dataclass(frozen=True)
 class ServerConfig:

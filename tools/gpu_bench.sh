@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue #6's device benchmarks on a random-weight Qwen3.5-27B-shaped model (bf16), one JSON report
 # and one log per benchmark in OUT_DIR. Usage: tools/gpu_bench.sh OUT_DIR [decode] [verify]
-# [concurrency] [prefill] [spec-oracle] [longctx] [profile] (default: all but longctx and profile). Set
-# SHAPE to bench another shape. longctx asks a follow-up about a 63k-token document (prefix caching);
-# profile lists the kernels of decode steps at 32 streams (`bench profile`).
+# [concurrency] [prefill] [spec-oracle] [longctx] [agents] [profile] (default: all but longctx, agents and
+# profile). Set SHAPE to bench another shape. longctx asks a follow-up about a 63k-token document (prefix
+# caching); agents is issue #7's scenario (16 agents, ~17.9k-token documents, two follow-ups each, through
+# the server); profile lists the kernels of decode steps at 32 streams (`bench profile`).
 set -uo pipefail
 out=${1:?usage: tools/gpu_bench.sh OUT_DIR [benchmarks...]}
 shift
@@ -18,6 +19,7 @@ declare -A extra=(
   [prefill]="--lengths 1024,8192,32768 --runs 3 --prefill-chunk 8192 --max-num-batched-tokens 8192"
   [spec-oracle]="--oracle-al 3 --draft-tokens 4 --context 128 --max-tokens 64 --runs 3"
   [longctx]="--doc-tokens 63000 --question-tokens 64 --max-tokens 64 --runs 3"
+  [agents]="--agents 16 --doc-chars 68000 --stagger 0.5 --max-tokens 32 --runs 3 --max-model-len 32768 --max-num-seqs 16"
   [profile]="--streams 32 --context 128 --steps 8"
 )
 for bench in "${benches[@]}"; do

@@ -34,9 +34,11 @@ def run_agent(client: Client, document: str, delay: float, max_tokens: int) -> l
     return turns
 
 
-def bench_agents(client: Client, agents: int, doc_chars: int, stagger: float, max_tokens: int,
+def bench_agents(client: Client, agents: int, doc_chars: int, stagger: float, max_tokens: int, run: int = 0,
                  progress=print) -> dict:
-    docs = documents(agents, doc_chars)
+    """One run of the scenario; each run's documents are new to the server (a run never finds the documents
+    of an earlier one in the prefix cache)."""
+    docs = documents(agents, doc_chars, label=f"run {run}, ")
     start = time.perf_counter()
     with ThreadPoolExecutor(agents) as pool:
         per_agent = list(pool.map(lambda i: run_agent(client, docs[i], i * stagger, max_tokens), range(agents)))

@@ -65,8 +65,8 @@ def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
 
 def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
     with target(args, engine_config) as (client, identity, _):
-        runs = [bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, progress=say)
-                for _ in range(args.runs)]
+        runs = [bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, run, progress=say)
+                for run in range(args.runs)]
     medians = {key: statistics.median(run[key][subkey] if subkey else run[key] for run in runs)
                for key, subkey in (("first_turn_wait_s", "p50"), ("follow_up_wait_s", "p50"),
                                    ("follow_up_wait_max_s", None))}

@@ -27,9 +27,10 @@ def own_time_us(event, on_device: bool) -> float:
 
 
 def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, top: int) -> dict:
-    engine = bench_engine(config, context + steps + WARMUP_STEPS + 2, streams=streams)
-    seqs = start(engine, [random_prompt(engine, context, 7000 + i) for i in range(streams)],
-                 steps + WARMUP_STEPS + 1)
+    prefill_steps = -(-streams * context // config.max_num_batched_tokens) + 1  # the first streams decode meanwhile
+    max_tokens = prefill_steps + WARMUP_STEPS + steps + 1  # no stream finishes inside the profiled steps
+    engine = bench_engine(config, context + max_tokens + 1, streams=streams)
+    seqs = start(engine, [random_prompt(engine, context, 7000 + i) for i in range(streams)], max_tokens)
     while any(not s.output_ids for s in seqs):  # prefill until every stream has its first token
         engine.step()
     for _ in range(WARMUP_STEPS):  # graphs captured, kernels compiled
@@ -44,6 +45,9 @@ def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, 
             engine.step()
         sync(engine.device)
     wall_ms = 1000 * (time.perf_counter() - began) / steps
+    if any(s.finished for s in seqs):
+        raise RuntimeError("a stream finished inside the profiled steps; the profile would not be of "
+                           f"{streams} streams")
     while engine.has_unfinished():
         engine.step()
     events = [(e.key, e.count, own_time_us(e, on_device)) for e in prof.key_averages()]

@@ -33,12 +33,14 @@ def requests(count: int) -> list[tuple[str, dict]]:
     return out
 
 
-def documents(count: int, chars: int) -> list[str]:
-    """`count` different long documents of about `chars` characters: standard-library sources of this Python."""
+def documents(count: int, chars: int, label: str = "") -> list[str]:
+    """`count` different long documents of about `chars` characters: standard-library sources of this Python,
+    each opening with a line naming it (`label` and its index), so that documents with other labels share
+    no prefix with them."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"), key=lambda p: p.name)
     docs, i = [], 0
     while len(docs) < count:
-        text = ""
+        text = f"# {label}document {len(docs)}\n"
         while len(text) < chars:
             text += files[i % len(files)].read_text(errors="replace")
             i += 1

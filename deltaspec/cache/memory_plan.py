@@ -133,10 +133,11 @@ def available_memory(device: torch.device) -> int:
 def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: torch.dtype, state_dtype: torch.dtype,
                 streams: int, ctx: int, block_size: int, batch_rows: int, prefill_chunk: int,
                 device: torch.device, available: int | None = None, log_rows: int = 0,
-                checkpoints: int = 0) -> MemoryPlan:
+                checkpoints: int = 0, graph_rows: int = 0) -> MemoryPlan:
     """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
     slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
-    `checkpoints` prefix-checkpoint slots are each one more state."""
+    `checkpoints` prefix-checkpoint slots are each one more state; `graph_rows` rows of captured CUDA graphs
+    each keep their hidden state and logits."""
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
     kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * config.head_dim * size
@@ -155,10 +156,11 @@ def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: to
     widest_projection = max(2 * config.num_attention_heads * config.head_dim, config.gdn_conv_dim, 2 * mlp_width)
     activations = batch_rows * (4 * config.hidden_size + widest_projection) * 4  # fp32 worst case
     logits = streams * config.vocab_size * 4
+    graph_outputs = graph_rows * (config.vocab_size + config.hidden_size) * size
     attention_scores = min(prefill_chunk, batch_rows) * config.num_attention_heads * ctx * 4  # reference path
     return MemoryPlan(device=str(device), streams=streams, ctx=ctx, block_size=block_size, weights=weights,
                       kv_per_token=kv_per_token, state_per_stream=state,
-                      workspace=activations + logits + attention_scores, reserve=RESERVE.get(device.type, GIB // 2),
+                      workspace=activations + logits + attention_scores + graph_outputs, reserve=RESERVE.get(device.type, GIB // 2),
                       available=available_memory(device) if available is None else available,
                       checkpoints=checkpoints)
 

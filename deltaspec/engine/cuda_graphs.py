@@ -4,8 +4,9 @@ A pass where every sequence decodes (one row each, no drafts) or verifies drafts
 then runs as a verify pass, with or without drafts of its own) is padded to a bucket: B sequences
 of R rows. Padding sequences use the state cache's scratch slot; padding rows write no KV
 (slot -1), log into replay-log rows that are never folded, and come after every real row, so they
-change nothing a real row reads. A bucket's graph is captured the first time it is needed and
-replayed afterwards with new contents in its static input tensors; between replays the host only
+change nothing a real row reads. Every bucket's graph is captured when the engine starts
+(`capture_all`, as vLLM does: a capture inside a timed step would cost that step hundreds of
+milliseconds) and replayed afterwards with new contents in its static input tensors; between replays the host only
 writes those inputs and reads the outputs. Passes with prompt rows, prompt logprobs, or models
 whose ops sync with the host (mixture-of-experts routing) run eagerly.
 """
@@ -15,15 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
+from deltaspec.engine.graph_buckets import batch_sizes, row_sizes
 from deltaspec.engine.scheduler import Scheduled
 from deltaspec.model.decoder import ModelCaches
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.ops.layout import SeqLayout
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-ROW_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
 @dataclass
@@ -59,11 +59,6 @@ class GraphPass:
     row_starts: list[int]  # first real row of each scheduled sequence in `hidden` / `logits`
 
 
-def sizes_up_to(limit: int, buckets: tuple[int, ...]) -> list[int]:
-    """The buckets below `limit`, then `limit` itself."""
-    return [b for b in buckets if b < limit] + [limit]
-
-
 class CudaGraphRunner:
     def __init__(self, model: HybridModel, caches: ModelCaches, block_size: int, device: torch.device,
                  max_num_seqs: int, log_rows: int, max_model_len: int, scratch_slot: int):
@@ -71,12 +66,20 @@ class CudaGraphRunner:
         self.caches = caches
         self.block_size = block_size
         self.device = device
-        self.batch_sizes = sizes_up_to(max_num_seqs, BATCH_BUCKETS)
-        self.row_sizes = [1] + (sizes_up_to(log_rows, ROW_BUCKETS) if log_rows > 1 else [])
+        self.batch_sizes = batch_sizes(max_num_seqs)
+        self.row_sizes = row_sizes(log_rows)
         self.table_width = -(-(max_model_len + max(self.row_sizes)) // block_size)
         self.scratch_slot = scratch_slot
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple[int, int], Bucket] = {}
+
+    def capture_all(self, progress: bool = True) -> None:
+        """Capture the graph of every (batch, rows) bucket, largest batches first (their memory is
+        allocated first, and the smaller graphs reuse it from the shared pool)."""
+        keys = [(size, rows) for size in reversed(self.batch_sizes) for rows in self.row_sizes]
+        for size, rows in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress):
+            if (size, rows) not in self.buckets:
+                self._capture(size, rows)
 
     def bucket_for(self, schedule: list[Scheduled]) -> tuple[int, int] | None:
         """(B, R) for a pass of decode or verify rows only, None for anything else."""
@@ -97,7 +100,7 @@ class CudaGraphRunner:
         return next(b for b in self.batch_sizes if b >= len(schedule)), rows
 
     def run(self, schedule: list[Scheduled], key: tuple[int, int]) -> GraphPass:
-        bucket = self.buckets.get(key) or self._capture(*key)
+        bucket = self.buckets[key]
         num_rows = self._fill(bucket.inputs, schedule, key[1])
         bucket.graph.replay()
         rows = torch.tensor([b * key[1] + i for b, n in enumerate(num_rows) for i in range(n)], device=self.device)

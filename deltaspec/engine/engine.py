@@ -12,6 +12,7 @@ import torch
 from deltaspec.cache.manager import CacheManager
 from deltaspec.config import EngineConfig, parse_dtype, resolve_engine_config
 from deltaspec.engine.cuda_graphs import CudaGraphRunner
+from deltaspec.engine.graph_buckets import graph_rows_of, uses_cuda_graphs
 from deltaspec.engine.runner import Runner, StepOutput
 from deltaspec.engine.scheduler import Scheduled, Scheduler
 from deltaspec.engine.sequence import Sequence
@@ -69,8 +70,8 @@ def plan_for(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfi
                        weight_bytes(files, dtype, skip=lambda name: target_name(name) is None), dtype,
                        parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
                        resolved.max_num_batched_tokens, resolved.prefill_chunk, device,
-                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0,
-                       checkpoints=resolved.prefix_checkpoints)
+                       log_rows=resolved.log_rows, checkpoints=resolved.prefix_checkpoints,
+                       graph_rows=graph_rows_of(resolved, model_config))
     return plan, resolved, model_config, raw, model_dir
 
 
@@ -98,14 +99,14 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
         self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
                                   cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
-                                  log_rows=cfg.draft_tokens + 1 if cfg.speculative != "none" else 0,
+                                  log_rows=cfg.log_rows,
                                   checkpoint_slots=cfg.prefix_checkpoints,
                                   offload_bytes=int(cfg.prefix_offload_gib * 2 ** 30))
         self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk,
                                    checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt)
         self.drafter = make_drafter(cfg, model_dir, self.model_config.vocab_size, self._mtp_drafter)
         self.draft_policy = DraftLengthPolicy(max_k=cfg.draft_tokens, table=verify_costs)
-        self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device, self._graph_runner())
+        self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device, self._graph_runner(progress))
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
@@ -125,7 +126,7 @@ class Engine:
         """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply by the device's
         measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements;
         elsewhere keep torch's matmul and the default cost estimate. Weights too small to be bandwidth-bound
-        stay on torch's matmul without measuring."""
+        stay on torch's matmul without measuring; a model with no large weight keeps the default estimate."""
         if self.device.type != "cuda" or self.config.kernels == "reference" \
                 or self.dtype not in (torch.bfloat16, torch.float16):
             return VerifyCostTable()
@@ -133,21 +134,22 @@ class Engine:
 
         shapes = {shape: count for shape, count in self.model.linear_shapes().items()
                   if shape[0] * shape[1] >= ROUTED_WEIGHT_ELEMENTS}
+        if not shapes:
+            return VerifyCostTable()
         router = GemmRouter(shapes, self.dtype, self.device, show_progress=progress)
         self.ops = replace(self.ops, linear=router.linear)
         self.model.use_ops(self.ops)
         return VerifyCostTable(router.relative_costs(max(self.config.draft_tokens + 1, 2)))
 
-    def _graph_runner(self) -> CudaGraphRunner | None:
-        """CUDA graphs for decode and verify passes: on CUDA with the Triton kernels (the references sync
-        with the host), for dense models (MoE routing syncs too), unless --enforce-eager."""
+    def _graph_runner(self, progress: bool) -> CudaGraphRunner | None:
+        """CUDA graphs for decode and verify passes, where `uses_cuda_graphs` allows them."""
         cfg = self.config
-        if self.device.type != "cuda" or cfg.enforce_eager or cfg.kernels == "reference" \
-                or self.model_config.moe is not None:
+        if not uses_cuda_graphs(self.device.type, cfg.enforce_eager, cfg.kernels, self.model_config.moe is not None):
             return None
-        log_rows = cfg.draft_tokens + 1 if cfg.speculative != "none" else 0
-        return CudaGraphRunner(self.model, self.cache.caches, cfg.block_size, self.device, cfg.max_num_seqs,
-                               log_rows, cfg.max_model_len, self.cache.gdn.scratch_slot)
+        graphs = CudaGraphRunner(self.model, self.cache.caches, cfg.block_size, self.device, cfg.max_num_seqs,
+                                 cfg.log_rows, cfg.max_model_len, self.cache.gdn.scratch_slot)
+        graphs.capture_all(progress)
+        return graphs
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -27,6 +27,7 @@ from deltaspec.config import (
     parse_dtype,
     resolve_engine_config,
 )
+from deltaspec.engine.graph_buckets import graph_rows_of
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.shapes import parameter_counts, shape_config
@@ -102,8 +103,8 @@ def random_plan(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelCo
     plan = plan_memory(model_config, len(model_config.attention_layer_ids) + model_config.num_mtp_layers, weights,
                        dtype, parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
                        resolved.max_num_batched_tokens, resolved.prefill_chunk, device,
-                       log_rows=resolved.draft_tokens + 1 if resolved.speculative != "none" else 0,
-                       checkpoints=resolved.prefix_checkpoints)
+                       log_rows=resolved.log_rows, checkpoints=resolved.prefix_checkpoints,
+                       graph_rows=graph_rows_of(resolved, model_config))
     return plan, resolved, model_config, {}, None
 
 

@@ -6,7 +6,7 @@ Qwen3.5's text-only M-RoPE has equal temporal/height/width positions, which is e
 
 import torch
 
-from deltaspec.ops.norms import rms_norm
+from deltaspec.ops.norms import compute_dtype
 
 
 def inv_frequencies(rotary_dim: int, theta: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -35,5 +35,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               eps: float) -> torch.Tensor:
     """`apply_rope(rms_norm(x, weight, eps), cos, sin)` for x [T, heads, head_dim] (q or k of gated
-    attention), rounded to x's dtype after the norm and after each product and sum of the rotation."""
-    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+    attention), computed in float32 (float64 for float64 inputs) and rounded to x's dtype once, at the
+    end: the rotation uses the unrounded norm. (Rounding in between makes a fused kernel's result
+    depend on whether its compiler keeps float32 -> bfloat16 -> float32 round trips.)"""
+    acc = compute_dtype(x.dtype)
+    xf = x.to(acc)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.to(acc))
+    return apply_rope(normed, cos.to(acc), sin.to(acc)).to(x.dtype)

@@ -1,6 +1,5 @@
 """Triton kernel of `deltaspec.ops.rope.norm_rope`: gated attention's q/k RMSNorm and partial NeoX RoPE in
-one launch, with the reference's rounding points (after the norm, after each product and the sum of the
-rotation).
+one launch, in float32 with one rounding at the end, as the reference.
 
 Grid (tokens, heads): a program loads one head's row twice (at d and at its rotation partner d +- R/2),
 normalises both in float32 with the row's one scale, and writes the rotated row. x may be a strided view
@@ -24,18 +23,16 @@ def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, dim, rotary,
     x = tl.load(row + cols, mask=inside, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    normed = (x * rstd * (1.0 + weight)).to(dtype).to(tl.float32)  # [BLOCK_D], rounded like rms_norm's output
+    normed = x * rstd * (1.0 + weight)  # [BLOCK_D]
     rotated = cols < rotary
     x_partner = tl.load(row + partner, mask=rotated, other=0.0).to(tl.float32)
     weight_partner = tl.load(weight_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-    normed_partner = (x_partner * rstd * (1.0 + weight_partner)).to(dtype).to(tl.float32)
+    normed_partner = x_partner * rstd * (1.0 + weight_partner)
     rotate_half = tl.where(cols < half, -normed_partner, normed_partner)
     cos = tl.load(cos_ptr + token * rotary + cols, mask=rotated, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * rotary + cols, mask=rotated, other=0.0).to(tl.float32)
-    turned = (normed * cos).to(dtype).to(tl.float32) + (rotate_half * sin).to(dtype).to(tl.float32)
-    out = tl.where(rotated, turned, normed)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + cols, out.to(dtype), mask=inside)
+    out = tl.where(rotated, normed * cos + rotate_half * sin, normed)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
