@@ -195,6 +195,7 @@ def test_bench_profile_lists_where_decode_steps_spend_their_time(tmp_path, capsy
     assert r["benchmark"] == "profile" and r["time_kind"] == "cpu" and r["streams"] == 2
     kernels = r["kernels"]
     assert 0 < len(kernels) <= 5 and r["profiled_ms_per_step"] > 0
+    assert r["step_ms"] > 0 and r["graph_replay_ms"] is None  # no CUDA graphs on the CPU
     assert all(k["calls"] > 0 and k["total_ms"] > 0 for k in kernels)
     assert kernels == sorted(kernels, key=lambda k: -k["total_ms"])
     assert 0 < sum(k["share"] for k in kernels) <= 1 + 1e-9

@@ -147,11 +147,33 @@ class CudaGraphRunner:
         inputs = StaticInputs(ForwardBatch(token_ids, positions, slot_mapping, layout), longs, ints,
                               torch.empty_like(longs, device="cpu").pin_memory(),
                               torch.empty_like(ints, device="cpu").pin_memory())
-        positions.copy_(torch.arange(rows, device=self.device).repeat(size))
-        slot_mapping.fill_(-1)
-        context.fill_(rows)
-        slots.fill_(self.scratch_slot)
+        self._pad(inputs, rows)
         return inputs
+
+    def _pad(self, inputs: StaticInputs, rows: int) -> None:
+        """Make every sequence of the bucket padding: the scratch state slot, no KV writes, nothing folded."""
+        batch, layout = inputs.batch, inputs.batch.layout
+        batch.token_ids.zero_()
+        batch.positions.copy_(torch.arange(rows, device=self.device).repeat(layout.num_seqs))
+        batch.slot_mapping.fill_(-1)
+        layout.context_lens_t.fill_(rows)
+        layout.slots_t.fill_(self.scratch_slot)
+        layout.fold_t.zero_()
+        layout.block_tables.zero_()
+
+    def time_replays(self, size: int, rows: int, repeats: int = 20) -> float:
+        """Milliseconds per replay of bucket (size, rows), replays back to back with padding inputs: a pass's
+        device time without the host's work between passes."""
+        bucket = self.buckets[(size, rows)]
+        self._pad(bucket.inputs, rows)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        bucket.graph.replay()
+        begin.record()
+        for _ in range(repeats):
+            bucket.graph.replay()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / repeats
 
     def _capture(self, size: int, rows: int) -> Bucket:
         inputs = self._static_inputs(size, rows)
