@@ -18,8 +18,8 @@ declare -A extra=(
   [concurrency]="--concurrency 1,4,16,32 --context 128 --max-tokens 64 --runs 3"
   [prefill]="--lengths 1024,8192,32768 --runs 3 --prefill-chunk 8192 --max-num-batched-tokens 8192"
   [spec-oracle]="--oracle-al 3 --draft-tokens 4 --context 128 --max-tokens 64 --runs 3"
-  [longctx]="--doc-tokens 63000 --question-tokens 64 --max-tokens 64 --runs 3"
-  [agents]="--agents 16 --doc-chars 68000 --stagger 0.5 --max-tokens 32 --runs 3 --max-model-len 32768 --max-num-seqs 16"
+  [longctx]="--doc-tokens 63000 --question-tokens 64 --max-tokens 64 --runs 3 --prefill-chunk 8192 --max-num-batched-tokens 8192"
+  [agents]="--agents 16 --doc-chars 68000 --stagger 0.5 --max-tokens 32 --runs 3 --max-model-len 32768 --max-num-seqs 16 --max-num-batched-tokens 8192 --prefill-chunk 2048"
   [profile]="--streams 32 --context 128 --steps 8"
 )
 for bench in "${benches[@]}"; do
