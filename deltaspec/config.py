@@ -140,7 +140,7 @@ class EngineConfig:
         "help": "resume requests from checkpoints of earlier ones that share their prefix (GDN state + KV pages)",
         "aliases": ("--prefix-caching",)})
     prefix_checkpoints: int = field(default=0, metadata={
-        "help": "prefix checkpoints kept on the device, least recently used evicted first (0: two per stream)"})
+        "help": "prefix checkpoints kept on the device, least recently used evicted first (0: three per stream)"})
     prefix_offload_gib: float = field(default=0.0, metadata={
         "help": "host memory (GiB) that keeps prefix checkpoints evicted from the device, for later reuse"})
     prefix_checkpoint_min_prompt: int = field(default=1024, metadata={
@@ -180,6 +180,9 @@ class ServerConfig:
         "help": "append one JSON line per finished request to this file"})
 
 
+CHECKPOINTS_PER_STREAM = 3  # a long request leaves up to three: 512 and 64 tokens before its prompt's end, its end
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -188,7 +191,7 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     """Resolve every "auto" field of `cfg`; the only place defaults depend on the machine.
 
     dtype auto: the checkpoint's own `torch_dtype` on CUDA, float32 on CPU (bfloat16 matmuls are
-    slow there). state_dtype auto: float32, or float64 for a float64 model. prefix_checkpoints 0: two
+    slow there). state_dtype auto: float32, or float64 for a float64 model. prefix_checkpoints 0: three
     per stream (none without prefix caching).
     """
     device = default_device() if cfg.device == "auto" else cfg.device
@@ -206,12 +209,12 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     if cfg.prefix_offload_gib < 0:
         raise DeltaspecError(f"prefix_offload_gib must be 0 (no offload) or more, got {cfg.prefix_offload_gib}.")
     if cfg.prefix_checkpoints < 0:
-        raise DeltaspecError(f"prefix_checkpoints must be 0 (two per stream) or more, got {cfg.prefix_checkpoints}.")
+        raise DeltaspecError(f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.prefix_checkpoints}.")
     if cfg.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
     for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "prefill_chunk",
                  "draft_tokens"):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
-    checkpoints = (cfg.prefix_checkpoints or 2 * cfg.max_num_seqs) if cfg.enable_prefix_caching else 0
+    checkpoints = (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * cfg.max_num_seqs) if cfg.enable_prefix_caching else 0
     return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype, prefix_checkpoints=checkpoints)

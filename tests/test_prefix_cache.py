@@ -145,3 +145,14 @@ def test_checkpoints_evicted_from_the_device_are_reused_from_host_memory(path, o
     else:
         assert got[0].num_cached_tokens == 0 and not host.entries
     assert_same_outputs(got, run(plain, [follow_up]))
+
+
+def test_the_default_pool_keeps_every_checkpoint_of_a_long_request_per_stream(path):
+    """Two 600-token documents on two streams leave 3 checkpoints each (88, 536, the end): all are kept, so
+    a follow-up diverging right after the first checkpoint still finds it."""
+    docs = [[(7 * i + s) % 480 + 3 for i in range(600)] for s in (1, 2)]
+    cached = engine(path, max_num_seqs=2, max_model_len=700)
+    run(cached, docs)
+    assert cached.engine.usage()["prefix_checkpoints"] == 6
+    got = run(cached, [doc[:100] + [9, 9] for doc in docs])
+    assert [o.num_cached_tokens for o in got] == [88, 88]

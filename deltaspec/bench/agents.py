@@ -30,6 +30,7 @@ def run_agent(client: Client, document: str, delay: float, max_tokens: int) -> l
                                                     "chat_template_kwargs": {"enable_thinking": False}})
         messages.append({"role": "assistant", "content": timing.text})
         turns.append({"turn": k, "wait_s": timing.ttft, "prompt_tokens": timing.prompt_tokens,
+                      "cached_tokens": timing.cached_tokens,
                       "total_s": (timing.chunk_times[-1] if timing.chunk_times else time.perf_counter()) - timing.sent})
     return turns
 

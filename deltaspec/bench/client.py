@@ -21,6 +21,7 @@ class Timing:
     chunk_times: list[float] = field(default_factory=list)
     text: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     completion_tokens: int = 0
     finish_reason: str | None = None
 
@@ -67,6 +68,7 @@ class Client:
                 if chunk.get("usage"):
                     timing.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     timing.completion_tokens = chunk["usage"]["completion_tokens"]
+                    timing.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in chunk.get("choices", []):
                     piece = choice.get("text") or (choice.get("delta") or {}).get("content") or \
                         (choice.get("delta") or {}).get("reasoning_content") or ""

@@ -17,7 +17,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, not field values, makes two sequences equal
 class Sequence:
     request_id: str
     prompt: str | None
