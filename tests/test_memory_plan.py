@@ -71,7 +71,26 @@ def test_kv_pages_scale_with_streams_and_context(checkpoints):
     large = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4,
                                   max_model_len=256))[0]
     assert large.kv == 4 * small.kv and large.state_per_stream == small.state_per_stream
-    # each stream's slot, two prefix checkpoints per stream by default, and the CUDA-graph scratch slot
-    assert (small.states, large.states) == (7 * small.state_per_stream, 13 * small.state_per_stream)
+    # each stream's slot, three prefix checkpoints per stream by default, and the CUDA-graph scratch slot
+    assert (small.states, large.states) == (9 * small.state_per_stream, 17 * small.state_per_stream)
     # 2 attention layers x (K, V) x 2 KV heads x head_dim 16 x float32
     assert small.kv_per_token == 2 * 2 * 2 * 16 * torch.tensor([], dtype=torch.float32).element_size()
+
+
+def test_plan_counts_the_outputs_of_every_captured_cuda_graph():
+    """Buckets 1, 2, 4, 8 sequences x rows 1 (decode) and 2, 4, 5 (verify at draft length 4) each keep
+    their hidden states and logits; eager configurations capture nothing."""
+    from deltaspec.cache.memory_plan import plan_memory
+    from deltaspec.engine.graph_buckets import captured_rows, graph_rows_of
+    from deltaspec.model.shapes import shape_config
+
+    assert captured_rows(8, 0) == 1 + 2 + 4 + 8 and captured_rows(8, 5) == 15 * (1 + 2 + 4 + 5)
+    config = shape_config("qwen3.5-0.8b")
+    cuda = EngineConfig(device="cuda", max_num_seqs=8, speculative="ngram", draft_tokens=4)
+    assert graph_rows_of(cuda, config) == 180
+    assert graph_rows_of(replace(cuda, enforce_eager=True), config) == 0
+    assert graph_rows_of(replace(cuda, kernels="reference"), config) == 0
+    assert graph_rows_of(replace(cuda, device="cpu"), config) == 0
+    plans = [plan_memory(config, 6, 10**9, torch.bfloat16, torch.float32, 8, 1024, 16, 2048, 512,
+                         torch.device("cpu"), available=10**12, graph_rows=rows) for rows in (0, 180)]
+    assert plans[1].workspace - plans[0].workspace == 180 * (config.vocab_size + config.hidden_size) * 2
