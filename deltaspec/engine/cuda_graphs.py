@@ -6,8 +6,8 @@ of R rows. Padding sequences use the state cache's scratch slot; padding rows wr
 (slot -1), log into replay-log rows that are never folded, and come after every real row, so they
 change nothing a real row reads. Every bucket's graph is captured when the engine starts
 (`capture_all`, as vLLM does: a capture inside a timed step would cost that step hundreds of
-milliseconds) and replayed afterwards with new contents in its static input tensors; between replays the host only
-writes those inputs and reads the outputs. Passes with prompt rows, prompt logprobs, or models
+milliseconds) and replayed afterwards with new contents in its static input tensors; between
+replays the host only writes those inputs and reads the outputs. Passes with prompt rows, prompt logprobs, or models
 whose ops sync with the host (mixture-of-experts routing) run eagerly.
 """
 
@@ -78,8 +78,7 @@ class CudaGraphRunner:
         allocated first, and the smaller graphs reuse it from the shared pool)."""
         keys = [(size, rows) for size in reversed(self.batch_sizes) for rows in self.row_sizes]
         for size, rows in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress):
-            if (size, rows) not in self.buckets:
-                self._capture(size, rows)
+            self._capture(size, rows)
 
     def bucket_for(self, schedule: list[Scheduled]) -> tuple[int, int] | None:
         """(B, R) for a pass of decode or verify rows only, None for anything else."""
