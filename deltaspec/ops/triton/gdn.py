@@ -25,8 +25,11 @@ from deltaspec.ops.layout import SeqLayout
 
 PREFILL_MIN_QUERY_LEN = 64  # a pass whose max_query_len exceeds this is prefill: never captured
 MAX_KEY_DIM = 256
-VALUE_BLOCK = 32  # Dv columns per program (measured on the H200: near-best from 1 to 32 sequences)
+# Dv columns per program, warps and pipeline stages: near-best on the H200 from 1 to 32 decoding sequences
+# (tools/gdn_launch_sweep.py: 8.1 / 21.6 / 66.9 us at 1 / 8 / 32 sequences; 3 stages took 14.8 us at 1)
+VALUE_BLOCK = 32
 RECURRENT_WARPS = 2
+RECURRENT_STAGES = 1
 
 
 @triton.jit
@@ -201,7 +204,7 @@ def gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), *log_strides,
         HEAD_RATIO=head_ratio, DK=key_dim, DV=value_dim, BK=key_block, BV=value_block, HAS_LOG=has_log,
-        num_warps=RECURRENT_WARPS,
+        num_warps=RECURRENT_WARPS, num_stages=RECURRENT_STAGES,
     )
     if has_log:
         log_rows = min(layout.max_query_len, log.k.shape[1])
