@@ -101,9 +101,9 @@ def cmd_ppl(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory budget of a configuration; exit 2 with the refusal when it does not fit."""
-    from deltaspec.engine.engine import plan_for
+    from deltaspec.engine.planning import plan_for
 
-    plan = plan_for(engine_config(args))[0]
+    plan = plan_for(engine_config(args)).plan
     print(plan.table())
     if not plan.fits:
         print(f"error: {plan.refusal()}", file=sys.stderr)

@@ -9,10 +9,12 @@ from tqdm import tqdm
 
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
-from deltaspec.engine.sequence import Sequence
+from deltaspec.execution.sequence import Sequence
 from deltaspec.errors import DeltaspecError
 from deltaspec.outputs import CompletionOutput, RequestOutput
 from deltaspec.sample.params import SamplingParams
+from deltaspec.spec.drafter import Drafter
+from deltaspec.spec.speculator import DraftLength
 
 PromptType = str | dict
 
@@ -24,11 +26,15 @@ class LLM:
     >>> llm.generate(["def add(a, b):"], SamplingParams(max_tokens=32, temperature=0.0))
     """
 
-    def __init__(self, model: str | None = None, *, progress: bool = False, **engine_options):
+    def __init__(self, model: str | None = None, *, progress: bool = False, drafter: Drafter | None = None,
+                 draft_policy: DraftLength | None = None, **engine_options):
+        """`engine_options` are `EngineConfig` fields; `drafter` and `draft_policy` replace the drafter and the
+        draft-length policy the configuration would build (see `Engine`)."""
         known = {f.name for f in fields(EngineConfig)}
         if unknown := sorted(set(engine_options) - known):
             raise DeltaspecError(f"Unknown LLM option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}.")
-        self.engine = Engine(EngineConfig(model=model, **engine_options), progress=progress)
+        self.engine = Engine(EngineConfig(model=model, **engine_options), progress=progress, drafter=drafter,
+                             draft_policy=draft_policy)
         self._ids = itertools.count()
 
     @property

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deltaspec.engine.runner import build_batch
-from deltaspec.engine.scheduler import Scheduled
-from deltaspec.engine.sequence import Sequence
+from deltaspec.execution.batch import Scheduled, build_batch
+from deltaspec.execution.sequence import Sequence
 from deltaspec.sample.params import SamplingParams
 
 

@@ -132,8 +132,8 @@ def test_oracle_profiles():
 
 def test_oracle_accepts_at_the_profile_rate_and_stops_after_divergence():
     ref = list(range(100, 140))
-    oracle = OracleDrafter([0.7, 0.5], vocab_size=1000, seed=3)
-    oracle.expect("s", 2, ref)
+    oracle = OracleDrafter(vocab_size=1000, seed=3)
+    oracle.expect("s", 2, ref, [0.7, 0.5])
     rights = []
     for n in range(30):  # each round: the context is the prompt + the first n reference tokens
         draft = oracle.propose([DraftRequest("s", [1, 2, *ref[:n]], 2)])[0].tokens
@@ -142,23 +142,23 @@ def test_oracle_accepts_at_the_profile_rate_and_stops_after_divergence():
         if draft[0] != ref[n]:
             assert draft[1] == ref[n + 1]  # filler after the first wrong token
     assert 0.4 < sum(rights) / len(rights) < 0.95
-    again = OracleDrafter([0.7, 0.5], vocab_size=1000, seed=3)
-    again.expect("s", 2, ref)
+    again = _fresh(ref)
     assert again.propose([DraftRequest("s", [1, 2], 2)])[0].tokens == \
         OracleDrafter.propose(_fresh(ref), [DraftRequest("s", [1, 2], 2)])[0].tokens
-    renamed = OracleDrafter([0.7, 0.5], vocab_size=1000, seed=3)
-    renamed.expect("another id", 2, ref)  # a rerun of the prompt drafts the same at the same positions
+    renamed = OracleDrafter(vocab_size=1000, seed=3)
+    renamed.expect("another id", 2, ref, [0.7, 0.5])  # a rerun of the prompt drafts the same at the same positions
     assert [renamed.propose([DraftRequest("another id", [1, 2, *ref[:n]], 2)])[0].tokens for n in range(8)] == \
         [_fresh(ref).propose([DraftRequest("s", [1, 2, *ref[:n]], 2)])[0].tokens for n in range(8)]
     assert oracle.propose([DraftRequest("s", [1, 2, 999], 2)])[0].tokens == [] and "s" in oracle.diverged
-    keep = OracleDrafter([1.0, 1.0], vocab_size=1000, keep_length=True)
-    keep.expect("s", 2, ref)
+    keep = OracleDrafter(vocab_size=1000)
+    keep.expect("s", 2, ref, [1.0, 1.0], keep_length=True)
     assert len(keep.propose([DraftRequest("s", [1, 2, 999], 2)])[0].tokens) == 2 and keep.proposed == [2]
+    assert keep.propose([DraftRequest("unexpected", [1, 2], 2)])[0].tokens == []  # decodes plainly
 
 
 def _fresh(ref):
-    oracle = OracleDrafter([0.7, 0.5], vocab_size=1000, seed=3)
-    oracle.expect("s", 2, ref)
+    oracle = OracleDrafter(vocab_size=1000, seed=3)
+    oracle.expect("s", 2, ref, [0.7, 0.5])
     return oracle
 
 

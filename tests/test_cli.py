@@ -109,7 +109,7 @@ def test_chat_and_ppl_commands(capsys, tmp_path):
 
 
 def test_no_model_without_embedded_default(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("deltaspec.engine.engine.default_model_path", lambda: tmp_path / "missing")
+    monkeypatch.setattr("deltaspec.model.weights.default_model_path", lambda: tmp_path / "missing")
     assert main(["generate", "--prompt", PROMPT, "--device", "cpu"]) == 2
     out, err = capsys.readouterr()
     line = assert_one_error_line(err)

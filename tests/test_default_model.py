@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltaspec import LLM, SamplingParams
-from deltaspec.engine.engine import default_model_path
+from deltaspec.model.weights import default_model_path
 from deltaspec.evaluate import perplexity
 from tests.engine_helpers import forward_in_chunks
 from tests.test_mtp import mtp_rows, target_hidden
@@ -22,7 +22,7 @@ DRAFT = default_model_path().parent / "draft"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu")
+    return LLM(dtype="float32", device="cpu", speculative="mtp")
 
 
 def valid_body(prompt: str, completion: str) -> tuple[bool, float]:

@@ -101,7 +101,7 @@ def test_a_shipped_table_for_the_same_stack_skips_measuring(cache_root, tmp_path
 
 
 def test_the_shipped_h200_table_covers_the_27b_shape():
-    from deltaspec.engine.engine import ROUTED_WEIGHT_ELEMENTS
+    from deltaspec.engine.setup import ROUTED_WEIGHT_ELEMENTS
     from deltaspec.model.hybrid import HybridModel
     from deltaspec.model.shapes import shape_config
     from deltaspec.ops.dispatch import REFERENCE

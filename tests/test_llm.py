@@ -137,6 +137,6 @@ def test_user_errors_are_one_clear_sentence(llm):
 
 
 def test_no_model_without_the_embedded_default_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setattr("deltaspec.engine.engine.default_model_path", lambda: tmp_path / "missing")
+    monkeypatch.setattr("deltaspec.model.weights.default_model_path", lambda: tmp_path / "missing")
     with pytest.raises(DeltaspecError, match="embedded default model"):
         LLM()

@@ -8,7 +8,7 @@ import torch
 from deltaspec import LLM, DeltaspecError
 from deltaspec.cli import main
 from deltaspec.config import EngineConfig
-from deltaspec.engine.engine import plan_for
+from deltaspec.engine.planning import plan_for
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_r1_tied", "qwen3_next_r3_moe"])
@@ -27,21 +27,39 @@ def test_plan_counts_the_speculative_replay_log(checkpoints):
               max_model_len=64, speculative="ngram", draft_tokens=5)
     assert llm.engine.plan.states == llm.engine.cache.gdn.bytes()
     plain = plan_for(EngineConfig(model=str(checkpoints["qwen3_next_r3_moe"]), dtype="float32", device="cpu",
-                                  max_num_seqs=3, max_model_len=64))[0]
+                                  max_num_seqs=3, max_model_len=64)).plan
     assert llm.engine.plan.states > plain.states and llm.engine.plan.kv == plain.kv
 
 
-def test_plan_with_mtp_counts_its_kv_layer():
-    plan = plan_for(EngineConfig(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64))[0]
-    llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64)
-    assert llm.engine.model.mtp is not None
-    assert plan.kv == llm.engine.cache.kv.bytes() and plan.states == llm.engine.cache.gdn.bytes()
+def test_plan_with_mtp_counts_its_kv_layer_as_the_drafters():
+    config = EngineConfig(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64, speculative="mtp")
+    plan = plan_for(config).plan
+    llm = LLM(**{f: getattr(config, f) for f in ("dtype", "device", "max_num_seqs", "max_model_len", "speculative")})
+    assert llm.engine.model.mtp is not None and plan.drafter.name == "mtp"
+    mtp_kv = plan.drafter_bytes - plan.drafter.weights
+    assert plan.kv + mtp_kv == llm.engine.cache.kv.bytes() and plan.states == llm.engine.cache.gdn.bytes()
+    assert "drafter: mtp" in plan.table()
+
+
+def test_plan_counts_the_draft_models_weights_kv_and_states():
+    """A draft model's weights, KV pages, state slots and snapshots are in the plan, and allocated as planned."""
+    llm = LLM(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64, speculative="draft")
+    plan, drafter = llm.engine.plan, llm.engine.speculator.drafter
+    assert plan.drafter.name == "draft"
+    assert plan.drafter.weights == sum({p.data_ptr(): p.numel() * 4 for p in drafter.model.parameters()}.values())
+    assert plan.streams * plan.padded_ctx * plan.drafter.kv_per_token == drafter.cache.kv.bytes()
+    slot = drafter.cache.gdn.bytes() // (plan.streams + 1)  # its slots and a scratch slot
+    assert plan.drafter.state_per_stream == 2 * slot  # a slot and its snapshot per stream
+    tight = replace(plan, available=plan.total - plan.padded_ctx * plan.drafter.kv_per_token
+                    - plan.drafter.state_per_stream)  # one stream's share of the drafter short
+    assert not tight.fits and "drafter" in tight.refusal()
+    assert tight.max_streams() == 1 and replace(tight, streams=1).fits  # the draft model's share counted per stream
 
 
 def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoints):
     config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu",
                           max_num_seqs=100_000, max_model_len=1_000_000)
-    plan = plan_for(config)[0]
+    plan = plan_for(config).plan
     assert not plan.fits
     with pytest.raises(DeltaspecError) as err:
         LLM(str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000,
@@ -67,9 +85,9 @@ def test_plan_command(checkpoints, capsys):
 
 def test_kv_pages_scale_with_streams_and_context(checkpoints):
     small = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=2,
-                                  max_model_len=128))[0]
+                                  max_model_len=128)).plan
     large = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4,
-                                  max_model_len=256))[0]
+                                  max_model_len=256)).plan
     assert large.kv == 4 * small.kv and large.state_per_stream == small.state_per_stream
     # each stream's slot, three prefix checkpoints per stream by default, and the CUDA-graph scratch slot
     assert (small.states, large.states) == (9 * small.state_per_stream, 17 * small.state_per_stream)
@@ -81,7 +99,7 @@ def test_plan_counts_the_outputs_of_every_captured_cuda_graph():
     """Buckets 1, 2, 4, 8 sequences x rows 1 (decode) and 2, 4, 5 (verify at draft length 4) each keep
     their hidden states and logits; eager configurations capture nothing."""
     from deltaspec.cache.memory_plan import plan_memory
-    from deltaspec.engine.graph_buckets import captured_rows, graph_rows_of
+    from deltaspec.execution.graph_buckets import captured_rows, graph_rows_of
     from deltaspec.model.shapes import shape_config
 
     assert captured_rows(8, 0) == 1 + 2 + 4 + 8 and captured_rows(8, 5) == 15 * (1 + 2 + 4 + 5)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from deltaspec import LLM
-from deltaspec.engine.runner import build_batch
-from deltaspec.engine.scheduler import Scheduled
+from deltaspec.execution.batch import Scheduled, build_batch
 from tests.engine_helpers import forward_in_chunks, new_sequence
 from tests.hf_reference import float64_class
 from tests.tiny_models import add_mtp_weights
@@ -25,7 +24,7 @@ def mtp_dir(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(mtp_dir):
-    return LLM(str(mtp_dir), dtype="float64", device="cpu", block_size=4).engine
+    return LLM(str(mtp_dir), dtype="float64", device="cpu", block_size=4, speculative="mtp").engine
 
 
 def mtp_rows(engine, hidden, token_ids, chunks):
@@ -57,10 +56,16 @@ def target_hidden(engine, ids):
         engine.cache.release(seq)
 
 
-def test_mtp_head_is_loaded_with_its_own_kv_layer(engine, checkpoints):
+def test_mtp_head_is_loaded_with_its_own_kv_layer_only_when_it_drafts(engine, mtp_dir, checkpoints):
     assert engine.model.mtp is not None and len(engine.model.mtp.layers) == 1
     assert engine.model.num_kv_layers == len(engine.model_config.attention_layer_ids) + 1
     assert len(engine.cache.kv.k) == engine.model.num_kv_layers
+    for other in ("none", "ngram"):  # the head is a drafter's memory: not loaded, no KV layer, nothing planned
+        unused = LLM(str(mtp_dir), dtype="float64", device="cpu", block_size=4, speculative=other).engine
+        assert unused.model.mtp is None and len(unused.cache.kv.k) == len(engine.model_config.attention_layer_ids)
+        assert unused.plan.drafter.weights == 0 and unused.plan.weights == engine.plan.weights
+    assert engine.plan.drafter.weights == sum({p.data_ptr(): p.numel() * 8 for p in engine.model.mtp.parameters()}.values())
+    assert engine.plan.kv + engine.plan.drafter_bytes - engine.plan.drafter.weights == engine.cache.kv.bytes()
     plain = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu").engine
     assert plain.model.mtp is None
     torch.testing.assert_close(forward_in_chunks(engine, PROMPT, [40]), forward_in_chunks(plain, PROMPT, [40]),

@@ -6,7 +6,8 @@ import torch
 
 from deltaspec.cli import build_parser, engine_config, main
 from deltaspec.config import FULL_ATTENTION, EngineConfig
-from deltaspec.engine.engine import Engine, plan_for
+from deltaspec.engine.engine import Engine
+from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_init import random_model
@@ -100,11 +101,15 @@ def test_engine_runs_the_moe_shapes_with_random_weights():
 
 
 def test_memory_plan_counts_the_shape_weights_without_allocating():
-    plan, resolved, config, raw, model_dir = plan_for(EngineConfig(random_weights=True, shape="qwen3.5-27b",
-                                                                   dtype="bfloat16", device="cpu"))
-    assert plan.weights == parameter_counts(config)["total"] * 2 and 50 < plan.weights / 2**30 < 52
-    assert model_dir is None and raw == {} and resolved.dtype == "bfloat16"
-    assert plan.kv_per_token == (16 + 1) * 2 * 4 * 256 * 2  # 16 attention layers + the MTP layer
+    planned = plan_for(EngineConfig(random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu"))
+    plan, counts = planned.plan, parameter_counts(planned.model_config)
+    assert plan.weights == (counts["total"] - counts["mtp"]) * 2 and 48 < plan.weights / 2**30 < 52
+    assert planned.model_dir is None and planned.raw == {} and planned.config.dtype == "bfloat16"
+    assert plan.kv_per_token == 16 * 2 * 4 * 256 * 2 and plan.drafter_bytes == 0  # 16 attention layers, no MTP
+    mtp = plan_for(EngineConfig(random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu",
+                                speculative="mtp")).plan
+    assert mtp.weights == plan.weights and mtp.drafter.weights == counts["mtp"] * 2  # the MTP head, as a drafter
+    assert mtp.drafter.kv_per_token == 1 * 2 * 4 * 256 * 2 and mtp.total > plan.total
 
 
 def test_cli_bool_flags_and_python_only_fields():
@@ -132,7 +137,7 @@ def test_user_errors_are_one_sentence(argv, message, capsys):
 def test_plan_command_prints_the_random_weights_budget(capsys):
     code = main(["plan", "--random-weights", "--shape", "qwen3.5-27b", "--dtype", "bfloat16", "--device", "cpu"])
     out = capsys.readouterr().out
-    assert code in (0, 2) and out.startswith("weights") and "50.8" in out.splitlines()[0]
+    assert code in (0, 2) and out.startswith("weights") and "50.098" in out.splitlines()[0]  # without the MTP head
 
 
 def test_a_real_shaped_random_model_borrows_the_embedded_tokenizer():

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from deltaspec.cli import build_parser, config_from_args, engine_config, main
 from deltaspec.config import ServerConfig
 from deltaspec.engine.async_engine import RequestDelta
-from deltaspec.engine.engine import default_model_path
+from deltaspec.model.weights import default_model_path
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.logprobs import Logprob
 from deltaspec.sample.params import SamplingParams

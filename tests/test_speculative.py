@@ -18,6 +18,7 @@ class ScriptedDrafter:
     """Drafts from a known continuation: `right` leading tokens correct, then wrong ones."""
 
     name = "scripted"
+    needs_hidden = False
 
     def __init__(self, continuations: dict[tuple, list[int]], right: int, vocab: int):
         self.continuations, self.right, self.vocab = continuations, right, vocab
@@ -32,6 +33,9 @@ class ScriptedDrafter:
             tokens = [t if i < self.right else (t + 1) % self.vocab for i, t in enumerate(truth)]
             drafts.append(Draft(tokens=tokens))
         return drafts
+
+    def observe(self, seq_id, first_position, hidden):
+        pass
 
     def on_commit(self, seq_id, accepted, num_tokens):
         self.commits.append((seq_id, accepted, num_tokens))
@@ -67,10 +71,11 @@ def test_ngram_greedy_is_token_identical_in_float64(checkpoints, name, k):
 def test_rollback_equals_never_having_drafted(checkpoints, right):
     path = checkpoints["qwen3_5_r2"]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1)
-    _, plain = run(path, PROMPTS, params)
+    plain_llm, plain = run(path, PROMPTS, params)
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
-    llm = LLM(str(path), dtype="float64", device="cpu", speculative="ngram", draft_tokens=5)
-    llm.engine.drafter = drafter = ScriptedDrafter(truth, right, llm.engine.model_config.vocab_size)
+    drafter = ScriptedDrafter(truth, right, plain_llm.engine.model_config.vocab_size)
+    llm = LLM(str(path), dtype="float64", device="cpu", draft_tokens=5, drafter=drafter)
+    assert llm.engine.config.speculative == "scripted" and llm.engine.config.log_rows == 6
     spec = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for a, b in zip(plain, spec):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
@@ -89,11 +94,11 @@ def test_rollback_equals_never_having_drafted(checkpoints, right):
 
 def test_sequence_finishing_mid_draft_keeps_only_what_it_may(checkpoints):
     path = checkpoints["qwen3_5_r2"]
-    _, plain = run(path, PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    plain_llm, plain = run(path, PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
     stop_token = plain[0].outputs[0].token_ids[6]
-    llm = LLM(str(path), dtype="float64", device="cpu", speculative="ngram", draft_tokens=7)
-    llm.engine.drafter = ScriptedDrafter(truth, 100, llm.engine.model_config.vocab_size)
+    llm = LLM(str(path), dtype="float64", device="cpu", draft_tokens=7,
+              drafter=ScriptedDrafter(truth, 100, plain_llm.engine.model_config.vocab_size))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_token]),
                          SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),

@@ -32,6 +32,7 @@ from deltaspec.bench.device import (
 from deltaspec.bench.roofline import bytes_per_step, roofline
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
+from deltaspec.engine.planning import plan_for
 from deltaspec.spec.oracle import OracleDrafter, expected_acceptance_length
 from deltaspec.spec.policy import FixedDraftLength
 
@@ -71,46 +72,49 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
     return report
 
 
-def oracle_engine(config: EngineConfig, longest: int, draft_tokens: int, streams: int = 1) -> Engine:
-    """An engine with replay logs for `draft_tokens` drafts; the bench installs the oracle per run."""
-    return bench_engine(replace(config, speculative="ngram", draft_tokens=max(draft_tokens, 1)), longest, streams)
+def oracle_engine(config: EngineConfig, longest: int, draft_tokens: int,
+                  streams: int = 1) -> tuple[Engine, OracleDrafter]:
+    """An engine drafting with an oracle: replay logs for `draft_tokens` drafts, and every round as long a draft
+    as the sequence's expectation allows; sequences the oracle expects nothing of decode plainly."""
+    k = max(draft_tokens, 1)
+    oracle = OracleDrafter(plan_for(config).model_config.vocab_size, config.seed)
+    engine = bench_engine(replace(config, draft_tokens=k), longest, streams, drafter=oracle,
+                          draft_policy=FixedDraftLength(k))
+    return engine, oracle
 
 
-def shaped_reference(engine: Engine, prompt: list[int], max_tokens: int, plain_ids: list[int], k: int) -> list[int]:
-    """The greedy continuation as passes of the measured run's shape compute it: an oracle whose first draft
-    token is always wrong makes every pass verify k drafts and keep one token, so every token comes from a
+def shaped_reference(engine: Engine, oracle: OracleDrafter, prompt: list[int], max_tokens: int,
+                     plain_ids: list[int], k: int) -> list[int]:
+    """The greedy continuation as passes of the measured run's shape compute it: when the oracle's first draft
+    token is always wrong, every pass verifies k drafts and keeps one token, so every token comes from a
     (k + 1)-row verify pass, as in the measured run. A verify pass can round differently from a 1-row decode
     pass in bf16, but rows of passes of one shape round alike, so the measured run follows this reference."""
-    rejecting = OracleDrafter([0.0] * k, engine.model_config.vocab_size, engine.config.seed, keep_length=True)
-    engine.drafter = rejecting
     seq = start(engine, [prompt], max_tokens)[0]
-    rejecting.expect(seq.request_id, len(prompt), plain_ids)
+    oracle.expect(seq.request_id, len(prompt), plain_ids, [0.0] * k, keep_length=True)
     drive(engine, [seq])
-    engine.drafter = None
     return seq.output_ids
 
 
-def spec_run(engine: Engine, oracle: OracleDrafter, prompt: list[int], max_tokens: int, calibrations: int = 8) -> dict:
+def spec_run(engine: Engine, oracle: OracleDrafter, profile: list[float], prompt: list[int], max_tokens: int,
+             calibrations: int = 8) -> dict:
     """A plain greedy run (timed), a reference run of the measured run's pass shape (`shaped_reference`), then
-    the prompt with the oracle drafting. When the speculative run's tokens still drift from the reference, its
-    own output becomes the next reference and it runs again: the passes before the drift repeat exactly, so
-    each retry drifts later, if at all. The last attempt is the timed one; `attempts` says how many ran."""
-    engine.drafter = None
+    the prompt with the oracle drafting at `profile`. When the speculative run's tokens still drift from the
+    reference, its own output becomes the next reference and it runs again: the passes before the drift repeat
+    exactly, so each retry drifts later, if at all. The last attempt is the timed one; `attempts` says how many
+    ran."""
     plain = run(engine, [prompt], max_tokens)[0]
-    reference = shaped_reference(engine, prompt, max_tokens, plain.output_ids, len(oracle.profile))
+    reference = shaped_reference(engine, oracle, prompt, max_tokens, plain.output_ids, len(profile))
     for attempt in range(1, calibrations + 2):
-        engine.drafter = oracle
         seq = start(engine, [prompt], max_tokens)[0]
-        oracle.expect(seq.request_id, len(prompt), reference)
+        oracle.expect(seq.request_id, len(prompt), reference, profile)
         drive(engine, [seq])
-        engine.drafter = None
         if seq.request_id not in oracle.diverged or attempt == calibrations + 1:
             break
         reference = seq.output_ids
-    m = seq.metrics()
+    m, stats = seq.metrics(), seq.acceptance
     return {"plain_decode_tok_s": plain.metrics()["decode_tok_s"], "spec_decode_tok_s": m["decode_tok_s"],
-            "acceptance_length": seq.spec_accepted / seq.spec_rounds if seq.spec_rounds else 0.0,
-            "rounds": seq.spec_rounds, "acceptance_per_position": m.get("acceptance_per_position", []),
+            "acceptance_length": stats.accepted / stats.rounds if stats.rounds else 0.0,
+            "rounds": stats.rounds, "acceptance_per_position": m.get("acceptance_per_position", []),
             "matches_plain": seq.output_ids == plain.output_ids, "attempts": attempt,
             "diverged": seq.request_id in oracle.diverged}
 
@@ -118,13 +122,11 @@ def spec_run(engine: Engine, oracle: OracleDrafter, prompt: list[int], max_token
 def bench_spec_oracle(config: EngineConfig, profile: list[float], context: int, max_tokens: int,
                       runs: int) -> dict:
     k = len(profile)
-    engine = oracle_engine(config, context + max_tokens, k)
-    engine.draft_policy = FixedDraftLength(k)
-    oracle = OracleDrafter(profile, engine.model_config.vocab_size, engine.config.seed)
-    spec_run(engine, oracle, random_prompt(engine, context, WARMUP_SEED), min(max_tokens, 2 * k + 2))
+    engine, oracle = oracle_engine(config, context + max_tokens, k)
+    spec_run(engine, oracle, profile, random_prompt(engine, context, WARMUP_SEED), min(max_tokens, 2 * k + 2))
     per_run = []
     for i in range(runs):
-        per_run.append(spec_run(engine, oracle, random_prompt(engine, context, i), max_tokens))
+        per_run.append(spec_run(engine, oracle, profile, random_prompt(engine, context, i), max_tokens))
         r = per_run[-1]
         say(f"run {i + 1}/{runs}: plain {r['plain_decode_tok_s']:.2f} tok/s, oracle k={k} "
             f"{r['spec_decode_tok_s']:.2f} tok/s, AL {r['acceptance_length']:.2f}")

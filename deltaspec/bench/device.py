@@ -17,10 +17,13 @@ import torch
 
 from deltaspec.bench.stats import commit
 from deltaspec.config import EngineConfig
-from deltaspec.engine.engine import Engine, plan_for
-from deltaspec.engine.sequence import Sequence
+from deltaspec.engine.engine import Engine
+from deltaspec.engine.planning import plan_for
+from deltaspec.execution.sequence import Sequence
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams
+from deltaspec.spec.drafter import Drafter
+from deltaspec.spec.speculator import DraftLength
 
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # large enough to leave every cache
 _ids = itertools.count()
@@ -56,16 +59,18 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
     return 2 * (nbytes // 4) * 4 / statistics.median(times)
 
 
-def bench_engine(config: EngineConfig, longest: int, streams: int = 1, **changes) -> Engine:
-    """An engine whose context fits `longest` tokens per sequence and `streams` sequences at once."""
+def bench_engine(config: EngineConfig, longest: int, streams: int = 1, drafter: Drafter | None = None,
+                 draft_policy: DraftLength | None = None, **changes) -> Engine:
+    """An engine whose context fits `longest` tokens per sequence and `streams` sequences at once (drafting with
+    `drafter` and `draft_policy` when given)."""
     config = replace(config, max_model_len=longest, max_num_seqs=max(streams, 1), **changes)
-    limit = plan_for(config)[2].max_position_embeddings
+    limit = plan_for(config).model_config.max_position_embeddings
     if longest > limit:
         raise DeltaspecError(f"A context of {longest} tokens exceeds the model's {limit} positions; "
                              f"use a shorter --context / --lengths or fewer --max-tokens.")
     say(f"building the engine ({config.shape or config.model or 'embedded default model'}, "
         f"{'random weights' if config.random_weights else 'checkpoint'}) ...")
-    return Engine(config, progress=True)
+    return Engine(config, progress=True, drafter=drafter, draft_policy=draft_policy)
 
 
 def random_prompt(engine: Engine, length: int, seed: int) -> list[int]:

@@ -17,7 +17,8 @@ from dataclasses import replace
 from deltaspec.bench.decode import WARMUP_SEED
 from deltaspec.bench.device import bench_engine, identity, random_prompt, run, say
 from deltaspec.config import EngineConfig
-from deltaspec.engine.engine import Engine, plan_for
+from deltaspec.engine.engine import Engine
+from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError
 
 MEDIANS = ("first_ttft_s", "first_decode_tok_s", "follow_up_ttft_s", "follow_up_num_cached_tokens",
@@ -30,7 +31,7 @@ def check_sizes(config: EngineConfig, doc_tokens: int, question_tokens: int, max
         raise DeltaspecError("--doc-tokens, --question-tokens and --runs must be at least 1 and --max-tokens at "
                              "least 2 (decode tok/s needs two new tokens).")
     longest = doc_tokens + 2 * question_tokens + 2 * max_tokens
-    limit = plan_for(replace(config, max_model_len=longest))[2].max_position_embeddings
+    limit = plan_for(replace(config, max_model_len=longest)).model_config.max_position_embeddings
     if longest > limit:
         raise DeltaspecError(f"A document of {doc_tokens} tokens with two questions and two answers needs {longest} "
                              f"positions, more than the model's {limit}; use a smaller --doc-tokens.")

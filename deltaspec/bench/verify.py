@@ -18,18 +18,14 @@ from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.spec.oracle import OracleDrafter
-from deltaspec.spec.policy import FixedDraftLength
 
 
-def timed_passes(engine: Engine, rows: int, prompt: list[int], rounds: int) -> list[float]:
+def timed_passes(engine: Engine, oracle: OracleDrafter, rows: int, prompt: list[int], rounds: int) -> list[float]:
     """Seconds of each decode pass that verified `rows` rows, over `rounds` rounds of one sequence."""
     max_tokens = rounds * rows + 1
-    engine.drafter = None
     reference = run(engine, [prompt], max_tokens)[0].output_ids
-    oracle = OracleDrafter([1.0] * (rows - 1), engine.model_config.vocab_size, keep_length=True)
-    engine.drafter, engine.draft_policy = oracle, FixedDraftLength(rows - 1)
     seq = start(engine, [prompt], max_tokens)[0]
-    oracle.expect(seq.request_id, len(prompt), reference)
+    oracle.expect(seq.request_id, len(prompt), reference, [1.0] * (rows - 1), keep_length=True)
     times = []
     while engine.has_unfinished():
         decoding, proposals = seq.decoding, len(oracle.proposed)
@@ -39,20 +35,20 @@ def timed_passes(engine: Engine, rows: int, prompt: list[int], rounds: int) -> l
         drafted = oracle.proposed[-1] if len(oracle.proposed) > proposals else 0
         if decoding and 1 + drafted == rows:
             times.append(elapsed)
-    engine.drafter = None
     return times
 
 
 def bench_verify(config: EngineConfig, context: int, rows: list[int], rounds: int, runs: int) -> dict:
     if not rows or min(rows) < 1:
         raise DeltaspecError(f"Row counts must be at least 1; got {rows}.")
-    engine = oracle_engine(config, context + rounds * max(rows) + 1, max(rows) - 1)
+    engine, oracle = oracle_engine(config, context + rounds * max(rows) + 1, max(rows) - 1)
     if max(rows) > engine.config.max_num_batched_tokens:
         raise DeltaspecError(f"{max(rows)} rows exceed --max-num-batched-tokens {engine.config.max_num_batched_tokens}.")
     results = []
     for r in rows:
-        timed_passes(engine, r, random_prompt(engine, context, WARMUP_SEED), 1)  # warm-up (graphs, kernels)
-        times = [t for i in range(runs) for t in timed_passes(engine, r, random_prompt(engine, context, i), rounds)]
+        timed_passes(engine, oracle, r, random_prompt(engine, context, WARMUP_SEED), 1)  # warm-up (graphs, kernels)
+        times = [t for i in range(runs) for t in timed_passes(engine, oracle, r, random_prompt(engine, context, i),
+                                                             rounds)]
         if not times:
             raise DeltaspecError(f"No pass verified {r} rows; raise --rounds.")
         results.append({"rows": r, "step_ms": 1000 * statistics.median(times), "passes": len(times)})

@@ -1,16 +1,16 @@
-"""CacheManager: hands KV pages and GDN state slots to sequences and takes them back, and keeps the
-prefix checkpoints (`deltaspec.cache.prefix_cache`) that let a new sequence resume where an earlier
-one left a checkpoint."""
+"""CacheManager: hands KV pages and GDN state slots to sequences and takes them back, moves each
+sequence's replay-log cursor (`deltaspec.cache.replay`), and keeps the prefix checkpoints
+(`deltaspec.cache.prefix_cache`) that let a new sequence resume where an earlier one left a checkpoint."""
 
 import math
 
 import torch
 
 from deltaspec.cache.kv_cache import PagedKVCache
+from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.cache.prefix_cache import PrefixCache
 from deltaspec.cache.state_cache import GDNStateCache
 from deltaspec.config import ModelConfig
-from deltaspec.model.decoder import ModelCaches
 
 
 class CacheManager:
@@ -37,6 +37,7 @@ class CacheManager:
         """Give `seq` a state slot; with prefix caching, resume it from the deepest checkpoint its tokens
         continue (a request that wants prompt logprobs computes every prompt token)."""
         seq.state_slot = self.gdn.allocate()
+        seq.replay.reset()
         seq.num_cached_tokens = 0
         if self.prefix is None or seq.num_computed or seq.params.prompt_logprobs is not None:
             return
@@ -46,10 +47,22 @@ class CacheManager:
             seq.blocks = blocks
             seq.num_computed = seq.num_cached_tokens = len(checkpoint.tokens)
 
-    def checkpoint(self, seq, length: int) -> None:
-        """Keep the state of `seq`, which has consumed exactly its first `length` tokens, for reuse."""
+    def checkpoint(self, seq) -> None:
+        """Keep the state of `seq` for reuse, labelled with the tokens it has consumed."""
+        length = seq.num_computed - seq.replay.unfolded
         if self.prefix is not None and length > 0:
             self.prefix.save(seq.all_ids[:length], seq.state_slot, seq.blocks)
+
+    @staticmethod
+    def after_pass(seq, rows: int, logged: bool) -> None:
+        """A pass ran `rows` rows of `seq` (into its replay log when `logged`): it has computed them."""
+        seq.num_computed += rows
+        seq.replay.after_pass(rows, logged, verifying=bool(seq.draft))
+
+    @staticmethod
+    def keep_verified(seq, kept: int) -> None:
+        """Of the rows the last pass logged for `seq`, the first `kept` stand; the rest never happened."""
+        seq.num_computed -= seq.replay.keep(kept)
 
     def reserve(self, seq, num_tokens: int) -> bool:
         """Make `seq`'s pages cover `num_tokens` tokens, evicting prefix checkpoints if pages run short;
@@ -65,6 +78,7 @@ class CacheManager:
         return True
 
     def release(self, seq) -> None:
+        seq.replay.reset()
         if seq.state_slot is not None:
             self.gdn.free(seq.state_slot)
             seq.state_slot = None

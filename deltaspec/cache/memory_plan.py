@@ -2,9 +2,11 @@
 
 A plan adds up the weights (read from the checkpoint's safetensors headers, in the dtype they will
 be loaded in), the attention KV pages for `streams` sequences of `ctx` tokens, one GDN state slot
-(recurrent state + conv window) per stream, and a workspace for one forward pass, and compares the
-sum with the free memory of the device. A configuration that does not fit is refused with one
-sentence that says what would.
+(recurrent state + conv window, and the replay log with speculation) per stream, the drafter's own
+memory (an MTP head's weights and KV, a draft model's weights, KV and states), and a workspace for
+one forward pass, and compares the sum with the free memory of the device. A configuration that does
+not fit is refused with one sentence that says what would. `deltaspec.engine.planning` makes the
+plan of an engine configuration.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack
 
 
 @dataclass(frozen=True)
+class DrafterMemory:
+    """Device memory of a speculative drafter: fixed weights, KV per token and state per stream."""
+
+    name: str = "none"
+    weights: int = 0
+    kv_per_token: int = 0
+    state_per_stream: int = 0
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     device: str
     streams: int
@@ -36,6 +48,7 @@ class MemoryPlan:
     reserve: int
     available: int
     checkpoints: int = 0  # prefix-checkpoint slots, each one state
+    drafter: DrafterMemory = DrafterMemory()
 
     @property
     def fixed_states(self) -> int:
@@ -43,16 +56,29 @@ class MemoryPlan:
         return (self.checkpoints + 1) * self.state_per_stream
 
     @property
+    def padded_ctx(self) -> int:
+        return math.ceil(self.ctx / self.block_size) * self.block_size
+
+    @property
     def kv(self) -> int:
-        return self.streams * math.ceil(self.ctx / self.block_size) * self.block_size * self.kv_per_token
+        return self.streams * self.padded_ctx * self.kv_per_token
 
     @property
     def states(self) -> int:
         return self.streams * self.state_per_stream + self.fixed_states
 
     @property
+    def drafter_bytes(self) -> int:
+        d = self.drafter
+        return d.weights + self.streams * (self.padded_ctx * d.kv_per_token + d.state_per_stream)
+
+    @property
     def total(self) -> int:
-        return self.weights + self.kv + self.states + self.workspace + self.reserve
+        return self.weights + self.kv + self.states + self.drafter_bytes + self.workspace + self.reserve
+
+    def _room(self) -> int:
+        """Memory left for what scales with the streams and the context."""
+        return self.available - self.weights - self.drafter.weights - self.workspace - self.reserve - self.fixed_states
 
     @property
     def fits(self) -> bool:
@@ -60,21 +86,22 @@ class MemoryPlan:
 
     def max_streams(self) -> int:
         """Most streams of `ctx` tokens that fit next to the weights and workspace."""
-        room = self.available - self.weights - self.workspace - self.reserve - self.fixed_states
-        per_stream = math.ceil(self.ctx / self.block_size) * self.block_size * self.kv_per_token + self.state_per_stream
-        return max(room // per_stream, 0)
+        d = self.drafter
+        per_stream = self.padded_ctx * (self.kv_per_token + d.kv_per_token) + self.state_per_stream + d.state_per_stream
+        return max(self._room() // per_stream, 0)
 
     def max_ctx(self) -> int:
         """Longest context (a multiple of the block size) that `streams` streams fit in."""
-        room = (self.available - self.weights - self.workspace - self.reserve - self.fixed_states) \
-            // self.streams - self.state_per_stream
-        if room <= 0 or self.kv_per_token == 0:
+        room = self._room() // self.streams - self.state_per_stream - self.drafter.state_per_stream
+        per_token = self.kv_per_token + self.drafter.kv_per_token
+        if room <= 0 or per_token == 0:
             return 0
-        return room // self.kv_per_token // self.block_size * self.block_size
+        return room // per_token // self.block_size * self.block_size
 
     def table(self) -> str:
         rows = [("weights", self.weights), (f"attention KV ({self.streams} streams x {self.ctx} tokens)", self.kv),
                 (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states),
+                (f"drafter: {self.drafter.name} (weights, KV, states)", self.drafter_bytes),
                 ("workspace (one forward pass)", self.workspace),
                 ("reserve (runtime)", self.reserve), ("total needed", self.total),
                 (f"free on {self.device}", self.available)]
@@ -96,8 +123,8 @@ class MemoryPlan:
     def refusal(self) -> str:
         advice = " or ".join(self.alternatives()) or "a smaller model or dtype, since not even the weights fit"
         return (f"{self.streams} streams at {self.ctx} tokens need {self.total / GIB:.2f} GiB (weights "
-                f"{self.weights / GIB:.2f}, KV {self.kv / GIB:.2f}, GDN states {self.states / GIB:.2f}, workspace "
-                f"{self.workspace / GIB:.2f}) but {self.available / GIB:.2f} GiB is free on {self.device}; "
+                f"{self.weights / GIB:.2f}, KV {self.kv / GIB:.2f}, GDN states {self.states / GIB:.2f}, drafter "
+                f"{self.drafter_bytes / GIB:.2f}, workspace {self.workspace / GIB:.2f}) but {self.available / GIB:.2f} GiB is free on {self.device}; "
                 f"{advice} would fit.")
 
 
@@ -133,11 +160,11 @@ def available_memory(device: torch.device) -> int:
 def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: torch.dtype, state_dtype: torch.dtype,
                 streams: int, ctx: int, block_size: int, batch_rows: int, prefill_chunk: int,
                 device: torch.device, available: int | None = None, log_rows: int = 0,
-                checkpoints: int = 0, graph_rows: int = 0) -> MemoryPlan:
+                checkpoints: int = 0, graph_rows: int = 0, drafter: DrafterMemory = DrafterMemory()) -> MemoryPlan:
     """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
     slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
     `checkpoints` prefix-checkpoint slots are each one more state; `graph_rows` rows of captured CUDA graphs
-    each keep their hidden state and logits."""
+    each keep their hidden state and logits; `drafter` is the speculative drafter's own memory."""
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
     kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * config.head_dim * size
@@ -162,7 +189,7 @@ def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: to
                       kv_per_token=kv_per_token, state_per_stream=state,
                       workspace=activations + logits + attention_scores + graph_outputs, reserve=RESERVE.get(device.type, GIB // 2),
                       available=available_memory(device) if available is None else available,
-                      checkpoints=checkpoints)
+                      checkpoints=checkpoints, drafter=drafter)
 
 
 def require_fit(plan: MemoryPlan) -> None:

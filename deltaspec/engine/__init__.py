@@ -1,1 +1,1 @@
-"""The engine: sequences, scheduler, runner, and the step loop that ties them together."""
+"""The engine: memory planning and set-up, the scheduler, and the step loop (schedule -> execute -> update)."""

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from deltaspec.engine.engine import Engine
-from deltaspec.engine.sequence import Sequence
+from deltaspec.execution.sequence import Sequence
 from deltaspec.sample.params import SamplingParams
 
 log = logging.getLogger("deltaspec.engine")

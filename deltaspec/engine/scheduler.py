@@ -22,24 +22,13 @@ truncated, so recompute is the only way back).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.engine.sequence import Sequence, Status
 from deltaspec.errors import DeltaspecError
+from deltaspec.execution.batch import Scheduled
+from deltaspec.execution.sequence import Sequence, Status
 
 CHECKPOINT_OFFSETS = (512, 64)  # a long prompt leaves prefix checkpoints this many tokens before its end
-
-
-@dataclass
-class Scheduled:
-    seq: Sequence
-    num_rows: int
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this pass the sequence has computed all of its tokens and samples a new one."""
-        return self.seq.num_computed + self.num_rows >= self.seq.num_tokens
 
 
 class Scheduler:
@@ -79,7 +68,6 @@ class Scheduler:
         self.running.remove(victim)
         self.cache.release(victim)
         victim.num_computed = 0
-        victim.pending_fold = 0
         victim.draft.clear()
         victim.status = Status.WAITING
         victim.enqueued_step = self.step_count

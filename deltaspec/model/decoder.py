@@ -4,27 +4,16 @@ The residual stream runs with each add fused into the norm that follows it: a bl
 normed input and the residual, and returns the next block's normed input and the residual.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from deltaspec.cache.kv_cache import PagedKVCache
-from deltaspec.cache.state_cache import GDNStateCache
+from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.config import ModelConfig
 from deltaspec.model.attention import GatedAttention
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.gdn import GatedDeltaNet
 from deltaspec.model.layers import RMSNorm
 from deltaspec.ops.dispatch import OpTable
-
-
-@dataclass
-class ModelCaches:
-    """The caches one model reads and writes: attention pages and GDN state slots."""
-
-    kv: PagedKVCache
-    gdn: GDNStateCache
 
 
 class DecoderLayer(nn.Module):

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from deltaspec.config import LINEAR_ATTENTION, ModelConfig
-from deltaspec.model.decoder import DecoderLayer, ModelCaches, run_blocks
+from deltaspec.cache.model_caches import ModelCaches
+from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, make_mlp
 from deltaspec.model.mtp import MTPHead

@@ -7,30 +7,19 @@ input): input projections N(0, 1/fan_in), output projections (o_proj, out_proj, 
 1/(fan_in * 2 * layers)) so the residual stream stays O(1) over 64 layers, embeddings N(0, 0.02²), an
 untied LM head N(0, 1/hidden) (logits ~ N(0, 1)), zero-centred norm weights 0, the GDN gated norm 1,
 and `A_log = log(U(0, 16))`, `dt_bias = 1`, conv weights U(±1/sqrt(K)) as transformers initialises them.
-
-`random_plan` is the memory plan of such a model: weight bytes come from the shape's parameter count.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from deltaspec.cache.memory_plan import MemoryPlan, plan_memory
-from deltaspec.config import (
-    EngineConfig,
-    ModelConfig,
-    parse_dtype,
-    resolve_engine_config,
-)
-from deltaspec.engine.graph_buckets import graph_rows_of
+from deltaspec.config import EngineConfig, ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
-from deltaspec.model.shapes import parameter_counts, shape_config
 from deltaspec.model.weights import load_model
 from deltaspec.ops.dispatch import OpTable
 
@@ -62,10 +51,11 @@ def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, 
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: OpTable, seed: int = 0,
-                 progress: bool = True) -> HybridModel:
-    """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint."""
+                 progress: bool = True, with_mtp: bool = True) -> HybridModel:
+    """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint (the
+    shape's MTP head only `with_mtp`)."""
     with torch.device("meta"):
-        model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers)
+        model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers if with_mtp else 0)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     weights = {}
@@ -81,36 +71,10 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
-def random_plan(config: EngineConfig) -> tuple[MemoryPlan, EngineConfig, ModelConfig, dict, None]:
-    """`plan_for` of a random-weights configuration: (plan, resolved config, model config, {}, no directory)."""
-    if not config.random_weights:
-        raise DeltaspecError("--shape only applies with --random-weights; add --random-weights, or drop --shape "
-                             "to load a checkpoint.")
-    if config.shape is None:
-        raise DeltaspecError("--random-weights needs --shape NAME (qwen3.5-27b, qwen3.5-9b, qwen3.5-0.8b, "
-                             "qwen3.5-35b-a3b or qwen3-next-80b-a3b).")
-    if config.model is not None:
-        raise DeltaspecError("--random-weights builds a model from --shape and loads no checkpoint; drop --model.")
-    if "draft" in config.speculative.split("+") and not config.draft_model:
-        raise DeltaspecError("speculative='draft' with --random-weights needs --draft-model PATH; or use mtp or ngram.")
-    model_config = replace(shape_config(config.shape, config.shape_overrides), eos_token_ids=())
-    resolved = resolve_engine_config(config, "bfloat16")
-    dtype, device = parse_dtype(resolved.dtype), torch.device(resolved.device)
-    streams, ctx = resolved.max_num_seqs, resolved.max_model_len
-    if resolved.num_kv_blocks:
-        ctx = resolved.num_kv_blocks * resolved.block_size // streams
-    weights = parameter_counts(model_config)["total"] * dtype.itemsize
-    plan = plan_memory(model_config, len(model_config.attention_layer_ids) + model_config.num_mtp_layers, weights,
-                       dtype, parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
-                       resolved.max_num_batched_tokens, resolved.prefill_chunk, device,
-                       log_rows=resolved.log_rows, checkpoints=resolved.prefix_checkpoints,
-                       graph_rows=graph_rows_of(resolved, model_config))
-    return plan, resolved, model_config, {}, None
-
-
 def build_model(config: EngineConfig, model_dir: Path | None, model_config: ModelConfig, raw: dict,
-                dtype: torch.dtype, device: torch.device, ops: OpTable, progress: bool) -> HybridModel:
-    """The engine's model: random weights of the shape, or the checkpoint at `model_dir`."""
+                dtype: torch.dtype, device: torch.device, ops: OpTable, progress: bool, with_mtp: bool) -> HybridModel:
+    """The engine's model: random weights of the shape, or the checkpoint at `model_dir`; its MTP head only
+    `with_mtp` (when the MTP head drafts)."""
     if config.random_weights:
-        return random_model(model_config, dtype, device, ops, config.seed, progress)
-    return load_model(model_dir, model_config, raw, dtype, device, ops, progress=progress)
+        return random_model(model_config, dtype, device, ops, config.seed, progress, with_mtp)
+    return load_model(model_dir, model_config, raw, dtype, device, ops, progress=progress, with_mtp=with_mtp)

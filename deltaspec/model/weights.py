@@ -1,6 +1,7 @@
 """Find a checkpoint and load its weights into a `HybridModel`, lazily, tensor by tensor.
 
-`resolve_model_path` turns a directory or a Hugging Face hub id into a local directory.
+`resolve_model_path` turns a directory or a Hugging Face hub id into a local directory (`model_dir_for`:
+the embedded default model when none is given).
 `load_model` builds the model on the meta device, then reads each safetensors tensor on its own
 (never a whole file), converts it to the requested dtype on the target device, and assigns it.
 Checkpoint names are mapped to the model's parameter names here: the multimodal wrapper prefix
@@ -31,6 +32,22 @@ RENAMES = {".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
 HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def default_model_path() -> Path:
+    """The embedded default model, shipped inside the package."""
+    return Path(__file__).resolve().parent.parent / "default_model" / "target"
+
+
+def model_dir_for(model: str | None) -> Path:
+    """The checkpoint directory of `model`, or of the embedded default model when it is None."""
+    if model is not None:
+        return resolve_model_path(model)
+    path = default_model_path()
+    if not (path / "config.json").is_file():
+        raise DeltaspecError("No model was given and the embedded default model is not installed; "
+                             "pass a checkpoint directory or hub id with --model / LLM(model=...).")
+    return path
 
 
 def resolve_model_path(model: str) -> Path:
@@ -82,9 +99,10 @@ def open_safetensors(file: Path):
         raise DeltaspecError(f"{file} is not a readable safetensors file ({exc}); download it again.") from None
 
 
-def target_name(name: str) -> str | None:
-    """The model parameter a checkpoint tensor name maps to (None: skipped on purpose)."""
-    if name.startswith(SKIPPED_PREFIXES):
+def target_name(name: str, with_mtp: bool = True) -> str | None:
+    """The model parameter a checkpoint tensor name maps to (None: skipped on purpose; the MTP head's
+    tensors too unless `with_mtp`)."""
+    if name.startswith(SKIPPED_PREFIXES) or (not with_mtp and name.startswith("mtp.")):
         return None
     if name.startswith("model.language_model."):
         name = "model." + name[len("model.language_model."):]
@@ -127,14 +145,15 @@ def _listing(names: list[str]) -> str:
 
 
 def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: torch.dtype, device: torch.device,
-               ops: OpTable, progress: bool = True) -> HybridModel:
-    """Build the model and fill every parameter from the checkpoint at `model_dir`."""
+               ops: OpTable, progress: bool = True, with_mtp: bool = True) -> HybridModel:
+    """Build the model and fill every parameter from the checkpoint at `model_dir` (the MTP head, when the
+    checkpoint has one, only `with_mtp`: it is a drafter's memory)."""
     if raw_config.get("quantization_config"):
         raise DeltaspecError(f"{model_dir} is a quantized checkpoint; deltaspec loads unquantized weights "
                              "(bfloat16, float16 or float32) for now.")
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
-        model = HybridModel(config, ops, dtype, device, num_mtp_layers=count_mtp_layers(files))
+        model = HybridModel(config, ops, dtype, device, num_mtp_layers=count_mtp_layers(files) if with_mtp else 0)
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     expert_parts: dict[str, set] = defaultdict(set)
@@ -147,7 +166,7 @@ def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: to
         with open_safetensors(file) as f:
             for name in names:
                 bar.update(1)
-                target = target_name(name)
+                target = target_name(name, with_mtp)
                 if target is None:
                     continue
                 if expert := EXPERT_RE.match(target):

@@ -1,1 +1,2 @@
-"""Speculative decoding: the Drafter protocol and the drafters (n-gram, MTP, draft model, block)."""
+"""Speculative decoding: the Speculator, the Drafter protocol and the drafters (n-gram, MTP, draft model),
+verification, and the draft-length policy."""

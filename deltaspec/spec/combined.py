@@ -18,10 +18,12 @@ class CombinedDrafter:
     def __init__(self, neural: Drafter, ngram: Drafter):
         self.neural, self.ngram = neural, ngram
         self.name = f"{neural.name}+{ngram.name}"
-        self.wants_hidden = getattr(neural, "wants_hidden", False)
+        self.needs_hidden = neural.needs_hidden or ngram.needs_hidden
 
     def observe(self, seq_id: str, first_position: int, hidden) -> None:
-        self.neural.observe(seq_id, first_position, hidden)
+        for drafter in (self.neural, self.ngram):
+            if drafter.needs_hidden:
+                drafter.observe(seq_id, first_position, hidden)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         lookup = self.ngram.propose(requests)

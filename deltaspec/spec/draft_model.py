@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.engine.runner import build_batch
-from deltaspec.engine.scheduler import Scheduled
-from deltaspec.engine.sequence import Sequence
+from deltaspec.execution.batch import Scheduled, build_batch
+from deltaspec.execution.sequence import Sequence
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hf_config import parse_model_config, read_config_json
 from deltaspec.model.weights import load_model
@@ -59,6 +58,7 @@ def as_drafts(requests: list[DraftRequest], drafts: dict[str, tuple[list[int], l
 
 class DraftModelDrafter:
     name = "draft"
+    needs_hidden = False
 
     def __init__(self, model_dir: Path, target_vocab: int, dtype: torch.dtype, state_dtype: torch.dtype,
                  device: torch.device, max_seqs: int, max_model_len: int, block_size: int, seed: int):
@@ -68,7 +68,8 @@ class DraftModelDrafter:
             raise DeltaspecError(f"The draft model at {model_dir} has a vocabulary of {self.config.vocab_size} "
                                  f"tokens but the target has {target_vocab}; a draft model must share its tokenizer.")
         self.device = device
-        self.model = load_model(model_dir, self.config, raw, dtype, device, ops_for(device), progress=False)
+        self.model = load_model(model_dir, self.config, raw, dtype, device, ops_for(device), progress=False,
+                                with_mtp=False)
         self.block_size = block_size
         blocks = max_seqs * -(-max_model_len // block_size)
         self.cache = CacheManager(self.config, self.model.num_kv_layers, max_seqs, blocks, block_size, dtype,
@@ -130,6 +131,9 @@ class DraftModelDrafter:
                         seqs[i].prompt_ids.append(drafts[live[i].seq_id][0][-1])
                     logits = self._forward([Scheduled(seqs[i], 1) for i in active])
         return as_drafts(requests, drafts)
+
+    def observe(self, seq_id: str, first_position: int, hidden) -> None:
+        """The draft model reads tokens, not the target's hidden states."""
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
         self._restore(seq_id)

@@ -1,7 +1,8 @@
-"""The `Drafter` protocol: what every speculative drafter (ngram, mtp, draft, block) implements.
+"""The `Drafter` protocol: what every speculative drafter (ngram, mtp, draft) implements.
 
 A drafter proposes draft tokens for a batch of sequences; the target model verifies them in one
-forward; the engine then tells the drafter what was committed. The contract, precisely:
+forward; the Speculator (`deltaspec.spec.speculator`) then tells the drafter what was committed.
+The contract, precisely:
 
 `propose(requests) -> drafts`
     * One `DraftRequest` per sequence, distinct `seq_id`s within a call. `token_ids` is the
@@ -25,6 +26,13 @@ forward; the engine then tells the drafter what was committed. The contract, pre
       for the draft-length policy and for choosing between drafters; not calibrated
       probabilities unless a drafter documents so. `None` = no opinion.
 
+`observe(seq_id, first_position, hidden)` (called only when `needs_hidden` is True)
+    After every pass, for every sequence the pass committed rows of: `hidden` [n, H] holds the
+    target's final hidden states of those rows, at positions `first_position ..
+    first_position + n - 1` (rows of rejected drafts are not among them). A drafter conditioned on
+    the target (the MTP head) keeps what it needs; the tensor may be a view the next pass
+    overwrites only after the next `propose`.
+
 `on_commit(seq_id, accepted, num_tokens)`
     Called after each verify step for every sequence the drafter proposed for in that step
     (including steps where the policy verified another drafter's draft, or `max_tokens` was 0).
@@ -46,6 +54,8 @@ forward; the engine then tells the drafter what was committed. The contract, pre
     Memory currently held by the drafter's per-sequence state and caches, in bytes (device
     memory for neural drafters, host memory for n-gram) -- for the memory planner. An estimate
     is fine; it must grow with the held state and drop after `on_finish`.
+
+`needs_hidden`: whether the drafter reads the target's hidden states (`observe`).
 
 Drafters are driven from the engine loop thread only; they need not be thread-safe.
 """
@@ -96,12 +106,19 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """A speculative drafter. Implementations: `ngram` (deltaspec.spec.ngram), `mtp`, `draft`, `block`."""
+    """A speculative drafter. Implementations: `ngram` (deltaspec.spec.ngram), `mtp` (deltaspec.spec.mtp),
+    `draft` (deltaspec.spec.draft_model), a neural drafter with ngram (deltaspec.spec.combined), and the
+    benchmarks' `oracle` (deltaspec.spec.oracle)."""
 
     name: str
+    needs_hidden: bool
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One `Draft` per request, in order, each at most `max_tokens` long."""
+        ...
+
+    def observe(self, seq_id: str, first_position: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [n, H] of committed rows at positions first_position.. ."""
         ...
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:

@@ -1,4 +1,5 @@
-"""Build the drafter an `EngineConfig` asks for (`speculative`): none, ngram, mtp, draft, or a neural one + ngram."""
+"""The drafter an `EngineConfig` asks for (`speculative`: none, ngram, mtp, draft, or a neural one + ngram), and
+the device memory it will hold, for the memory planner."""
 
 from __future__ import annotations
 
@@ -7,43 +8,83 @@ from typing import Callable
 
 import torch
 
-from deltaspec.config import EngineConfig, parse_dtype
+from deltaspec.cache.memory_plan import DrafterMemory, plan_memory, weight_bytes
+from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.hf_config import parse_model_config, read_config_json
+from deltaspec.model.weights import checkpoint_files, resolve_model_path, target_name
 from deltaspec.spec.combined import CombinedDrafter
+from deltaspec.spec.draft_model import DraftModelDrafter
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.ngram import NgramDrafter
 
 CHOICES = ("none", "ngram", "mtp", "draft", "mtp+ngram", "draft+ngram")
 
 
-def default_draft_model(target_dir: Path) -> Path | None:
+def check_choice(speculative: str) -> None:
+    if speculative not in CHOICES:
+        raise DeltaspecError(f"Unknown speculative setting {speculative!r}; use one of {', '.join(CHOICES)}.")
+
+
+def uses(speculative: str, drafter: str) -> bool:
+    """Whether the `speculative` setting runs `drafter` ("mtp", "draft" or "ngram")."""
+    return drafter in speculative.split("+")
+
+
+def default_draft_model(target_dir: Path | None) -> Path | None:
     """The shipped draft model next to the embedded default target, if `target_dir` is that target."""
+    if target_dir is None:
+        return None
     draft = target_dir.parent / "draft"
     return draft if target_dir.name == "target" and (draft / "config.json").is_file() else None
 
 
-def make_drafter(config: EngineConfig, target_dir: Path, target_vocab: int,
+def draft_model_dir(config: EngineConfig, target_dir: Path | None) -> Path:
+    path = resolve_model_path(config.draft_model) if config.draft_model else default_draft_model(target_dir)
+    if path is None:
+        raise DeltaspecError("speculative='draft' needs --draft-model PATH (only the embedded default model "
+                             "ships its own draft model).")
+    return path
+
+
+def drafter_memory(config: EngineConfig, target_dir: Path | None, model_config: ModelConfig,
+                   mtp_weights: int) -> DrafterMemory:
+    """Device memory of the drafter of a resolved `config`: the MTP head's weights (`mtp_weights` bytes) and
+    KV, or a draft model's weights, KV pages and state slots (a slot and its snapshot per stream). The n-gram
+    drafter's index lives in host memory (a few hundred bytes per context token) and is not counted."""
+    check_choice(config.speculative)
+    dtype, state_dtype = parse_dtype(config.dtype), parse_dtype(config.state_dtype)
+    if uses(config.speculative, "mtp"):
+        size = torch.empty(0, dtype=dtype).element_size()
+        kv = model_config.num_mtp_layers * 2 * model_config.num_key_value_heads * model_config.head_dim * size
+        return DrafterMemory(config.speculative, weights=mtp_weights, kv_per_token=kv)
+    if uses(config.speculative, "draft"):
+        path = draft_model_dir(config, target_dir)
+        draft_config = parse_model_config(read_config_json(path))
+        files = checkpoint_files(path)
+        plan = plan_memory(draft_config, len(draft_config.attention_layer_ids),
+                           weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None),
+                           dtype, state_dtype, streams=1, ctx=config.block_size, block_size=config.block_size,
+                           batch_rows=1, prefill_chunk=1, device=torch.device(config.device), available=0)
+        return DrafterMemory(config.speculative, weights=plan.weights, kv_per_token=plan.kv_per_token,
+                             state_per_stream=2 * plan.state_per_stream)
+    return DrafterMemory(config.speculative)
+
+
+def make_drafter(config: EngineConfig, target_dir: Path | None, target_vocab: int,
                  mtp: Callable[[], Drafter]) -> Drafter | None:
     """None for "none"; a clear error for an unknown drafter, a missing draft model or MTP head.
     `mtp` builds the MTP drafter (it lives on the engine's own model and caches)."""
-    if config.speculative not in CHOICES:
-        raise DeltaspecError(f"Unknown speculative setting {config.speculative!r}; use one of {', '.join(CHOICES)}.")
+    check_choice(config.speculative)
     if config.speculative == "none":
         return None
     drafters: list[Drafter] = []
-    if "mtp" in config.speculative.split("+"):
+    if uses(config.speculative, "mtp"):
         drafters.append(mtp())
-    if "draft" in config.speculative.split("+"):
-        from deltaspec.model.weights import resolve_model_path
-        from deltaspec.spec.draft_model import DraftModelDrafter
-
-        path = resolve_model_path(config.draft_model) if config.draft_model else default_draft_model(target_dir)
-        if path is None:
-            raise DeltaspecError("speculative='draft' needs --draft-model PATH (only the embedded default model "
-                                 "ships its own draft model).")
-        drafters.append(DraftModelDrafter(path, target_vocab, parse_dtype(config.dtype),
+    if uses(config.speculative, "draft"):
+        drafters.append(DraftModelDrafter(draft_model_dir(config, target_dir), target_vocab, parse_dtype(config.dtype),
                                           parse_dtype(config.state_dtype), torch.device(config.device),
                                           config.max_num_seqs, config.max_model_len, config.block_size, config.seed))
-    if "ngram" in config.speculative.split("+"):
+    if uses(config.speculative, "ngram"):
         drafters.append(NgramDrafter())
     return drafters[0] if len(drafters) == 1 else CombinedDrafter(drafters[0], drafters[1])

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.engine.sequence import Sequence
+from deltaspec.execution.sequence import Sequence
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.ops.layout import SeqLayout
 from deltaspec.model.hybrid import HybridModel
@@ -27,7 +27,7 @@ from deltaspec.spec.drafter import Draft, DraftRequest
 
 class MTPDrafter:
     name = "mtp"
-    wants_hidden = True
+    needs_hidden = True
 
     def __init__(self, model: HybridModel, cache: CacheManager, lookup: Callable[[str], Sequence],
                  device: torch.device, seed: int):

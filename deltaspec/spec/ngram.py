@@ -50,6 +50,7 @@ class NgramDrafter:
     """Prompt lookup drafter (deterministic: drafts carry `probs=None`). See the module docstring."""
 
     name = "ngram"
+    needs_hidden = False
 
     def __init__(self, min_n: int = 2, max_n: int = 5, check_window: int | None = 16):
         if not 1 <= min_n <= max_n:
@@ -66,6 +67,9 @@ class NgramDrafter:
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return [self._propose_one(r) for r in requests]
+
+    def observe(self, seq_id: str, first_position: int, hidden) -> None:
+        """Not conditioned on the target's hidden states."""
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
         st = self._seqs.get(seq_id)

@@ -1,10 +1,13 @@
 """`OracleDrafter`: drafts the target's own greedy continuation, accepted at a chosen rate (benchmarks only).
 
-A benchmark first runs the prompt greedily without drafting and hands the continuation to the oracle
-(`expect`). At draft position i (1-based) the oracle proposes the right next token with probability
-p_i of the acceptance profile, given that positions 1..i-1 were right; otherwise it proposes a wrong
-token there (the reference token + 1) and fills the rest of the draft with reference tokens, so every
-pass verifies the full draft length and greedy verification accepts exactly the leading right tokens.
+A benchmark builds its engine with one oracle as the drafter (and a fixed draft length), runs the prompt
+greedily -- a sequence the oracle expects nothing of gets no drafts and decodes plainly -- and hands the
+continuation to the oracle for the next sequences of that prompt (`expect`, with an acceptance profile
+per sequence). At draft position i (1-based) the oracle proposes the right next token with probability
+p_i of the profile, given that positions 1..i-1 were right; otherwise it proposes a wrong token there
+(the reference token + 1) and fills the rest of the draft with reference tokens, so every pass verifies
+the full draft length (at most the profile's length) and greedy verification accepts exactly the leading
+right tokens.
 The draws are deterministic per (seed, prompt, position), whatever the request id, so a rerun of the same
 prompt proposes the same drafts as long as its committed tokens are the same.
 
@@ -19,6 +22,7 @@ reference tokens instead. `proposed` lists the length of every draft it returned
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from deltaspec.errors import DeltaspecError
 from deltaspec.spec.drafter import Draft, DraftRequest
@@ -55,18 +59,31 @@ def parse_profile(text: str) -> list[float]:
     return profile
 
 
+@dataclass
+class Expectation:
+    """What the oracle drafts for one sequence."""
+
+    prompt_len: int
+    reference: list[int]  # the target's greedy continuation of the prompt
+    profile: list[float]  # conditional acceptance per draft position; its length caps the draft
+    keep_length: bool  # keep drafting full-length drafts after the committed tokens left the reference
+
+
 class OracleDrafter:
     name = "oracle"
+    needs_hidden = False
 
-    def __init__(self, profile: list[float], vocab_size: int, seed: int = 0, keep_length: bool = False):
-        self.profile, self.vocab_size, self.seed, self.keep_length = list(profile), vocab_size, seed, keep_length
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size, self.seed = vocab_size, seed
         self.proposed: list[int] = []
-        self.reference: dict[str, tuple[int, list[int]]] = {}  # seq_id -> (prompt length, greedy continuation)
+        self.expected: dict[str, Expectation] = {}
         self.diverged: set[str] = set()
 
-    def expect(self, seq_id: str, prompt_len: int, continuation: list[int]) -> None:
-        """The target's greedy continuation of sequence `seq_id`, whose prompt has `prompt_len` tokens."""
-        self.reference[seq_id] = (prompt_len, list(continuation))
+    def expect(self, seq_id: str, prompt_len: int, continuation: list[int], profile: list[float],
+               keep_length: bool = False) -> None:
+        """Draft for sequence `seq_id` (its prompt has `prompt_len` tokens, the target's greedy continuation is
+        `continuation`) at the acceptance `profile`."""
+        self.expected[seq_id] = Expectation(prompt_len, list(continuation), list(profile), keep_length)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts = [self._draft(r) for r in requests]
@@ -74,30 +91,34 @@ class OracleDrafter:
         return drafts
 
     def _draft(self, request: DraftRequest) -> Draft:
-        if request.seq_id not in self.reference or (request.seq_id in self.diverged and not self.keep_length):
+        expected = self.expected.get(request.seq_id)
+        if expected is None or (request.seq_id in self.diverged and not expected.keep_length):
             return Draft([])
-        prompt_len, ref = self.reference[request.seq_id]
-        generated = request.token_ids[prompt_len:]
+        ref = expected.reference
+        generated = request.token_ids[expected.prompt_len:]
         if generated != ref[:len(generated)]:
             self.diverged.add(request.seq_id)
-            if not self.keep_length:
+            if not expected.keep_length:
                 return Draft([])
         start = len(generated)
-        rng = random.Random(f"{self.seed}:{hash(tuple(request.token_ids[:prompt_len]))}:{start}")
+        rng = random.Random(f"{self.seed}:{hash(tuple(request.token_ids[:expected.prompt_len]))}:{start}")
         tokens, right = [], True
-        for i in range(min(request.max_tokens, len(self.profile))):
+        for i in range(min(request.max_tokens, len(expected.profile))):
             truth = ref[min(start + i, len(ref) - 1)]
-            if right and rng.random() >= self.profile[i]:
+            if right and rng.random() >= expected.profile[i]:
                 right = False
                 truth = (truth + 1) % self.vocab_size  # the first wrong token; later ones are never verified
             tokens.append(truth)
         return Draft(tokens)
 
+    def observe(self, seq_id: str, first_position: int, hidden) -> None:
+        """Not conditioned on the target's hidden states."""
+
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
         pass  # stateless per round: the next propose compares the committed tokens with the reference
 
     def on_finish(self, seq_id: str) -> None:
-        self.reference.pop(seq_id, None)
+        self.expected.pop(seq_id, None)
 
     def state_bytes(self) -> int:
-        return sum(8 * len(ref) for _, ref in self.reference.values())
+        return sum(8 * len(e.reference) for e in self.expected.values())

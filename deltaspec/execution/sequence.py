@@ -1,4 +1,5 @@
-"""A sequence: one prompt and the tokens generated for it, with its place in the caches."""
+"""A sequence: one prompt and the tokens generated for it, with its place in the caches and its drafting
+statistics."""
 
 from __future__ import annotations
 
@@ -8,7 +9,37 @@ from enum import Enum
 
 import torch
 
+from deltaspec.cache.replay import ReplayCursor
 from deltaspec.sample.params import SamplingParams
+
+
+@dataclass
+class AcceptanceStats:
+    """How a sequence's drafts fared: verify rounds, accepted drafts, and per draft position."""
+
+    rounds: int = 0  # verify passes with at least one draft token
+    accepted: int = 0  # draft tokens accepted in total
+    accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: rounds whose draft i+1 was accepted
+    drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: rounds that proposed a draft i+1
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verify round: `drafted` drafts, the first `accepted` of them accepted."""
+        self.rounds += 1
+        self.accepted += accepted
+        grow = drafted - len(self.drafted_at)
+        self.drafted_at.extend([0] * max(grow, 0))
+        self.accepted_at.extend([0] * max(grow, 0))
+        for position in range(drafted):
+            self.drafted_at[position] += 1
+            self.accepted_at[position] += position < accepted
+
+    def metrics(self) -> dict:
+        if not self.rounds:
+            return {}
+        return dict(spec_rounds=self.rounds, spec_accepted_tokens=self.accepted,
+                    acceptance_length=self.accepted / self.rounds, tokens_per_round=self.accepted / self.rounds + 1,
+                    acceptance_per_position=[a / d for a, d in zip(self.accepted_at, self.drafted_at)],
+                    accepted_at=list(self.accepted_at), drafted_at=list(self.drafted_at))
 
 
 class Status(Enum):
@@ -44,11 +75,8 @@ class Sequence:
     error: str | None = None  # why it failed, when finish_reason is "error"
     draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next pass
     draft_probs: torch.Tensor | None = None  # [len(draft), V] drafter distributions (None: deterministic)
-    pending_fold: int = 0  # replay-log rows of the last verify pass that were accepted
-    spec_rounds: int = 0  # verify passes with at least one draft token
-    spec_accepted: int = 0  # draft tokens accepted in total
-    accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: rounds whose draft i+1 was accepted
-    drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: rounds that proposed a draft i+1
+    replay: ReplayCursor = field(default_factory=ReplayCursor)  # moved by the cache manager only
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     num_cached_tokens: int = 0  # tokens resumed from a prefix checkpoint instead of computed
     expected_cached: int = 0  # tokens a checkpoint held when the sequence arrived (a scheduling estimate)
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to leave prefix checkpoints at
@@ -66,6 +94,13 @@ class Sequence:
     def decoding(self) -> bool:
         """Prompt done and exactly one token (the last sampled) not yet computed."""
         return self.num_computed == self.num_tokens - 1 and self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The next token is the argmax of the raw logits: greedy, no penalties, no logprobs, min_tokens met."""
+        p = self.params
+        return p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty \
+            and p.logprobs is None and len(self.output_ids) >= p.min_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -94,10 +129,5 @@ class Sequence:
             if n_new > 1 and decode_time > 0:
                 out["decode_tok_s"] = (n_new - 1) / decode_time
                 out["time_per_output_token"] = decode_time / (n_new - 1)
-        if self.spec_rounds:
-            out.update(spec_rounds=self.spec_rounds, spec_accepted_tokens=self.spec_accepted,
-                       acceptance_length=self.spec_accepted / self.spec_rounds,
-                       tokens_per_round=self.spec_accepted / self.spec_rounds + 1,
-                       acceptance_per_position=[a / d for a, d in zip(self.accepted_at, self.drafted_at)],
-                       accepted_at=list(self.accepted_at), drafted_at=list(self.drafted_at))
+        out.update(self.acceptance.metrics())
         return out

@@ -13,14 +13,15 @@ logprobs, or models whose ops sync with the host (mixture-of-experts routing) ru
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from deltaspec.engine.graph_buckets import batch_sizes, row_sizes
-from deltaspec.engine.scheduler import Scheduled
-from deltaspec.model.decoder import ModelCaches
+from deltaspec.cache.model_caches import ModelCaches
+from deltaspec.execution.batch import Scheduled
+from deltaspec.execution.graph_buckets import batch_sizes, row_sizes
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.ops.layout import SeqLayout
@@ -51,12 +52,14 @@ class Bucket:
 
 @dataclass
 class GraphPass:
-    """What one replay gives the runner: per sequence, the outputs of its real rows."""
+    """What one replay gives the runner. The real rows (each sequence's rows, back to back) lie at `rows` of
+    the bucket's outputs; `hidden` is a copy of them, `logits` and `greedy` are the graph's own buffers, which
+    the next replay overwrites (copy what must outlive it)."""
 
-    hidden: torch.Tensor  # [real rows, hidden], a copy (the next replay overwrites the graph's buffers)
-    logits: torch.Tensor  # [real rows, vocab], a copy
-    greedy: list[int]  # argmax of each real row (read with the pass's one device-to-host sync)
-    row_starts: list[int]  # first real row of each scheduled sequence in `hidden` / `logits`
+    hidden: torch.Tensor  # [real rows, hidden], a copy
+    logits: torch.Tensor  # [B * R, vocab], the graph's buffer
+    greedy: torch.Tensor  # [B * R] argmax of each bucket row, the graph's buffer
+    rows: torch.Tensor  # [real rows] long: the bucket row of each real row
 
 
 class CudaGraphRunner:
@@ -72,6 +75,7 @@ class CudaGraphRunner:
         self.scratch_slot = scratch_slot
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple[int, int], Bucket] = {}
+        self.replays: Counter[tuple[int, int]] = Counter()  # replays per bucket since start
 
     def capture_all(self, progress: bool = True) -> None:
         """Capture the graph of every (batch, rows) bucket, largest batches first (their memory is
@@ -102,13 +106,9 @@ class CudaGraphRunner:
         bucket = self.buckets[key]
         num_rows = self._fill(bucket.inputs, schedule, key[1])
         bucket.graph.replay()
+        self.replays[key] += 1
         rows = torch.tensor([b * key[1] + i for b, n in enumerate(num_rows) for i in range(n)], device=self.device)
-        starts, total = [], 0
-        for n in num_rows:
-            starts.append(total)
-            total += n
-        return GraphPass(bucket.hidden.index_select(0, rows), bucket.logits.index_select(0, rows),
-                         bucket.greedy.index_select(0, rows).tolist(), starts)
+        return GraphPass(bucket.hidden.index_select(0, rows), bucket.logits, bucket.greedy, rows)
 
     def _fill(self, inputs: StaticInputs, schedule: list[Scheduled], rows: int) -> list[int]:
         """Write the pass's inputs into the bucket's static tensors; returns each sequence's real rows."""
@@ -124,7 +124,7 @@ class CudaGraphRunner:
                 positions[b * rows + i] = start + i
             token_ids[b * rows:b * rows + n] = ids[start:start + n]
             slot_mapping[b * rows:b * rows + n] = [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
-            context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.pending_fold
+            context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.replay.pending_fold
             tables[b * self.table_width:b * self.table_width + len(seq.blocks)] = seq.blocks
             real_rows.append(n)
         inputs.host_longs.copy_(torch.tensor(token_ids + positions + slot_mapping + slots, dtype=torch.long))

@@ -1,0 +1,60 @@
+"""The device-dependent parts an engine is built with: the tokenizer of a random-weight model, the measured
+GEMM routing (and the verify costs read from it), and the CUDA graphs of decode and verify passes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from deltaspec.cache.manager import CacheManager
+from deltaspec.config import EngineConfig, ModelConfig
+from deltaspec.execution.cuda_graphs import CudaGraphRunner
+from deltaspec.execution.graph_buckets import uses_cuda_graphs
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
+from deltaspec.model.weights import default_model_path
+from deltaspec.ops.dispatch import OpTable
+from deltaspec.spec.policy import VerifyCostTable
+
+ROUTED_WEIGHT_ELEMENTS = 1 << 22  # weights of at least 4 M elements get a measured GEMM route
+
+
+def borrowed_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
+    """A random-weight model borrows the embedded model's tokenizer when its ids fit the shape's vocabulary
+    (they fit every real shape), so the server and the text benchmarks run on it too; ids beyond the
+    borrowed vocabulary decode as ids within it (`BorrowedTokenizer`)."""
+    lent = Tokenizer.from_dir(default_model_path())
+    if lent is None or lent.vocab_size > model_config.vocab_size:
+        return None
+    return BorrowedTokenizer.lend(lent)
+
+
+def route_gemms(model: HybridModel, ops: OpTable, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                progress: bool) -> VerifyCostTable:
+    """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply of `model` by the device's
+    measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements;
+    elsewhere keep torch's matmul and the default cost estimate. Weights too small to be bandwidth-bound
+    stay on torch's matmul without measuring; a model with no large weight keeps the default estimate."""
+    if device.type != "cuda" or config.kernels == "reference" or dtype not in (torch.bfloat16, torch.float16):
+        return VerifyCostTable()
+    from deltaspec.ops.gemm_routing import GemmRouter
+
+    shapes = {shape: count for shape, count in model.linear_shapes().items()
+              if shape[0] * shape[1] >= ROUTED_WEIGHT_ELEMENTS}
+    if not shapes:
+        return VerifyCostTable()
+    router = GemmRouter(shapes, dtype, device, show_progress=progress)
+    model.use_ops(replace(ops, linear=router.linear))
+    return VerifyCostTable(router.relative_costs(max(config.draft_tokens + 1, 2)))
+
+
+def graph_runner(model: HybridModel, cache: CacheManager, config: EngineConfig, model_config: ModelConfig,
+                 progress: bool) -> CudaGraphRunner | None:
+    """CUDA graphs for decode and verify passes, captured now, where `uses_cuda_graphs` allows them."""
+    if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels, model_config.moe is not None):
+        return None
+    graphs = CudaGraphRunner(model, cache.caches, config.block_size, torch.device(config.device),
+                             config.max_num_seqs, config.log_rows, config.max_model_len, cache.gdn.scratch_slot)
+    graphs.capture_all(progress)
+    return graphs

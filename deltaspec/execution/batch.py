@@ -1,0 +1,47 @@
+"""One pass's schedule entry (`Scheduled`: a sequence and its rows) and the flat `ForwardBatch` built from a
+schedule for an eager pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaspec.execution.sequence import Sequence
+from deltaspec.model.forward_batch import ForwardBatch
+from deltaspec.ops.layout import SeqLayout
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_rows: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this pass the sequence has computed all of its tokens and samples a new one."""
+        return self.seq.num_computed + self.num_rows >= self.seq.num_tokens
+
+
+def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:
+    """The pass's rows back to back: each sequence's next `num_rows` tokens (drafts included) at its positions,
+    their KV slots, and the layout (state slots, replay-log folds, verify rows, block tables)."""
+    token_ids, positions, slot_mapping, tables = [], [], [], []
+    for item in schedule:
+        seq, start = item.seq, item.seq.num_computed
+        span = range(start, start + item.num_rows)
+        ids = seq.row_ids
+        token_ids.extend(ids[p] for p in span)
+        positions.extend(span)
+        slot_mapping.extend(seq.blocks[p // block_size] * block_size + p % block_size for p in span)
+        tables.append(seq.blocks)
+    layout = SeqLayout.build([item.num_rows for item in schedule],
+                             [item.seq.num_computed + item.num_rows for item in schedule],
+                             [item.seq.state_slot for item in schedule], device,
+                             fold=[item.seq.replay.pending_fold for item in schedule],
+                             speculative=[bool(item.seq.draft) for item in schedule], block_tables=tables)
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return ForwardBatch(tensor(token_ids), tensor(positions), tensor(slot_mapping), layout)
