@@ -27,6 +27,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	@if ! $(PY) -c "import triton" 2>/dev/null; then \
+		echo "Kernel tests under TRITON_INTERPRET=1 skipped: triton does not import (the test extra installs it on Linux x86_64 and aarch64 only)"; \
+	elif $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		echo "Kernel tests under TRITON_INTERPRET=1 skipped: the CUDA device ran them compiled above"; \
+	else TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernel; fi
 
 clean:
 	rm -rf $(VENV)

@@ -26,10 +26,10 @@ GROUP_SHAPES = [(6, 1, 256), (8, 1, 128)]
 
 @pytest.fixture(autouse=True)
 def interpreter_fixes(monkeypatch):
-    """Two bugs of Triton 3.6's interpreter (the CPU development aid; compiled kernels are unaffected), patched for
-    these tests: a scalar used as a loop bound goes through int() of a 1-element array, which numpy >= 2.4 refuses
-    (triton-lang/triton#9171, fixed upstream by squeezing first); and tl.dot multiplies bfloat16 operands as their
-    raw uint16 storage, so they are widened to float32 first."""
+    """Two bugs of Triton's interpreter (the CPU development aid; compiled kernels are unaffected), patched for
+    these tests: in 3.6, a scalar used as a loop bound goes through int() of a 1-element array, which numpy >= 2.4
+    refuses (triton-lang/triton#9171, fixed in 3.7 by squeezing first); and in 3.6 to 3.9, tl.dot multiplies
+    bfloat16 operands as their raw uint16 storage, so they are widened to float32 first."""
     if not triton_interpreted():
         return
     import triton.language as tl

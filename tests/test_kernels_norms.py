@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaspec.ops import activation, norms
+from tests.conftest import triton_interpreted
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
@@ -91,22 +92,21 @@ def test_silu_mul(triton_ops, kernel_device, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 33])
+@pytest.mark.parametrize("rows, use_dot", [(1, False), (1, True), (3, False), (3, True), (33, True)],
+                         ids=["1-fma", "1-dot", "3-fma", "3-dot", "33-dot"])
 @pytest.mark.parametrize("n, k", [(72, 288)])
-def test_skinny_linear_every_config(triton_ops, kernel_device, dtype, rows, n, k):
-    """Every configuration the routing table may pick (it routes 16-bit weights only), against F.linear.
-    Triton's interpreter multiplies bfloat16 tl.dot operands as raw integers, so there bf16 covers the
-    fma configs only (fp16 covers the dot ones)."""
+def test_skinny_linear_every_config(triton_ops, kernel_device, dtype, rows, use_dot, n, k):
+    """Every configuration the routing table may pick (it routes 16-bit weights only), against F.linear,
+    the fma and the dot ones separately (no fma configuration handles 33 rows)."""
+    if triton_interpreted() and dtype == torch.bfloat16 and use_dot:
+        pytest.skip("Triton's interpreter multiplies bfloat16 tl.dot operands as their raw uint16 storage")
     skinny_gemm = triton_ops[2]
     torch.manual_seed(5)
     x = torch.randn(rows, k, device=kernel_device).to(dtype)
     weight = (torch.randn(n, k, device=kernel_device) / k ** 0.5).to(dtype)
     expected = F.linear(x.float(), weight.float()).to(dtype)
-    assert skinny_gemm.configs_for(rows)
-    configs = [config for config in skinny_gemm.configs_for(rows)
-               if kernel_device == "cuda" or dtype != torch.bfloat16 or not config.use_dot]
-    if not configs:
-        pytest.skip("bf16 tl.dot is wrong under Triton's interpreter")
+    configs = [config for config in skinny_gemm.configs_for(rows) if config.use_dot == use_dot]
+    assert configs
     for config in configs:
         got = skinny_gemm.skinny_linear(x, weight, config)
         assert got.shape == (rows, n) and got.dtype == dtype
