@@ -1,5 +1,5 @@
 # make run: create .venv, install, run the main job on the embedded default model.
-# make test: create .venv, install, run the test suite.
+# make test: create .venv, install, lint (ruff), run the test suite.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -26,6 +26,8 @@ run: $(STAMP)
 		--max-tokens 80 --repetition-penalty 1.1
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 	@if ! $(PY) -c "import triton" 2>/dev/null; then \
 		echo "Kernel tests under TRITON_INTERPRET=1 skipped: triton does not import (the test extra installs it on Linux x86_64 and aarch64 only)"; \

@@ -21,8 +21,9 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
         names = ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         if isinstance(default, bool):
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                help=help_text)
+            parser.add_argument(
+                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
             continue
         kind = type(default) if default is not None else str
         parser.add_argument(*names, dest=f.name, type=kind, default=default, help=help_text)
@@ -45,19 +46,31 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from deltaspec.sample.params import SamplingParams
 
     llm = LLM(progress=True, **vars(engine_config(args)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed_sample, ignore_eos=args.ignore_eos,
-                            repetition_penalty=args.repetition_penalty)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_sample,
+        ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+    )
     out = llm.generate([args.prompt], params)[0]
     print(args.prompt + out.outputs[0].text)
     m = out.metrics
     ttft = f"{m['time_to_first_token'] * 1000:.1f} ms" if m["time_to_first_token"] is not None else "n/a"
     tok_s = f"{m['decode_tok_s']:.1f}" if m["decode_tok_s"] is not None else "n/a"
-    spec = (f" | {llm.engine.config.speculative}: AL {m['acceptance_length']:.2f} over {m['spec_rounds']} rounds"
-            if m.get("spec_rounds") else "")
-    print(f"[prompt tokens: {m['num_prompt_tokens']} | new tokens: {m['num_generated_tokens']} | "
-          f"time to first token: {ttft} | decode tok/s: {tok_s} | finish: {out.outputs[0].finish_reason} | "
-          f"{llm.engine.config.device} {llm.engine.config.dtype}{spec}]", file=sys.stderr)
+    spec = (
+        f" | {llm.engine.config.speculative}: AL {m['acceptance_length']:.2f} over {m['spec_rounds']} rounds"
+        if m.get("spec_rounds")
+        else ""
+    )
+    print(
+        f"[prompt tokens: {m['num_prompt_tokens']} | new tokens: {m['num_generated_tokens']} | "
+        f"time to first token: {ttft} | decode tok/s: {tok_s} | finish: {out.outputs[0].finish_reason} | "
+        f"{llm.engine.config.device} {llm.engine.config.dtype}{spec}]",
+        file=sys.stderr,
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -66,8 +79,13 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from deltaspec.sample.params import SamplingParams
 
     llm = LLM(progress=True, **vars(engine_config(args)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed_sample, repetition_penalty=args.repetition_penalty)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed_sample,
+        repetition_penalty=args.repetition_penalty,
+    )
     history = [{"role": "system", "content": args.system}] if args.system else []
     options = {"enable_thinking": args.thinking}
     turns = [args.message] if args.message is not None else iter(lambda: input("> "), "")
@@ -95,8 +113,12 @@ def cmd_ppl(args: argparse.Namespace) -> None:
         raise DeltaspecError(f"Could not read the text to score ({exc}).") from None
     llm = LLM(progress=True, **vars(engine_config(args)))
     result = perplexity(llm, text, window=args.window, max_windows=args.max_windows)
-    print(json.dumps({"model": str(llm.engine.model_dir), "dtype": llm.engine.config.dtype,
-                      "window": args.window, **result}, indent=1))
+    print(
+        json.dumps(
+            {"model": str(llm.engine.model_dir), "dtype": llm.engine.config.dtype, "window": args.window, **result},
+            indent=1,
+        )
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -121,10 +143,20 @@ def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most new tokens (default: {max_tokens})")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
-    parser.add_argument("--seed-sample", "--sample-seed", dest="seed_sample", type=int, default=None,
-                        help="seed of this request's sampling (default: derived from --seed)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="divide logits of tokens already seen by this (default: 1, off)")
+    parser.add_argument(
+        "--seed-sample",
+        "--sample-seed",
+        dest="seed_sample",
+        type=int,
+        default=None,
+        help="seed of this request's sampling (default: derived from --seed)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide logits of tokens already seen by this (default: 1, off)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,8 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="answer chat messages with the model's chat template")
     chat.add_argument("--message", default=None, help="answer this one message and exit (default: read stdin)")
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
-                      help="let the model think before answering (chat template's enable_thinking)")
+    chat.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let the model think before answering (chat template's enable_thinking)",
+    )
     add_sampling_flags(chat, max_tokens=256)
     add_engine_flags(chat)
     chat.set_defaults(func=cmd_chat)

@@ -89,8 +89,14 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-DTYPE_ALIASES = {"double": "float64", "float": "float32", "fp32": "float32", "bf16": "bfloat16",
-                 "half": "float16", "fp16": "float16"}
+DTYPE_ALIASES = {
+    "double": "float64",
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "fp16": "float16",
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -109,55 +115,104 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class EngineConfig:
     """What the user chooses about running a model. "auto" fields are resolved on load."""
 
-    model: str | None = field(default=None, metadata={
-        "help": "checkpoint directory or Hugging Face hub id (default: the embedded model)"})
-    dtype: str = field(default="auto", metadata={
-        "help": "weight and activation dtype: auto, float64, float32, bfloat16, float16"})
+    model: str | None = field(
+        default=None, metadata={"help": "checkpoint directory or Hugging Face hub id (default: the embedded model)"}
+    )
+    dtype: str = field(
+        default="auto", metadata={"help": "weight and activation dtype: auto, float64, float32, bfloat16, float16"}
+    )
     device: str = field(default="auto", metadata={"help": "torch device: auto, cpu, cuda, cuda:N"})
-    state_dtype: str = field(default="auto", metadata={
-        "help": "GDN recurrent state dtype: auto (float32, float64 for float64 models), "
-                "float32, bfloat16, float16"})
-    max_num_seqs: int = field(default=8, metadata={
-        "help": "most sequences that run at once (GDN state slots)", "aliases": ("--max-streams",)})
-    max_model_len: int = field(default=4096, metadata={
-        "help": "longest sequence, prompt + output", "aliases": ("--ctx",)})
+    state_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "GDN recurrent state dtype: auto (float32, float64 for float64 models), float32, bfloat16, float16"
+        },
+    )
+    max_num_seqs: int = field(
+        default=8, metadata={"help": "most sequences that run at once (GDN state slots)", "aliases": ("--max-streams",)}
+    )
+    max_model_len: int = field(
+        default=4096, metadata={"help": "longest sequence, prompt + output", "aliases": ("--ctx",)}
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per attention KV page"})
-    num_kv_blocks: int = field(default=0, metadata={
-        "help": "attention KV pages to allocate (0: enough for max_num_seqs x max_model_len)"})
-    max_num_batched_tokens: int = field(default=2048, metadata={
-        "help": "most rows in one forward pass (prompt chunks + decode rows)"})
-    prefill_chunk: int = field(default=512, metadata={
-        "help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"})
+    num_kv_blocks: int = field(
+        default=0, metadata={"help": "attention KV pages to allocate (0: enough for max_num_seqs x max_model_len)"}
+    )
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "most rows in one forward pass (prompt chunks + decode rows)"}
+    )
+    prefill_chunk: int = field(
+        default=512,
+        metadata={"help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"},
+    )
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
-    speculative: str = field(default="none", metadata={
-        "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens), "
-                "mtp (the checkpoint's MTP head), draft (a small model, --draft-model), mtp+ngram, draft+ngram"})
-    draft_tokens: int = field(default=4, metadata={
-        "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"})
-    draft_model: str | None = field(default=None, metadata={
-        "help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "resume requests from checkpoints of earlier ones that share their prefix (GDN state + KV pages)",
-        "aliases": ("--prefix-caching",)})
-    prefix_checkpoints: int = field(default=0, metadata={
-        "help": "prefix checkpoints kept on the device, least recently used evicted first (0: three per stream)"})
-    prefix_offload_gib: float = field(default=0.0, metadata={
-        "help": "host memory (GiB) that keeps prefix checkpoints evicted from the device, for later reuse"})
-    prefix_checkpoint_min_prompt: int = field(default=1024, metadata={
-        "help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end"})
-    kernels: str = field(default="auto", metadata={
-        "help": "op implementations: auto (Triton kernels on CUDA, torch references elsewhere), reference "
-                "(torch references everywhere)"})
-    enforce_eager: bool = field(default=False, metadata={
-        "help": "run every pass eagerly, without CUDA graphs"})
-    random_weights: bool = field(default=False, metadata={
-        "help": "build the model of --shape with random weights on the device (no checkpoint; the embedded "
-                "model's tokenizer); for benchmarks"})
-    shape: str | None = field(default=None, metadata={
-        "help": "model shape for --random-weights: qwen3.5-0.8b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
-                "qwen3-next-80b-a3b"})
-    shape_overrides: tuple[tuple[str, int], ...] = field(default=(), metadata={
-        "cli": False, "help": "(Python only) ModelConfig/MoEConfig fields replaced in the shape, for small tests"})
+    speculative: str = field(
+        default="none",
+        metadata={
+            "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens), "
+            "mtp (the checkpoint's MTP head), draft (a small model, --draft-model), mtp+ngram, draft+ngram"
+        },
+    )
+    draft_tokens: int = field(
+        default=4,
+        metadata={
+            "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"
+        },
+    )
+    draft_model: str | None = field(
+        default=None,
+        metadata={"help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "resume requests from checkpoints of earlier ones that share their prefix (GDN state + KV pages)",
+            "aliases": ("--prefix-caching",),
+        },
+    )
+    prefix_checkpoints: int = field(
+        default=0,
+        metadata={
+            "help": "prefix checkpoints kept on the device, least recently used evicted first (0: three per stream)"
+        },
+    )
+    prefix_offload_gib: float = field(
+        default=0.0,
+        metadata={"help": "host memory (GiB) that keeps prefix checkpoints evicted from the device, for later reuse"},
+    )
+    prefix_checkpoint_min_prompt: int = field(
+        default=1024,
+        metadata={"help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end"},
+    )
+    kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "op implementations: auto (Triton kernels on CUDA, torch references elsewhere), reference "
+            "(torch references everywhere)"
+        },
+    )
+    enforce_eager: bool = field(default=False, metadata={"help": "run every pass eagerly, without CUDA graphs"})
+    random_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "build the model of --shape with random weights on the device (no checkpoint; the embedded "
+            "model's tokenizer); for benchmarks"
+        },
+    )
+    shape: str | None = field(
+        default=None,
+        metadata={
+            "help": "model shape for --random-weights: qwen3.5-0.8b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
+            "qwen3-next-80b-a3b"
+        },
+    )
+    shape_overrides: tuple[tuple[str, int], ...] = field(
+        default=(),
+        metadata={
+            "cli": False,
+            "help": "(Python only) ModelConfig/MoEConfig fields replaced in the shape, for small tests",
+        },
+    )
 
     @property
     def log_rows(self) -> int:
@@ -171,13 +226,16 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
-    api_key: str | None = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on every endpoint but /health"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "model name clients must use (default: the checkpoint directory's name)"})
+    api_key: str | None = field(
+        default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every endpoint but /health"}
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name clients must use (default: the checkpoint directory's name)"}
+    )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
-    request_log: str | None = field(default=None, metadata={
-        "help": "append one JSON line per finished request to this file"})
+    request_log: str | None = field(
+        default=None, metadata={"help": "append one JSON line per finished request to this file"}
+    )
 
 
 CHECKPOINTS_PER_STREAM = 3  # a long request leaves up to three: 512 and 64 tokens before its prompt's end, its end
@@ -212,9 +270,17 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         raise DeltaspecError(f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.prefix_checkpoints}.")
     if cfg.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
-    for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "prefill_chunk",
-                 "draft_tokens"):
+    for name in (
+        "max_num_seqs",
+        "max_model_len",
+        "block_size",
+        "max_num_batched_tokens",
+        "prefill_chunk",
+        "draft_tokens",
+    ):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
-    checkpoints = (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * cfg.max_num_seqs) if cfg.enable_prefix_caching else 0
+    checkpoints = (
+        (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * cfg.max_num_seqs) if cfg.enable_prefix_caching else 0
+    )
     return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype, prefix_checkpoints=checkpoints)

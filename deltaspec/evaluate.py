@@ -20,7 +20,7 @@ def perplexity(llm: LLM, text: str, window: int = 1024, max_windows: int | None 
     if llm.tokenizer is None:
         raise DeltaspecError("Perplexity needs a tokenizer, and this checkpoint has none.")
     ids = llm.tokenizer.encode(text)
-    windows = [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+    windows = [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
     if max_windows is not None:
         windows = windows[:max_windows]
     if not windows:
@@ -32,5 +32,10 @@ def perplexity(llm: LLM, text: str, window: int = 1024, max_windows: int | None 
         nll -= sum(lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], w[1:]))
         tokens += len(w) - 1
         nbytes += len(llm.tokenizer.decode(w[1:], skip_special_tokens=True).encode())
-    return {"tokens": tokens, "bytes": nbytes, "loss": nll / tokens, "ppl": math.exp(nll / tokens),
-            "bits_per_byte": nll / math.log(2) / max(nbytes, 1)}
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "loss": nll / tokens,
+        "ppl": math.exp(nll / tokens),
+        "bits_per_byte": nll / math.log(2) / max(nbytes, 1),
+    }

@@ -14,10 +14,11 @@ from tests.tiny_models import write_checkpoint
 # tied and untied embeddings, dense SwiGLU, MoE with shared expert, both GDN projection layouts,
 # and attention layers first, last and in the middle.
 VARIANTS = {
-    "qwen3_5_r1_tied": ("qwen3_5", dict(linear_num_key_heads=4, linear_num_value_heads=4,
-                                         tie_word_embeddings=True)),
-    "qwen3_5_r2": ("qwen3_5", dict(layer_types=["full_attention", "linear_attention", "linear_attention",
-                                                "full_attention"])),
+    "qwen3_5_r1_tied": ("qwen3_5", dict(linear_num_key_heads=4, linear_num_value_heads=4, tie_word_embeddings=True)),
+    "qwen3_5_r2": (
+        "qwen3_5",
+        dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+    ),
     "qwen3_next_r3_moe": ("qwen3_next", dict(linear_num_value_heads=6, mlp_only_layers=[1])),
     "qwen3_5_moe_r2": ("qwen3_5_moe", dict(num_hidden_layers=5)),
 }
@@ -52,8 +53,10 @@ def kernel_device() -> str:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
-    return {name: write_checkpoint(root / name, kind, seed=i, **overrides)
-            for i, (name, (kind, overrides)) in enumerate(VARIANTS.items())}
+    return {
+        name: write_checkpoint(root / name, kind, seed=i, **overrides)
+        for i, (name, (kind, overrides)) in enumerate(VARIANTS.items())
+    }
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ def run_rows(engine, items: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
     logits = engine.model.compute_logits(engine.model(batch, engine.cache.caches))
     out, start = [], 0
     for seq, rows in items:
-        out.append(logits[start:start + rows])
+        out.append(logits[start : start + rows])
         seq.num_computed += rows
         start += rows
     return out

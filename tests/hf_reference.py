@@ -41,8 +41,9 @@ def load_reference(model_dir, dtype: torch.dtype):
     model_class = tf.AutoModelForCausalLM._model_mapping[type(config)]
     if dtype == torch.float64:
         model_class = float64_class(model_class)
-        return model_class.from_pretrained(model_dir, config=config, dtype=dtype, attn_implementation="eager",
-                                           experts_implementation="eager").eval()
+        return model_class.from_pretrained(
+            model_dir, config=config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+        ).eval()
     return model_class.from_pretrained(model_dir, dtype=dtype).eval()
 
 
@@ -54,6 +55,7 @@ def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_greedy(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(token_ids):].tolist()
+    out = model.generate(
+        torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(token_ids) :].tolist()

@@ -7,8 +7,29 @@ from deltaspec.cli import main
 
 def test_bench_serve_reports_aggregate_rate_and_percentiles(tmp_path, capsys):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.svg"
-    assert main(["bench", "serve", "--concurrency", "1,2", "--requests-per-client", "2", "--max-tokens", "6",
-                 "--runs", "2", "--device", "cpu", "--out", str(out), "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--concurrency",
+                "1,2",
+                "--requests-per-client",
+                "2",
+                "--max-tokens",
+                "6",
+                "--runs",
+                "2",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["benchmark"] == "serve" and report["device"] == "cpu" and report["dtype"] == "float32"
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
@@ -27,8 +48,29 @@ def test_bench_serve_reports_aggregate_rate_and_percentiles(tmp_path, capsys):
 
 def test_bench_agents_reports_first_turn_and_follow_up_waits(tmp_path, capsys):
     out = tmp_path / "agents.json"
-    assert main(["bench", "agents", "--agents", "2", "--doc-chars", "1500", "--stagger", "0.1", "--max-tokens", "4",
-                 "--runs", "1", "--device", "cpu", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "agents",
+                "--agents",
+                "2",
+                "--doc-chars",
+                "1500",
+                "--stagger",
+                "0.1",
+                "--max-tokens",
+                "4",
+                "--runs",
+                "1",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     run = report["runs"][0]
     assert report["agents"] == 2 and len(run["turns"]) == 2
@@ -41,8 +83,27 @@ def test_bench_agents_reports_first_turn_and_follow_up_waits(tmp_path, capsys):
 
 def test_bench_spec_compares_plain_and_drafters(tmp_path, capsys):
     out = tmp_path / "spec.json"
-    assert main(["bench", "spec", "--drafters", "ngram,draft", "--k", "2", "--max-tokens", "8", "--runs", "1",
-                 "--device", "cpu", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--drafters",
+                "ngram,draft",
+                "--k",
+                "2",
+                "--max-tokens",
+                "8",
+                "--runs",
+                "1",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     configs = [(c["speculative"], c["draft_tokens"]) for c in report["configurations"]]
     assert configs == [("none", 0), ("ngram", 2), ("draft", 2)]
@@ -62,8 +123,15 @@ def test_speculative_counters_reach_the_request_log_and_metrics(tmp_path):
 
     log = tmp_path / "requests.jsonl"
     with local_server(EngineConfig(device="cpu", speculative="ngram", draft_tokens=5), log) as (url, _):
-        Client(url).stream("completions", {"prompt": 'def is_prime(n):\n    """Return True if n is prime."""\n',
-                                           "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        Client(url).stream(
+            "completions",
+            {
+                "prompt": 'def is_prime(n):\n    """Return True if n is prime."""\n',
+                "max_tokens": 48,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         metrics = urllib.request.urlopen(url + "/metrics").read().decode()
     line = json.loads(log.read_text().splitlines()[0])
     assert line["spec_rounds"] > 0 and line["acceptance_length"] == line["spec_accepted_tokens"] / line["spec_rounds"]

@@ -71,11 +71,17 @@ def test_bench_decode_on_a_small_random_shape(tmp_path, capsys, monkeypatch):
 
 def _with_small_shape(init):
     """EngineConfig that cuts a --shape down for CI (shape_overrides is Python-only, not a CLI flag)."""
+
     def patched(self, *args, **kwargs):
         if kwargs.get("shape") and not kwargs.get("shape_overrides"):
-            kwargs["shape_overrides"] = (("num_hidden_layers", 4), ("hidden_size", 64), ("intermediate_size", 128),
-                                         ("vocab_size", 512))
+            kwargs["shape_overrides"] = (
+                ("num_hidden_layers", 4),
+                ("hidden_size", 64),
+                ("intermediate_size", 128),
+                ("vocab_size", 512),
+            )
         init(self, *args, **kwargs)
+
     return patched
 
 
@@ -89,8 +95,9 @@ def test_bench_verify_reports_each_row_count_and_its_ratio(tmp_path, capsys):
 
 
 def test_bench_concurrency_reports_aggregate_by_the_tpot_definition(tmp_path, capsys):
-    r = bench(["concurrency", "--context", "6", "--max-tokens", "3", "--concurrency", "1,2", "--runs", "1"],
-              tmp_path, capsys)
+    r = bench(
+        ["concurrency", "--context", "6", "--max-tokens", "3", "--concurrency", "1,2", "--runs", "1"], tmp_path, capsys
+    )
     assert [level["concurrency"] for level in r["levels"]] == [1, 2]
     for level in r["levels"]:
         run = level["per_run"][0]
@@ -98,7 +105,8 @@ def test_bench_concurrency_reports_aggregate_by_the_tpot_definition(tmp_path, ca
         assert level["aggregate_tok_s"] == run["aggregate_tok_s"]
     assert r["levels"][0]["ratio_to_single_stream"] == 1.0
     assert r["levels"][1]["ratio_to_single_stream"] == pytest.approx(
-        r["levels"][1]["aggregate_tok_s"] / r["levels"][0]["aggregate_tok_s"])
+        r["levels"][1]["aggregate_tok_s"] / r["levels"][0]["aggregate_tok_s"]
+    )
 
 
 def test_bench_prefill_reports_length_over_time_to_first_token(tmp_path, capsys):
@@ -110,8 +118,23 @@ def test_bench_prefill_reports_length_over_time_to_first_token(tmp_path, capsys)
 
 def test_bench_spec_oracle_hits_the_profile_in_float64(tmp_path, capsys):
     """All-accept at k = 2 with 2 full rounds: AL is exactly 2, and the output is the plain greedy one."""
-    r = bench(["spec-oracle", "--oracle-profile", "1,1", "--context", "4", "--max-tokens", "7", "--runs", "1",
-               "--dtype", "float64"], tmp_path, capsys)
+    r = bench(
+        [
+            "spec-oracle",
+            "--oracle-profile",
+            "1,1",
+            "--context",
+            "4",
+            "--max-tokens",
+            "7",
+            "--runs",
+            "1",
+            "--dtype",
+            "float64",
+        ],
+        tmp_path,
+        capsys,
+    )
     run = r["per_run"][0]
     assert r["profile"] == [1.0, 1.0] and r["expected_acceptance_length"] == 2.0
     assert r["acceptance_length"] == 2.0 and run["rounds"] == 2 and run["matches_plain"] and not run["diverged"]
@@ -143,12 +166,15 @@ def test_oracle_accepts_at_the_profile_rate_and_stops_after_divergence():
             assert draft[1] == ref[n + 1]  # filler after the first wrong token
     assert 0.4 < sum(rights) / len(rights) < 0.95
     again = _fresh(ref)
-    assert again.propose([DraftRequest("s", [1, 2], 2)])[0].tokens == \
-        OracleDrafter.propose(_fresh(ref), [DraftRequest("s", [1, 2], 2)])[0].tokens
+    assert (
+        again.propose([DraftRequest("s", [1, 2], 2)])[0].tokens
+        == OracleDrafter.propose(_fresh(ref), [DraftRequest("s", [1, 2], 2)])[0].tokens
+    )
     renamed = OracleDrafter(vocab_size=1000, seed=3)
     renamed.expect("another id", 2, ref, [0.7, 0.5])  # a rerun of the prompt drafts the same at the same positions
-    assert [renamed.propose([DraftRequest("another id", [1, 2, *ref[:n]], 2)])[0].tokens for n in range(8)] == \
-        [_fresh(ref).propose([DraftRequest("s", [1, 2, *ref[:n]], 2)])[0].tokens for n in range(8)]
+    assert [renamed.propose([DraftRequest("another id", [1, 2, *ref[:n]], 2)])[0].tokens for n in range(8)] == [
+        _fresh(ref).propose([DraftRequest("s", [1, 2, *ref[:n]], 2)])[0].tokens for n in range(8)
+    ]
     assert oracle.propose([DraftRequest("s", [1, 2, 999], 2)])[0].tokens == [] and "s" in oracle.diverged
     keep = OracleDrafter(vocab_size=1000)
     keep.expect("s", 2, ref, [1.0, 1.0], keep_length=True)
@@ -181,9 +207,10 @@ def test_compare_hf_runs_transformers_on_the_same_weights(tmp_path, capsys):
     while engine.has_unfinished():
         engine.step()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                             pad_token_id=0)
-    assert out[0, len(prompt):].tolist() == seq.output_ids
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert out[0, len(prompt) :].tolist() == seq.output_ids
     r = bench(["decode", "--context", "4", "--max-tokens", "16", "--runs", "1", "--compare-hf"], tmp_path, capsys)
     assert r["hf_decode_tok_s"] > 0 and r["hf_class"] == "Qwen3_5ForCausalLM"
     assert r["speedup_vs_hf"] == pytest.approx(r["decode_tok_s"] / r["hf_decode_tok_s"])

@@ -7,8 +7,20 @@ import json
 from deltaspec.cli import main
 
 DOC, QUESTION, MAX_TOKENS = 600, 8, 4
-SMALL = ["--doc-tokens", str(DOC), "--question-tokens", str(QUESTION), "--max-tokens", str(MAX_TOKENS), "--runs", "1",
-         "--prefix-checkpoint-min-prompt", "256", "--device", "cpu"]
+SMALL = [
+    "--doc-tokens",
+    str(DOC),
+    "--question-tokens",
+    str(QUESTION),
+    "--max-tokens",
+    str(MAX_TOKENS),
+    "--runs",
+    "1",
+    "--prefix-checkpoint-min-prompt",
+    "256",
+    "--device",
+    "cpu",
+]
 
 
 def longctx(tmp_path, capsys, *flags) -> dict:
@@ -16,13 +28,18 @@ def longctx(tmp_path, capsys, *flags) -> dict:
     assert main(["bench", "longctx", *SMALL, *flags, "--json", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == report
-    run, = report["per_run"]
+    (run,) = report["per_run"]
     assert report["benchmark"] == "longctx" and report["device"] == "cpu" and "commit" in report
     assert (report["doc_tokens"], report["question_tokens"], report["max_tokens"]) == (DOC, QUESTION, MAX_TOKENS)
     assert report["follow_up_prompt_tokens"] == run["follow_up_prompt_tokens"] == DOC + 2 * QUESTION + MAX_TOKENS
     assert report["max_model_len"] >= DOC + 2 * QUESTION + 2 * MAX_TOKENS
-    for key in ("first_ttft_s", "first_decode_tok_s", "follow_up_ttft_s", "follow_up_decode_tok_s",
-                "follow_up_num_cached_tokens"):
+    for key in (
+        "first_ttft_s",
+        "first_decode_tok_s",
+        "follow_up_ttft_s",
+        "follow_up_decode_tok_s",
+        "follow_up_num_cached_tokens",
+    ):
         assert report[key] == run[key], key
     for key in ("first_ttft_s", "first_decode_tok_s", "follow_up_ttft_s", "follow_up_decode_tok_s"):
         assert report[key] > 0, key

@@ -37,7 +37,7 @@ def test_sequences_in_one_forward_match_each_alone(engine):
             seq.prompt_ids.extend(ids)
         mixed = run_rows(engine, [(s, len(ids)) for s, ids in zip(seqs, extra)])
         for got, p, ids in zip(mixed, prompts, extra):
-            want = forward_in_chunks(engine, p + ids, [len(p) + len(ids)])[-len(ids):]
+            want = forward_in_chunks(engine, p + ids, [len(p) + len(ids)])[-len(ids) :]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     finally:
         for seq in seqs:
@@ -57,8 +57,9 @@ def test_small_token_budget_gives_the_same_generations(checkpoints):
     prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (3, 50, 97, 20)]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     roomy = LLM(path, dtype="float64", device="cpu", max_num_batched_tokens=4096).generate(prompts, params)
-    tight = LLM(path, dtype="float64", device="cpu", max_num_batched_tokens=7, max_num_seqs=2,
-                block_size=8).generate(prompts, params)
+    tight = LLM(path, dtype="float64", device="cpu", max_num_batched_tokens=7, max_num_seqs=2, block_size=8).generate(
+        prompts, params
+    )
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
 
 

@@ -42,8 +42,12 @@ def test_generate_greedy(text_checkpoint, capsys):
     assert main(generate_args(text_checkpoint, "--max-tokens", "8", "--ignore-eos")) == 0
     out, err = capsys.readouterr()
     assert out.startswith(PROMPT)
-    expected = LLM(str(text_checkpoint), dtype="float32", device="cpu").generate(
-        PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].outputs[0].text
+    expected = (
+        LLM(str(text_checkpoint), dtype="float32", device="cpu")
+        .generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
     assert out == PROMPT + expected + "\n"
     stats = stats_line(err)
     num_prompt = len(Tokenizer.from_dir(text_checkpoint).encode(PROMPT))
@@ -59,8 +63,9 @@ def test_generate_greedy(text_checkpoint, capsys):
 
 def test_sampling_with_seed_is_reproducible(text_checkpoint, capsys):
     def run(seed: int) -> str:
-        args = generate_args(text_checkpoint, "--max-tokens", "8", "--ignore-eos", "--temperature", "0.8",
-                             "--seed-sample", str(seed))
+        args = generate_args(
+            text_checkpoint, "--max-tokens", "8", "--ignore-eos", "--temperature", "0.8", "--seed-sample", str(seed)
+        )
         assert main(args) == 0
         out, err = capsys.readouterr()
         assert "new tokens: 8 " in stats_line(err)
@@ -123,8 +128,19 @@ def test_generate_help_lists_engine_flags(capsys):
         main(["generate", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--model", "--max-num-seqs", "--max-model-len", "--block-size", "--dtype", "--device",
-                 "--prompt", "--max-tokens", "--temperature", "--seed-sample", "--ignore-eos"):
+    for flag in (
+        "--model",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--block-size",
+        "--dtype",
+        "--device",
+        "--prompt",
+        "--max-tokens",
+        "--temperature",
+        "--seed-sample",
+        "--ignore-eos",
+    ):
         assert flag in out, flag
 
 
@@ -139,7 +155,12 @@ def test_module_entry_point(text_checkpoint):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "deltaspec.cli", *generate_args(text_checkpoint, "--max-tokens", "2", "--ignore-eos")],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(PROMPT)
     assert "new tokens: 2 " in stats_line(result.stderr)

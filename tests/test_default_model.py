@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deltaspec import LLM, SamplingParams
-from deltaspec.model.weights import default_model_path
 from deltaspec.evaluate import perplexity
+from deltaspec.model.weights import default_model_path
 from tests.engine_helpers import forward_in_chunks
 from tests.test_mtp import mtp_rows, target_hidden
 
@@ -75,10 +75,10 @@ def test_heldout_perplexity_of_target_and_draft(llm):
 
 
 def test_mtp_head_predicts_two_tokens_ahead(llm):
-    ids = llm.tokenizer.encode(SAMPLE)[:2 * 512 + 2]
+    ids = llm.tokenizer.encode(SAMPLE)[: 2 * 512 + 2]
     correct = 0
     for start in (0, 512):
-        window = ids[start:start + 514]
+        window = ids[start : start + 514]
         hidden = target_hidden(llm.engine, window[:512])
         logits = llm.engine.model.compute_logits(mtp_rows(llm.engine, hidden, window[1:513], [512]))
         correct += (logits.argmax(-1) == torch.tensor(window[2:514])).sum().item()
@@ -87,10 +87,16 @@ def test_mtp_head_predicts_two_tokens_ahead(llm):
 
 
 def test_chat_answers_a_coding_request_with_code(llm):
-    requests = ["Write a function that reverses a string.", "Write a Python function that returns the sum of a list.",
-                "Implement a function that checks whether a number is even."]
-    outs = llm.chat([[{"role": "user", "content": r}] for r in requests], SamplingParams(max_tokens=64, temperature=0),
-                    chat_template_kwargs={"enable_thinking": False})
+    requests = [
+        "Write a function that reverses a string.",
+        "Write a Python function that returns the sum of a list.",
+        "Implement a function that checks whether a number is even.",
+    ]
+    outs = llm.chat(
+        [[{"role": "user", "content": r}] for r in requests],
+        SamplingParams(max_tokens=64, temperature=0),
+        chat_template_kwargs={"enable_thinking": False},
+    )
     assert sum("def " in o.outputs[0].text for o in outs) >= 2
 
 

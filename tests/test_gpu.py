@@ -20,7 +20,7 @@ def assert_greedy_continuations(engine, outputs) -> None:
     for out in outputs:
         prompt, generated = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         ids = prompt + generated
-        rows = forward_in_chunks(engine, ids[:-1], [len(ids) - 1])[len(prompt) - 1:]  # row j predicts token j
+        rows = forward_in_chunks(engine, ids[:-1], [len(ids) - 1])[len(prompt) - 1 :]  # row j predicts token j
         chosen = rows.gather(1, torch.tensor(generated, device=rows.device)[:, None]).squeeze(1)
         gap = rows.max(dim=-1).values - chosen
         assert gap.max().item() <= NEAR_TIE, f"token {gap.argmax().item()} is {gap.max().item():.3g} below the argmax"
@@ -38,8 +38,10 @@ def test_cuda_float32_logits_match_cpu_float64(checkpoints, name):
 def test_cuda_bfloat16_generation_runs_with_float32_state(checkpoints):
     llm = LLM(str(checkpoints["qwen3_5_moe_r2"]), dtype="bfloat16", device="cuda")
     assert llm.engine.cache.gdn.state[0].dtype == torch.float32
-    outs = llm.generate([{"prompt_token_ids": PROMPT[:n]} for n in (1, 17, 130)],
-                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPT[:n]} for n in (1, 17, 130)],
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    )
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
 
 
@@ -55,8 +57,9 @@ def test_cuda_speculative_greedy_output_is_a_greedy_decode(speculative):
 
 def test_triton_kernels_match_the_references_through_the_whole_model(checkpoints):
     path = str(checkpoints["qwen3_5_r2"])
-    reference = forward_in_chunks(LLM(path, dtype="float32", device="cuda", kernels="reference").engine,
-                                  PROMPT, [70, 1, 3, 56])
+    reference = forward_in_chunks(
+        LLM(path, dtype="float32", device="cuda", kernels="reference").engine, PROMPT, [70, 1, 3, 56]
+    )
     kernels = forward_in_chunks(LLM(path, dtype="float32", device="cuda").engine, PROMPT, [70, 1, 3, 56])
     torch.testing.assert_close(kernels, reference, rtol=0, atol=1e-4)
 
@@ -93,7 +96,8 @@ def test_cuda_reference_path_speculative_output_is_token_identical_in_float64():
     """On CUDA with the torch references, float64 speculative output equals plain greedy output exactly."""
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     plain = LLM(dtype="float64", device="cuda", kernels="reference").generate(CODE_PROMPTS, params)
-    spec = LLM(dtype="float64", device="cuda", kernels="reference", speculative="mtp+ngram",
-               draft_tokens=4).generate(CODE_PROMPTS, params)
+    spec = LLM(dtype="float64", device="cuda", kernels="reference", speculative="mtp+ngram", draft_tokens=4).generate(
+        CODE_PROMPTS, params
+    )
     assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

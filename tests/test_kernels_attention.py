@@ -51,10 +51,9 @@ def interpreter_fixes(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_widening_bfloat16)
 
 
-
-
-def _paged_inputs(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
-                  seed=0, table_width=None):
+def _paged_inputs(
+    query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0, table_width=None
+):
     """q [T, Hq, D], caches [num_blocks, block_size, Hkv, D] filled with random values everywhere (so reading a
     position a row may not see changes the result), and a layout whose pages are a random scatter of the pool."""
     generator = torch.Generator().manual_seed(seed)
@@ -63,7 +62,7 @@ def _paged_inputs(query_lens, context_lens, num_heads, num_kv_heads, head_dim, b
     pool = torch.randperm(num_blocks, generator=generator).tolist()
     tables, used = [], 0
     for count in pages_per_seq:
-        tables.append(pool[used:used + count])
+        tables.append(pool[used : used + count])
         used += count
     if table_width is not None:
         tables[0] = tables[0] + [0] * (table_width - len(tables[0]))
@@ -98,32 +97,38 @@ def test_prefill_regime_mixed_batch(kernel_device, num_heads, num_kv_heads, head
     _check_attention(*inputs)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", [
-    (*REAL_SHAPES[0], 16, torch.float32),
-    (*REAL_SHAPES[0], 64, torch.bfloat16),
-    (*REAL_SHAPES[1], 32, torch.float32),
-    (*REAL_SHAPES[1], 16, torch.bfloat16),
-    (*GROUP_SHAPES[0], 32, torch.bfloat16),
-    (*GROUP_SHAPES[1], 64, torch.float32),
-])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,dtype",
+    [
+        (*REAL_SHAPES[0], 16, torch.float32),
+        (*REAL_SHAPES[0], 64, torch.bfloat16),
+        (*REAL_SHAPES[1], 32, torch.float32),
+        (*REAL_SHAPES[1], 16, torch.bfloat16),
+        (*GROUP_SHAPES[0], 32, torch.bfloat16),
+        (*GROUP_SHAPES[1], 64, torch.float32),
+    ],
+)
 def test_verify_regime_mixed_rows(kernel_device, num_heads, num_kv_heads, head_dim, block_size, dtype):
     query_lens = [1, 2, 16, 7, 1]
     context_lens = [1, 40, 150, 64, 129]
-    inputs = _paged_inputs(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                           kernel_device, seed=block_size)
+    inputs = _paged_inputs(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, kernel_device, seed=block_size
+    )
     assert inputs[3].max_query_len <= triton_attention.VERIFY_MAX_ROWS
     _check_attention(*inputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("query_lens,context_lens", [
-    ([1], [1000]),  # one long decode
-    ([1, 9], [1000, 45]),  # a long and a short sequence: most splits of the short one are empty
-    ([16], [400]),  # a verify pass whose causal limits fall inside the last split
-])
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([1], [1000]),  # one long decode
+        ([1, 9], [1000, 45]),  # a long and a short sequence: most splits of the short one are empty
+        ([16], [400]),  # a verify pass whose causal limits fall inside the last split
+    ],
+)
 def test_split_kv_decode(kernel_device, query_lens, context_lens, dtype):
-    inputs = _paged_inputs(query_lens, context_lens, *GROUP_SHAPES[0], 16, dtype, kernel_device, seed=3,
-                           table_width=64)
+    inputs = _paged_inputs(query_lens, context_lens, *GROUP_SHAPES[0], 16, dtype, kernel_device, seed=3, table_width=64)
     assert triton_attention.kv_splits(inputs[0], inputs[1], inputs[3]) > 1
     _check_attention(*inputs)
 
@@ -152,8 +157,9 @@ def test_large_scores_do_not_underflow(kernel_device):
 
 def test_reads_per_sequence_values_from_device_tensors(kernel_device):
     # a replayed CUDA graph keeps the host values of its capture: only num_seqs and max_query_len may be used
-    q, k_cache, v_cache, layout = _paged_inputs([1, 4, 2], [90, 50, 7], 24, 4, 256, 16, torch.float32,
-                                                kernel_device, seed=7, table_width=16)
+    q, k_cache, v_cache, layout = _paged_inputs(
+        [1, 4, 2], [90, 50, 7], 24, 4, 256, 16, torch.float32, kernel_device, seed=7, table_width=16
+    )
     scale = q.shape[-1] ** -0.5
     expected = reference.paged_attention(q, k_cache, v_cache, layout, scale)
     stale = dataclasses.replace(layout, query_lens=[2, 2, 3], context_lens=[5, 5, 5], max_query_len=8)
@@ -161,8 +167,10 @@ def test_reads_per_sequence_values_from_device_tensors(kernel_device):
     torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 4, 256), (32, 2, 128), (64, 3, 80)])
 def test_write_kv(kernel_device, block_size, num_kv_heads, head_dim, dtype, cache_dtype):
     generator = torch.Generator().manual_seed(block_size)

@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
 pytest.importorskip("triton")
 
-from deltaspec.ops.triton import conv as conv_kernels
-from deltaspec.ops.triton import gdn as gdn_kernels
-from deltaspec.ops.triton import gdn_gates as gates_kernels
+from deltaspec.ops.triton import conv as conv_kernels  # noqa: E402 - only once triton imports
+from deltaspec.ops.triton import gdn as gdn_kernels  # noqa: E402
+from deltaspec.ops.triton import gdn_gates as gates_kernels  # noqa: E402
 
 NUM_SLOTS = 9
 LOG_ROWS = 8
@@ -47,31 +47,56 @@ def _gdn_inputs(num_tokens, hk, hv, dk, dv, device, dtype=torch.float32, state_d
     def randn(*shape):
         return torch.randn(*shape, generator=gen)
 
-    q = torch.nn.functional.normalize(randn(num_tokens, hk, dk), dim=-1) * dk ** -0.5  # [T, Hk, Dk]
+    q = torch.nn.functional.normalize(randn(num_tokens, hk, dk), dim=-1) * dk**-0.5  # [T, Hk, Dk]
     k = torch.nn.functional.normalize(randn(num_tokens, hk, dk), dim=-1)  # [T, Hk, Dk]
     v = randn(num_tokens, hv, dv).to(dtype)  # [T, Hv, Dv]
     g = torch.nn.functional.logsigmoid(randn(num_tokens, hv) + 2.0)  # [T, Hv]
     beta = torch.sigmoid(randn(num_tokens, hv)).to(dtype)  # [T, Hv]
     state = (randn(NUM_SLOTS, hv, dk, dv) * 0.3).to(state_dtype)  # [S, Hv, Dk, Dv]
-    log = GDNLog(k=torch.nn.functional.normalize(randn(NUM_SLOTS, LOG_ROWS, hk, dk), dim=-1),
-                 v=randn(NUM_SLOTS, LOG_ROWS, hv, dv),
-                 g=torch.nn.functional.logsigmoid(randn(NUM_SLOTS, LOG_ROWS, hv) + 2.0),
-                 beta=torch.sigmoid(randn(NUM_SLOTS, LOG_ROWS, hv)))
-    return (q.to(device), k.to(device), v.to(device), g.to(device), beta.to(device), state.to(device),
-            GDNLog(*(t.to(device) for t in (log.k, log.v, log.g, log.beta))))
+    log = GDNLog(
+        k=torch.nn.functional.normalize(randn(NUM_SLOTS, LOG_ROWS, hk, dk), dim=-1),
+        v=randn(NUM_SLOTS, LOG_ROWS, hv, dv),
+        g=torch.nn.functional.logsigmoid(randn(NUM_SLOTS, LOG_ROWS, hv) + 2.0),
+        beta=torch.sigmoid(randn(NUM_SLOTS, LOG_ROWS, hv)),
+    )
+    return (
+        q.to(device),
+        k.to(device),
+        v.to(device),
+        g.to(device),
+        beta.to(device),
+        state.to(device),
+        GDNLog(*(t.to(device) for t in (log.k, log.v, log.g, log.beta))),
+    )
 
 
 def _clone_log(log: GDNLog) -> GDNLog:
     return GDNLog(log.k.clone(), log.v.clone(), log.g.clone(), log.beta.clone())
 
 
-def _check_gdn(device, lens, slots, fold=None, speculative=None, hk=2, hv=4, dk=16, dv=16, dtype=torch.float32,
-               state_dtype=torch.float32, with_log=True, tol=FP32, state_tol=FP32, seed=0):
+def _check_gdn(
+    device,
+    lens,
+    slots,
+    fold=None,
+    speculative=None,
+    hk=2,
+    hv=4,
+    dk=16,
+    dv=16,
+    dtype=torch.float32,
+    state_dtype=torch.float32,
+    with_log=True,
+    tol=FP32,
+    state_tol=FP32,
+    seed=0,
+):
     q, k, v, g, beta, state, log = _gdn_inputs(sum(lens), hk, hv, dk, dv, device, dtype, state_dtype, seed)
     layout = _layout(lens, slots, device, fold, speculative)
     expected_state, expected_log = state.clone(), _clone_log(log)
-    expected = gdn_reference.gated_delta_rule(q, k, v, g, beta, expected_state, layout,
-                                              expected_log if with_log else None)
+    expected = gdn_reference.gated_delta_rule(
+        q, k, v, g, beta, expected_state, layout, expected_log if with_log else None
+    )
     original_state = state.clone()
     out = gdn_kernels.gated_delta_rule(q, k, v, g, beta, state, layout, log if with_log else None)
 
@@ -109,8 +134,19 @@ def test_gdn_speculative_without_fold_leaves_state(kernel_device):
 
 
 def test_gdn_realistic_head_shape(kernel_device):
-    _check_gdn(kernel_device, [1, 3, 2], [3, 7, 1], fold=[1, 2, 0], speculative=[False, True, False],
-               hk=2, hv=4, dk=128, dv=128, tol={"atol": 5e-5, "rtol": 1e-4}, state_tol={"atol": 5e-5, "rtol": 1e-4})
+    _check_gdn(
+        kernel_device,
+        [1, 3, 2],
+        [3, 7, 1],
+        fold=[1, 2, 0],
+        speculative=[False, True, False],
+        hk=2,
+        hv=4,
+        dk=128,
+        dv=128,
+        tol={"atol": 5e-5, "rtol": 1e-4},
+        state_tol={"atol": 5e-5, "rtol": 1e-4},
+    )
 
 
 def test_gdn_grouped_heads_ratio_three_and_odd_dims(kernel_device):
@@ -118,35 +154,75 @@ def test_gdn_grouped_heads_ratio_three_and_odd_dims(kernel_device):
 
 
 def test_gdn_bfloat16(kernel_device):
-    _check_gdn(kernel_device, [1, 4, 2], [2, 6, 5], fold=[2, 0, 1], speculative=[False, True, False],
-               dtype=torch.bfloat16, tol=BF16)
+    _check_gdn(
+        kernel_device,
+        [1, 4, 2],
+        [2, 6, 5],
+        fold=[2, 0, 1],
+        speculative=[False, True, False],
+        dtype=torch.bfloat16,
+        tol=BF16,
+    )
 
 
 def test_gdn_bfloat16_state(kernel_device):
-    _check_gdn(kernel_device, [1, 3], [4, 1], fold=[3, 1], speculative=[False, True], dtype=torch.bfloat16,
-               state_dtype=torch.bfloat16, tol=BF16, state_tol=BF16)
+    _check_gdn(
+        kernel_device,
+        [1, 3],
+        [4, 1],
+        fold=[3, 1],
+        speculative=[False, True],
+        dtype=torch.bfloat16,
+        state_dtype=torch.bfloat16,
+        tol=BF16,
+        state_tol=BF16,
+    )
 
 
 def test_gdn_long_mixed_pass_uses_recurrence(kernel_device):
     """max_query_len > 64 with a speculative sequence: the recurrent kernel runs the whole pass."""
-    _check_gdn(kernel_device, [70, 3], [2, 5], fold=[0, 2], speculative=[False, True], hk=1, hv=2, dk=8, dv=8,
-               tol={"atol": 1e-4, "rtol": 1e-4}, state_tol={"atol": 1e-4, "rtol": 1e-4})
+    _check_gdn(
+        kernel_device,
+        [70, 3],
+        [2, 5],
+        fold=[0, 2],
+        speculative=[False, True],
+        hk=1,
+        hv=2,
+        dk=8,
+        dv=8,
+        tol={"atol": 1e-4, "rtol": 1e-4},
+        state_tol={"atol": 1e-4, "rtol": 1e-4},
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's chunk kernel needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_prefill_chunked(kernel_device, dtype):
     loose = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.float32 else {"atol": 6e-2, "rtol": 6e-2}
-    _check_gdn(kernel_device, [130, 70, 1], [6, 2, 4], hk=2, hv=4, dk=64, dv=64, dtype=dtype,
-               tol=loose, state_tol=loose)
+    _check_gdn(
+        kernel_device, [130, 70, 1], [6, 2, 4], hk=2, hv=4, dk=64, dv=64, dtype=dtype, tol=loose, state_tol=loose
+    )
 
 
 # ---------------------------------------------------------------- causal conv1d
 
 
-
-def _check_conv(device, lens, slots, fold=None, speculative=None, channels=24, kernel_size=4, dtype=torch.float32,
-                state_dtype=torch.float32, with_log=True, tol=FP32, window_tol=FP32, seed=0):
+def _check_conv(
+    device,
+    lens,
+    slots,
+    fold=None,
+    speculative=None,
+    channels=24,
+    kernel_size=4,
+    dtype=torch.float32,
+    state_dtype=torch.float32,
+    with_log=True,
+    tol=FP32,
+    window_tol=FP32,
+    seed=0,
+):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(lens), channels, generator=gen).to(device=device, dtype=dtype)  # [T, C]
     weight = (torch.randn(channels, kernel_size, generator=gen) * 0.5).to(device=device, dtype=dtype)  # [C, K]
@@ -177,8 +253,13 @@ def test_conv_short_sequences_keep_old_window_rows(kernel_device):
 def test_conv_fold_and_speculative(kernel_device):
     """Folds of fewer and more than K-1 rows; speculative sequences that fold (window written) and
     that do not (window untouched); the rows they log overwrite the rows they fold."""
-    _check_conv(kernel_device, [5, 2, 1, 3, 4], [0, 4, 8, 2, 6], fold=[0, 3, 5, 1, 2],
-                speculative=[False, True, True, False, True])
+    _check_conv(
+        kernel_device,
+        [5, 2, 1, 3, 4],
+        [0, 4, 8, 2, 6],
+        fold=[0, 3, 5, 1, 2],
+        speculative=[False, True, True, False, True],
+    )
 
 
 def test_conv_many_channel_blocks(kernel_device):
@@ -186,8 +267,7 @@ def test_conv_many_channel_blocks(kernel_device):
 
 
 def test_conv_long_sequences_span_row_blocks(kernel_device):
-    _check_conv(kernel_device, [150, 70, 2], [3, 5, 1], fold=[0, 4, 1], speculative=[False, False, True],
-                channels=40)
+    _check_conv(kernel_device, [150, 70, 2], [3, 5, 1], fold=[0, 4, 1], speculative=[False, False, True], channels=40)
 
 
 def test_conv_kernel_size_two(kernel_device):
@@ -195,13 +275,30 @@ def test_conv_kernel_size_two(kernel_device):
 
 
 def test_conv_bfloat16(kernel_device):
-    _check_conv(kernel_device, [1, 4, 2], [2, 6, 5], fold=[2, 0, 1], speculative=[False, True, False],
-                dtype=torch.bfloat16, tol=BF16, window_tol=BF16_ONE_STEP)
+    _check_conv(
+        kernel_device,
+        [1, 4, 2],
+        [2, 6, 5],
+        fold=[2, 0, 1],
+        speculative=[False, True, False],
+        dtype=torch.bfloat16,
+        tol=BF16,
+        window_tol=BF16_ONE_STEP,
+    )
 
 
 def test_conv_bfloat16_rows_float32_window(kernel_device):
-    _check_conv(kernel_device, [1, 2, 3], [2, 6, 5], fold=[3, 0, 1], speculative=[True, False, False],
-                dtype=torch.bfloat16, state_dtype=torch.float32, tol=BF16, window_tol=BF16_ONE_STEP)
+    _check_conv(
+        kernel_device,
+        [1, 2, 3],
+        [2, 6, 5],
+        fold=[3, 0, 1],
+        speculative=[True, False, False],
+        dtype=torch.bfloat16,
+        state_dtype=torch.float32,
+        tol=BF16,
+        window_tol=BF16_ONE_STEP,
+    )
 
 
 # ---------------------------------------------------------------- gates
@@ -215,7 +312,7 @@ def _check_gates(device, num_tokens, hk, hv, dk, dtype=torch.float32, beta_tol=F
     q, k, _ = torch.split(qkv, [hk * dk, hk * dk, 3], dim=-1)
     q, k = q.view(num_tokens, hk, dk), k.view(num_tokens, hk, dk)
     ba = (torch.randn(num_tokens, 2 * hv, generator=gen) * 3).to(device=device, dtype=dtype)  # [T, 2 Hv]
-    ba[0, hv:hv + 3] = torch.tensor([30.0, -12.0, -40.0])  # softplus above its threshold and in its tail
+    ba[0, hv : hv + 3] = torch.tensor([30.0, -12.0, -40.0])  # softplus above its threshold and in its tail
     b, a = torch.split(ba, [hv, hv], dim=-1)
     A_log = torch.randn(hv, generator=gen).to(device)
     dt_bias = torch.randn(hv, generator=gen).to(device=device, dtype=dtype)

@@ -15,7 +15,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 def tolerances(dtype: torch.dtype) -> dict:
     """About one ulp for 16-bit dtypes; tight for fp32."""
     return {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}.get(
-        dtype, {"rtol": 1e-5, "atol": 1e-5})
+        dtype, {"rtol": 1e-5, "atol": 1e-5}
+    )
 
 
 def assert_rounds_like(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -36,6 +37,7 @@ def triton_ops():
     from deltaspec.ops.triton import activation as triton_activation
     from deltaspec.ops.triton import norms as triton_norms
     from deltaspec.ops.triton import skinny_gemm
+
     return triton_norms, triton_activation, skinny_gemm
 
 
@@ -92,8 +94,11 @@ def test_silu_mul(triton_ops, kernel_device, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows, use_dot", [(1, False), (1, True), (3, False), (3, True), (33, True)],
-                         ids=["1-fma", "1-dot", "3-fma", "3-dot", "33-dot"])
+@pytest.mark.parametrize(
+    "rows, use_dot",
+    [(1, False), (1, True), (3, False), (3, True), (33, True)],
+    ids=["1-fma", "1-dot", "3-fma", "3-dot", "33-dot"],
+)
 @pytest.mark.parametrize("n, k", [(72, 288)])
 def test_skinny_linear_every_config(triton_ops, kernel_device, dtype, rows, use_dot, n, k):
     """Every configuration the routing table may pick (it routes 16-bit weights only), against F.linear,
@@ -103,7 +108,7 @@ def test_skinny_linear_every_config(triton_ops, kernel_device, dtype, rows, use_
     skinny_gemm = triton_ops[2]
     torch.manual_seed(5)
     x = torch.randn(rows, k, device=kernel_device).to(dtype)
-    weight = (torch.randn(n, k, device=kernel_device) / k ** 0.5).to(dtype)
+    weight = (torch.randn(n, k, device=kernel_device) / k**0.5).to(dtype)
     expected = F.linear(x.float(), weight.float()).to(dtype)
     configs = [config for config in skinny_gemm.configs_for(rows) if config.use_dot == use_dot]
     assert configs

@@ -31,8 +31,9 @@ def test_chat_renders_the_template_with_enable_thinking(llm):
     assert off.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.prompt.endswith("<|im_start|>assistant\n<think>\n")
     assert off.prompt == llm.tokenizer.apply_chat_template(messages, enable_thinking=False)
-    batch = llm.chat([messages, messages + [{"role": "assistant", "content": "ok"},
-                                            {"role": "user", "content": "again"}]], GREEDY)
+    batch = llm.chat(
+        [messages, messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]], GREEDY
+    )
     assert len(batch) == 2 and batch[0].outputs[0].token_ids == on.outputs[0].token_ids
 
 
@@ -41,16 +42,17 @@ def test_stop_token_ids_and_eos(llm):
     stop_id = free[4]
     first = free.index(stop_id)
     out = llm.generate("x = 1", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id]))[0].outputs[0]
-    assert out.token_ids == free[:first + 1]
+    assert out.token_ids == free[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
     assert out.text == llm.tokenizer.decode(free[:first])  # the stop token's text is dropped, as in vLLM
-    kept = llm.generate("x = 1", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id],
-                                                include_stop_str_in_output=True))[0].outputs[0]
-    assert kept.text == llm.tokenizer.decode(free[:first + 1])
+    kept = llm.generate(
+        "x = 1", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode(free[: first + 1])
     eos_llm_out = llm.generate("x = 1", SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
     eos = llm.tokenizer.token_to_id("<|im_end|>")
     if eos in free:
-        assert eos_llm_out.token_ids == free[:free.index(eos) + 1] and eos_llm_out.finish_reason == "stop"
+        assert eos_llm_out.token_ids == free[: free.index(eos) + 1] and eos_llm_out.finish_reason == "stop"
     else:
         assert eos_llm_out.token_ids == free
 
@@ -64,9 +66,10 @@ def test_stop_strings_cut_the_text(llm):
     cut = llm.generate("import os", SamplingParams(max_tokens=16, temperature=0, stop=[stop]))[0].outputs[0]
     assert cut.text == text[:at] and cut.finish_reason == "stop" and cut.stop_reason == stop
     assert len(cut.token_ids) < len(full.token_ids) or at + len(stop) > len(llm.tokenizer.decode(full.token_ids[:-1]))
-    kept = llm.generate("import os", SamplingParams(max_tokens=16, temperature=0, stop=stop,
-                                                    include_stop_str_in_output=True))[0].outputs[0]
-    assert kept.text == text[:at + len(stop)]
+    kept = llm.generate(
+        "import os", SamplingParams(max_tokens=16, temperature=0, stop=stop, include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == text[: at + len(stop)]
 
 
 def test_logprobs_match_the_reference_distribution(llm, text_checkpoint):
@@ -103,8 +106,10 @@ def test_prompt_logprobs_survive_chunked_prefill(text_checkpoint):
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
     alone = llm.generate("def f():", params)[0].outputs[0].token_ids
-    batched = llm.generate(["x", "def f():", "y"], [SamplingParams(max_tokens=5, temperature=1.0), params,
-                                                    SamplingParams(max_tokens=3, temperature=0.0)])
+    batched = llm.generate(
+        ["x", "def f():", "y"],
+        [SamplingParams(max_tokens=5, temperature=1.0), params, SamplingParams(max_tokens=3, temperature=0.0)],
+    )
     assert batched[1].outputs[0].token_ids == alone
     other = llm.generate("def f():", SamplingParams(max_tokens=12, temperature=1.0, seed=43, ignore_eos=True))
     assert other[0].outputs[0].token_ids != alone
@@ -119,7 +124,7 @@ def test_n_samples_come_back_in_one_request_output(llm):
 def test_user_errors_are_one_clear_sentence(llm):
     cases = [
         (lambda: llm.generate({"prompt_token_ids": [i % 500 for i in range(5000)]}, GREEDY), "exceeds the context"),
-        (lambda: llm.generate({"prompt_token_ids": [1, 10 ** 6]}, GREEDY), "must lie in"),
+        (lambda: llm.generate({"prompt_token_ids": [1, 10**6]}, GREEDY), "must lie in"),
         (lambda: llm.generate({"prompt_token_ids": []}, GREEDY), "empty"),
         (lambda: llm.generate({"prompt": "x"}, GREEDY), "prompt_token_ids"),
         (lambda: llm.generate(["a", "b"], [GREEDY] * 3), "sampling params"),

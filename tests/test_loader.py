@@ -180,13 +180,16 @@ def test_index_naming_a_missing_shard(checkpoints, tmp_path):
     assert "is not a valid safetensors index" in load_error(directory)
 
 
-@pytest.mark.parametrize("tensor", [
-    "model.layers.1.mlp.down_proj.weight",
-    "model.layers.3.self_attn.q_norm.weight",
-    # GDN tensors the loader renames internally: the message must still use the checkpoint's spelling
-    "model.layers.1.linear_attn.conv1d.weight",
-    "model.layers.2.linear_attn.norm.weight",
-])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.3.self_attn.q_norm.weight",
+        # GDN tensors the loader renames internally: the message must still use the checkpoint's spelling
+        "model.layers.1.linear_attn.conv1d.weight",
+        "model.layers.2.linear_attn.norm.weight",
+    ],
+)
 def test_missing_tensor_is_named(checkpoints, tmp_path, tensor):
     path = copy_checkpoint(checkpoints, "qwen3_5_r2", tmp_path)
     edit_weights(path, lambda w: w.pop(tensor))
@@ -269,14 +272,22 @@ def test_multimodal_wrapper_checkpoint_matches_plain(checkpoints, tmp_path, name
     text = json.loads((plain / "config.json").read_text())
     assert text["model_type"] == "qwen3_5_text"
     tied = text.pop("tie_word_embeddings")  # only the wrapper carries it: it must reach the text model
-    (wrapped / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
-         "vision_config": {"depth": 1, "hidden_size": 16}, "tie_word_embeddings": tied}))
+    (wrapped / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3_5",
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": text,
+                "vision_config": {"depth": 1, "hidden_size": 16},
+                "tie_word_embeddings": tied,
+            }
+        )
+    )
 
     def wrap(weights):
         for name_ in list(weights):
             if name_.startswith("model."):
-                weights["model.language_model." + name_[len("model."):]] = weights.pop(name_)
+                weights["model.language_model." + name_[len("model.") :]] = weights.pop(name_)
         weights["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(48, 16)
 
     edit_weights(wrapped, wrap)
@@ -290,8 +301,9 @@ def test_multimodal_wrapper_checkpoint_matches_plain(checkpoints, tmp_path, name
     assert torch.equal(ours, logits(plain))
 
 
-@pytest.mark.parametrize("dtype, atol", [
-    (torch.float64, 0.0), (torch.float32, 1e-5), (torch.bfloat16, 5e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize(
+    "dtype, atol", [(torch.float64, 0.0), (torch.float32, 1e-5), (torch.bfloat16, 5e-2), (torch.float16, 1e-2)]
+)
 def test_load_in_dtype(checkpoints, dtype, atol):
     name = "qwen3_5_r2"
     llm = load(checkpoints[name], str(dtype).removeprefix("torch."))

@@ -23,11 +23,21 @@ def test_plan_matches_the_allocations(checkpoints, name):
 
 
 def test_plan_counts_the_speculative_replay_log(checkpoints):
-    llm = LLM(str(checkpoints["qwen3_next_r3_moe"]), dtype="float32", device="cpu", max_num_seqs=3,
-              max_model_len=64, speculative="ngram", draft_tokens=5)
+    llm = LLM(
+        str(checkpoints["qwen3_next_r3_moe"]),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=3,
+        max_model_len=64,
+        speculative="ngram",
+        draft_tokens=5,
+    )
     assert llm.engine.plan.states == llm.engine.cache.gdn.bytes()
-    plain = plan_for(EngineConfig(model=str(checkpoints["qwen3_next_r3_moe"]), dtype="float32", device="cpu",
-                                  max_num_seqs=3, max_model_len=64)).plan
+    plain = plan_for(
+        EngineConfig(
+            model=str(checkpoints["qwen3_next_r3_moe"]), dtype="float32", device="cpu", max_num_seqs=3, max_model_len=64
+        )
+    ).plan
     assert llm.engine.plan.states > plain.states and llm.engine.plan.kv == plain.kv
 
 
@@ -50,20 +60,27 @@ def test_plan_counts_the_draft_models_weights_kv_and_states():
     assert plan.streams * plan.padded_ctx * plan.drafter.kv_per_token == drafter.cache.kv.bytes()
     slot = drafter.cache.gdn.bytes() // (plan.streams + 1)  # its slots and a scratch slot
     assert plan.drafter.state_per_stream == 2 * slot  # a slot and its snapshot per stream
-    tight = replace(plan, available=plan.total - plan.padded_ctx * plan.drafter.kv_per_token
-                    - plan.drafter.state_per_stream)  # one stream's share of the drafter short
+    tight = replace(
+        plan, available=plan.total - plan.padded_ctx * plan.drafter.kv_per_token - plan.drafter.state_per_stream
+    )  # one stream's share of the drafter short
     assert not tight.fits and "drafter" in tight.refusal()
     assert tight.max_streams() == 1 and replace(tight, streams=1).fits  # the draft model's share counted per stream
 
 
 def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoints):
-    config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu",
-                          max_num_seqs=100_000, max_model_len=1_000_000)
+    config = EngineConfig(
+        model=str(checkpoints["qwen3_5_r2"]),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=100_000,
+        max_model_len=1_000_000,
+    )
     plan = plan_for(config).plan
     assert not plan.fits
     with pytest.raises(DeltaspecError) as err:
-        LLM(str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000,
-            max_model_len=1_000_000)
+        LLM(
+            str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000, max_model_len=1_000_000
+        )
     message = str(err.value)
     assert "\n" not in message and message.endswith("would fit.")
     assert f"{plan.max_streams()} streams at 1000000 tokens" in message
@@ -73,21 +90,41 @@ def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoint
 
 
 def test_plan_command(checkpoints, capsys):
-    assert main(["plan", "--model", str(checkpoints["qwen3_5_r2"]), "--device", "cpu", "--max-streams", "4",
-                 "--ctx", "256"]) == 0
+    assert (
+        main(
+            ["plan", "--model", str(checkpoints["qwen3_5_r2"]), "--device", "cpu", "--max-streams", "4", "--ctx", "256"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "attention KV (4 streams x 256 tokens)" in out and "fits;" in out
-    assert main(["plan", "--model", str(checkpoints["qwen3_5_r2"]), "--device", "cpu", "--max-streams", "100000",
-                 "--ctx", "1000000"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(checkpoints["qwen3_5_r2"]),
+                "--device",
+                "cpu",
+                "--max-streams",
+                "100000",
+                "--ctx",
+                "1000000",
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert "does NOT fit" in captured.out and captured.err.startswith("error: ")
 
 
 def test_kv_pages_scale_with_streams_and_context(checkpoints):
-    small = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=2,
-                                  max_model_len=128)).plan
-    large = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4,
-                                  max_model_len=256)).plan
+    small = plan_for(
+        EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=2, max_model_len=128)
+    ).plan
+    large = plan_for(
+        EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4, max_model_len=256)
+    ).plan
     assert large.kv == 4 * small.kv and large.state_per_stream == small.state_per_stream
     # each stream's slot, three prefix checkpoints per stream by default, and the CUDA-graph scratch slot
     assert (small.states, large.states) == (9 * small.state_per_stream, 17 * small.state_per_stream)
@@ -109,6 +146,22 @@ def test_plan_counts_the_outputs_of_every_captured_cuda_graph():
     assert graph_rows_of(replace(cuda, enforce_eager=True), config) == 0
     assert graph_rows_of(replace(cuda, kernels="reference"), config) == 0
     assert graph_rows_of(replace(cuda, device="cpu"), config) == 0
-    plans = [plan_memory(config, 6, 10**9, torch.bfloat16, torch.float32, 8, 1024, 16, 2048, 512,
-                         torch.device("cpu"), available=10**12, graph_rows=rows) for rows in (0, 180)]
+    plans = [
+        plan_memory(
+            config,
+            6,
+            10**9,
+            torch.bfloat16,
+            torch.float32,
+            8,
+            1024,
+            16,
+            2048,
+            512,
+            torch.device("cpu"),
+            available=10**12,
+            graph_rows=rows,
+        )
+        for rows in (0, 180)
+    ]
     assert plans[1].workspace - plans[0].workspace == 180 * (config.vocab_size + config.hidden_size) * 2

@@ -37,8 +37,11 @@ def mtp_rows(engine, hidden, token_ids, chunks):
             assert engine.cache.reserve(seq, seq.num_computed + rows)
             batch = build_batch(schedule, engine.cache.block_size, engine.device)
             with torch.inference_mode():
-                outs.append(engine.model.mtp_forward(batch, hidden[seq.num_computed:seq.num_computed + rows],
-                                                     engine.cache.caches))
+                outs.append(
+                    engine.model.mtp_forward(
+                        batch, hidden[seq.num_computed : seq.num_computed + rows], engine.cache.caches
+                    )
+                )
             seq.num_computed += rows
     finally:
         engine.cache.release(seq)
@@ -64,12 +67,15 @@ def test_mtp_head_is_loaded_with_its_own_kv_layer_only_when_it_drafts(engine, mt
         unused = LLM(str(mtp_dir), dtype="float64", device="cpu", block_size=4, speculative=other).engine
         assert unused.model.mtp is None and len(unused.cache.kv.k) == len(engine.model_config.attention_layer_ids)
         assert unused.plan.drafter.weights == 0 and unused.plan.weights == engine.plan.weights
-    assert engine.plan.drafter.weights == sum({p.data_ptr(): p.numel() * 8 for p in engine.model.mtp.parameters()}.values())
+    assert engine.plan.drafter.weights == sum(
+        {p.data_ptr(): p.numel() * 8 for p in engine.model.mtp.parameters()}.values()
+    )
     assert engine.plan.kv + engine.plan.drafter_bytes - engine.plan.drafter.weights == engine.cache.kv.bytes()
     plain = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu").engine
     assert plain.model.mtp is None
-    torch.testing.assert_close(forward_in_chunks(engine, PROMPT, [40]), forward_in_chunks(plain, PROMPT, [40]),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        forward_in_chunks(engine, PROMPT, [40]), forward_in_chunks(plain, PROMPT, [40]), rtol=0, atol=0
+    )
 
 
 def test_mtp_matches_a_transformers_built_oracle(engine, mtp_dir):
@@ -86,8 +92,9 @@ def test_mtp_matches_a_transformers_built_oracle(engine, mtp_dir):
     weights = {k: v.double() for k, v in load_file(mtp_dir / "model.safetensors").items()}
     attn_layer = engine.model_config.attention_layer_ids[0]
     layer = module.Qwen3_5DecoderLayer(config, attn_layer).double().eval()
-    layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in weights.items()
-                           if k.startswith("mtp.layers.0.")})
+    layer.load_state_dict(
+        {k.removeprefix("mtp.layers.0."): v for k, v in weights.items() if k.startswith("mtp.layers.0.")}
+    )
     norms = {}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         norms[name] = module.Qwen3_5RMSNorm(config.hidden_size, config.rms_norm_eps).double()

@@ -20,10 +20,10 @@ def reference(t: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[li
     for n in range(max_n, min_n - 1, -1):
         if n >= L:
             continue
-        suffix = t[L - n:]
+        suffix = t[L - n :]
         for p in range(L - n - 1, -1, -1):
-            if t[p:p + n] == suffix:
-                return t[p + n:p + n + max_tokens], n
+            if t[p : p + n] == suffix:
+                return t[p + n : p + n + max_tokens], n
     return [], 0
 
 
@@ -117,7 +117,7 @@ def test_rollback(check_window):
             t = t[:cut] + [rng.randrange(3) for _ in range(rng.randrange(0, len(t) - cut + 10))]
         else:  # tail rewritten in place (within the checked window), same or longer length
             back = rng.randrange(1, min(len(t), 12) + 1)
-            t = t[:len(t) - back] + [rng.randrange(3, 5) for _ in range(back + rng.randrange(0, 3))]
+            t = t[: len(t) - back] + [rng.randrange(3, 5) for _ in range(back + rng.randrange(0, 3))]
         check(d, sid, t, 15)
         for _ in range(5):  # keeps matching the reference while growing again
             t = t + [rng.randrange(3) for _ in range(rng.randint(1, 3))]

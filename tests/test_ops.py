@@ -14,8 +14,9 @@ torch.manual_seed(0)
 
 
 def lay(lens, slots, fold=None, speculative=None, context_lens=None, block_tables=None):
-    return SeqLayout.build(lens, context_lens or lens, slots, "cpu", fold=fold, speculative=speculative,
-                           block_tables=block_tables)
+    return SeqLayout.build(
+        lens, context_lens or lens, slots, "cpu", fold=fold, speculative=speculative, block_tables=block_tables
+    )
 
 
 def naive_gdn(q, k, v, g, beta, state):
@@ -33,7 +34,7 @@ def naive_gdn(q, k, v, g, beta, state):
 
 
 def random_gdn_inputs(rows, hk=2, hv=4, dk=8, dv=6):
-    q = l2_norm(torch.randn(rows, hk, dk, dtype=torch.float64)) * dk ** -0.5
+    q = l2_norm(torch.randn(rows, hk, dk, dtype=torch.float64)) * dk**-0.5
     k = l2_norm(torch.randn(rows, hk, dk, dtype=torch.float64))
     v = torch.randn(rows, hv, dv, dtype=torch.float64)
     g = -torch.rand(rows, hv, dtype=torch.float64) * 2
@@ -72,10 +73,10 @@ def test_causal_conv1d_carries_the_window_between_pieces():
     conv_state = torch.zeros(2, kernel - 1, channels, dtype=torch.float64)
     pieces, got, start = [1, 2, 9, 1, 10], [], 0
     for length in pieces:
-        got.append(causal_conv1d(x[start:start + length], weight, conv_state, lay([length], [1])))
+        got.append(causal_conv1d(x[start : start + length], weight, conv_state, lay([length], [1])))
         start += length
     torch.testing.assert_close(torch.cat(got), expected, rtol=0, atol=1e-12)
-    torch.testing.assert_close(conv_state[1], x[-(kernel - 1):], rtol=0, atol=0)
+    torch.testing.assert_close(conv_state[1], x[-(kernel - 1) :], rtol=0, atol=0)
     assert conv_state[0].abs().sum() == 0  # the other slot is untouched
 
 
@@ -92,16 +93,23 @@ def test_paged_attention_matches_dense_causal_attention_with_scattered_pages():
         slots = tables[b][pos // block_size] * block_size + pos % block_size
         write_kv(keys[b], values[b], k_cache, v_cache, slots)
     q = torch.randn(sum(lens_new), hq, d, dtype=torch.float64)
-    out = paged_attention(q, k_cache, v_cache, lay(lens_new, [0, 1], context_lens=[c + n for c, n in zip(
-        lens_cached, lens_new)], block_tables=tables.tolist()), d ** -0.5)
+    out = paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        lay(
+            lens_new, [0, 1], context_lens=[c + n for c, n in zip(lens_cached, lens_new)], block_tables=tables.tolist()
+        ),
+        d**-0.5,
+    )
     start = 0
     for b, (c, n) in enumerate(zip(lens_cached, lens_new)):
-        qb = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
+        qb = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
         kb = keys[b].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
         vb = values[b].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
         mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
         want = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).transpose(0, 1)
-        torch.testing.assert_close(out[start:start + n], want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out[start : start + n], want, rtol=0, atol=1e-12)
         start += n
 
 
@@ -111,23 +119,34 @@ def test_speculative_rows_are_logged_and_accepted_rows_replayed_exactly():
 
     q, k, v, g, beta = random_gdn_inputs(12)
     state = torch.randn(3, 4, 8, 6, dtype=torch.float64)
-    log = GDNLog(k=torch.zeros(3, 8, 2, 8, dtype=torch.float64), v=torch.zeros(3, 8, 4, 6, dtype=torch.float64),
-                 g=torch.zeros(3, 8, 4, dtype=torch.float64), beta=torch.zeros(3, 8, 4, dtype=torch.float64))
+    log = GDNLog(
+        k=torch.zeros(3, 8, 2, 8, dtype=torch.float64),
+        v=torch.zeros(3, 8, 4, 6, dtype=torch.float64),
+        g=torch.zeros(3, 8, 4, dtype=torch.float64),
+        beta=torch.zeros(3, 8, 4, dtype=torch.float64),
+    )
     plain_state = state.clone()
     plain = gated_delta_rule(q, k, v, g, beta, plain_state, lay([5, 7], [2, 0]))  # rows 0-4: slot 2, 5-11: slot 0
     spec_state = state.clone()
-    spec = gated_delta_rule(q[:5], k[:5], v[:5], g[:5], beta[:5], spec_state, lay([5], [2], speculative=[True]),
-                            log=log)
+    spec = gated_delta_rule(
+        q[:5], k[:5], v[:5], g[:5], beta[:5], spec_state, lay([5], [2], speculative=[True]), log=log
+    )
     torch.testing.assert_close(spec, plain[:5], rtol=0, atol=1e-12)
     torch.testing.assert_close(spec_state, state, rtol=0, atol=0)  # nothing advanced
     for accepted in (0, 3, 5):
         folded = spec_state.clone()
-        rest = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], folded, lay([7], [2], fold=[accepted]),
-                                log=log)
+        rest = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], folded, lay([7], [2], fold=[accepted]), log=log)
         expected_state = state.clone()
         if accepted:
-            gated_delta_rule(q[:accepted], k[:accepted], v[:accepted], g[:accepted], beta[:accepted],
-                             expected_state, lay([accepted], [2]))
+            gated_delta_rule(
+                q[:accepted],
+                k[:accepted],
+                v[:accepted],
+                g[:accepted],
+                beta[:accepted],
+                expected_state,
+                lay([accepted], [2]),
+            )
         expected = gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], expected_state, lay([7], [2]))
         torch.testing.assert_close(rest, expected, rtol=0, atol=1e-12)
         torch.testing.assert_close(folded, expected_state, rtol=0, atol=1e-12)
@@ -148,5 +167,4 @@ def test_conv_window_is_logged_and_replayed():
         plain = causal_conv1d(torch.cat((x[:accepted], x[4:])), weight, reference, lay([accepted + 5], [0]))
         torch.testing.assert_close(out, plain[accepted:], rtol=0, atol=1e-12)
         torch.testing.assert_close(window, reference, rtol=0, atol=0)
-        torch.testing.assert_close(spec, causal_conv1d(x[:4], weight, start.clone(), lay([4], [0])), rtol=0,
-                                   atol=0)
+        torch.testing.assert_close(spec, causal_conv1d(x[:4], weight, start.clone(), lay([4], [0])), rtol=0, atol=0)

@@ -76,7 +76,7 @@ def test_eviction_under_memory_pressure_never_corrupts_a_running_sequence(path):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     answers = [o.outputs[0].token_ids for o in run(cached, docs, params)]
     follow_ups = [d + a + [20 + i] for i, (d, a) in enumerate(zip(docs, answers))]
-    fresh = [DOC[40 * i:] + DOC[:40 * i + 30] for i in (2, 4, 5)]  # longer: admitted after the follow-ups
+    fresh = [DOC[40 * i :] + DOC[: 40 * i + 30] for i in (2, 4, 5)]  # longer: admitted after the follow-ups
     got = run(cached, follow_ups + fresh, params)
     usage = cached.engine.usage()
     assert cached.engine.cache.prefix.evictions > 0 and sum(o.num_cached_tokens > 0 for o in got[:3]) >= 2
@@ -90,8 +90,9 @@ def test_speculative_decoding_on_a_resumed_sequence_is_token_exact(speculative):
     """Every drafter of the embedded model (its greedy output repeats, so n-gram drafts get accepted too).
     A request that ends after a verify pass checkpoints where its state stands: before the rows still to
     fold, so the follow-up resumes at most there."""
-    llm = LLM(dtype="float64", device="cpu", prefix_checkpoint_min_prompt=MIN_PROMPT, speculative=speculative,
-              draft_tokens=3)
+    llm = LLM(
+        dtype="float64", device="cpu", prefix_checkpoint_min_prompt=MIN_PROMPT, speculative=speculative, draft_tokens=3
+    )
     plain = LLM(dtype="float64", device="cpu", enable_prefix_caching=False)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     first = run(llm, [DOC], params)[0]

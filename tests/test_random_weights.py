@@ -23,8 +23,12 @@ def test_qwen35_27b_has_the_issue_numbers_and_27b_parameters():
     c = shape_config("qwen3.5-27b")
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (64, 5120, 17408, 248320)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (24, 4, 256)
-    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == \
-        (16, 48, 128, 128)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (
+        16,
+        48,
+        128,
+        128,
+    )
     assert c.attention_layer_ids == tuple(range(3, 64, 4)) and c.layer_types[3] == FULL_ATTENTION
     assert (c.partial_rotary_factor, c.rope_theta, c.tie_word_embeddings, c.num_mtp_layers) == (0.25, 1e7, False, 1)
     counts = parameter_counts(c)
@@ -72,13 +76,24 @@ def test_random_model_is_seeded_finite_and_input_dependent():
 def test_deep_bfloat16_stack_stays_finite_with_varied_logits():
     """12 layers in bf16 at the real head geometry: no inf/nan, logits that depend on the token."""
     deep = (("num_hidden_layers", 12), ("hidden_size", 128), ("intermediate_size", 256), ("vocab_size", 256))
-    engine = Engine(EngineConfig(random_weights=True, shape="qwen3.5-27b", shape_overrides=deep, device="cpu",
-                                 dtype="bfloat16", max_model_len=64, max_num_seqs=1), progress=False)
+    engine = Engine(
+        EngineConfig(
+            random_weights=True,
+            shape="qwen3.5-27b",
+            shape_overrides=deep,
+            device="cpu",
+            dtype="bfloat16",
+            max_model_len=64,
+            max_num_seqs=1,
+        ),
+        progress=False,
+    )
     assert engine.model_config.num_hidden_layers == 12 and engine.model_config.linear_num_value_heads == 48
     hidden = engine.model.model.embed_tokens(torch.arange(8))
     logits = engine.model.compute_logits(engine.model.model.norm(hidden)).float()
-    seq = engine.add_request("r", None, list(range(20, 28)), SamplingParams(max_tokens=4, temperature=0.0,
-                                                                           ignore_eos=True))
+    seq = engine.add_request(
+        "r", None, list(range(20, 28)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
     while engine.has_unfinished():
         engine.step()
     assert torch.isfinite(logits).all() and logits.std() > 0.1
@@ -86,13 +101,38 @@ def test_deep_bfloat16_stack_stays_finite_with_varied_logits():
 
 
 def test_engine_runs_the_moe_shapes_with_random_weights():
-    for name, extra in (("qwen3.5-35b-a3b", (("num_experts", 4), ("num_experts_per_tok", 2),
-                                                                     ("moe_intermediate_size", 16),
-                                                                     ("shared_expert_intermediate_size", 16))),
-                        ("qwen3-next-80b-a3b", (("num_experts", 4), ("num_experts_per_tok", 2),
-                                                ("moe_intermediate_size", 16), ("shared_expert_intermediate_size", 16)))):
-        engine = Engine(EngineConfig(random_weights=True, shape=name, shape_overrides=SMALL + extra,
-                                     device="cpu", max_model_len=32, max_num_seqs=1, num_kv_blocks=0), progress=False)
+    for name, extra in (
+        (
+            "qwen3.5-35b-a3b",
+            (
+                ("num_experts", 4),
+                ("num_experts_per_tok", 2),
+                ("moe_intermediate_size", 16),
+                ("shared_expert_intermediate_size", 16),
+            ),
+        ),
+        (
+            "qwen3-next-80b-a3b",
+            (
+                ("num_experts", 4),
+                ("num_experts_per_tok", 2),
+                ("moe_intermediate_size", 16),
+                ("shared_expert_intermediate_size", 16),
+            ),
+        ),
+    ):
+        engine = Engine(
+            EngineConfig(
+                random_weights=True,
+                shape=name,
+                shape_overrides=SMALL + extra,
+                device="cpu",
+                max_model_len=32,
+                max_num_seqs=1,
+                num_kv_blocks=0,
+            ),
+            progress=False,
+        )
         assert engine.tokenizer is None and engine.model_dir is None
         seq = engine.add_request("r", None, [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished():
@@ -106,8 +146,9 @@ def test_memory_plan_counts_the_shape_weights_without_allocating():
     assert plan.weights == (counts["total"] - counts["mtp"]) * 2 and 48 < plan.weights / 2**30 < 52
     assert planned.model_dir is None and planned.raw == {} and planned.config.dtype == "bfloat16"
     assert plan.kv_per_token == 16 * 2 * 4 * 256 * 2 and plan.drafter_bytes == 0  # 16 attention layers, no MTP
-    mtp = plan_for(EngineConfig(random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu",
-                                speculative="mtp")).plan
+    mtp = plan_for(
+        EngineConfig(random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu", speculative="mtp")
+    ).plan
     assert mtp.weights == plan.weights and mtp.drafter.weights == counts["mtp"] * 2  # the MTP head, as a drafter
     assert mtp.drafter.kv_per_token == 1 * 2 * 4 * 256 * 2 and mtp.total > plan.total
 
@@ -122,12 +163,15 @@ def test_cli_bool_flags_and_python_only_fields():
         parser.parse_args(["plan", "--shape-overrides", "x"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--random-weights"], "needs --shape"),
-    (["--shape", "qwen3.5-27b"], "only applies with --random-weights"),
-    (["--random-weights", "--shape", "gpt-5"], "Unknown shape"),
-    (["--random-weights", "--shape", "qwen3.5-27b", "--model", "x"], "drop --model"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--random-weights"], "needs --shape"),
+        (["--shape", "qwen3.5-27b"], "only applies with --random-weights"),
+        (["--random-weights", "--shape", "gpt-5"], "Unknown shape"),
+        (["--random-weights", "--shape", "qwen3.5-27b", "--model", "x"], "drop --model"),
+    ],
+)
 def test_user_errors_are_one_sentence(argv, message, capsys):
     assert main(["plan", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
@@ -142,12 +186,20 @@ def test_plan_command_prints_the_random_weights_budget(capsys):
 
 def test_a_real_shaped_random_model_borrows_the_embedded_tokenizer():
     """Text prompts work on random weights when the embedded tokenizer's ids fit the shape's vocabulary."""
-    engine = Engine(EngineConfig(random_weights=True, shape="qwen3.5-0.8b", shape_overrides=SMALL + (
-        ("vocab_size", 3 * 8192),), device="cpu", max_model_len=64, max_num_seqs=1), progress=False)
+    engine = Engine(
+        EngineConfig(
+            random_weights=True,
+            shape="qwen3.5-0.8b",
+            shape_overrides=SMALL + (("vocab_size", 3 * 8192),),
+            device="cpu",
+            max_model_len=64,
+            max_num_seqs=1,
+        ),
+        progress=False,
+    )
     assert engine.tokenizer is not None and engine.tokenizer.vocab_size <= 8192
     ids = engine.encode("def add(a, b):")
-    seq = engine.add_request("r", "def add(a, b):", ids, SamplingParams(max_tokens=2, temperature=0.0,
-                                                                         ignore_eos=True))
+    seq = engine.add_request("r", "def add(a, b):", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     assert len(seq.output_ids) == 2

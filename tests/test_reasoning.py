@@ -124,8 +124,25 @@ def test_stream_flush_of_truncated_thinking():
     assert _stream(["<thi"], True) == ([("", "")], ("<thi", ""))
 
 
-_FRAGMENTS = ["<think>", "</think>", "<tool_call>", "<function=f>", "\n", "\n\n", " ", "<", "</",
-              ">", "think", "abc", "x", "<tool_call>\n<function=get>", "</tool_call>", "{", "<thi"]
+_FRAGMENTS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "<function=f>",
+    "\n",
+    "\n\n",
+    " ",
+    "<",
+    "</",
+    ">",
+    "think",
+    "abc",
+    "x",
+    "<tool_call>\n<function=get>",
+    "</tool_call>",
+    "{",
+    "<thi",
+]
 
 
 @pytest.mark.parametrize("started", [True, False])

@@ -193,9 +193,7 @@ def test_sampling_frequencies_match_processed_distribution() -> None:
     assert counts[4] == 0 and chi2 < 16.266, (counts.tolist(), want.tolist())
 
 
-def _run_steps(
-    rows: list[tuple[torch.Tensor, SamplingParams, int | None]], steps: int
-) -> list[list[int]]:
+def _run_steps(rows: list[tuple[torch.Tensor, SamplingParams, int | None]], steps: int) -> list[list[int]]:
     gens = [None if seed is None else make_generator(seed, "cpu") for _, _, seed in rows]
     logits = torch.stack([row_logits for row_logits, _, _ in rows])  # [B, V]
     params = [p for _, p, _ in rows]
@@ -263,9 +261,7 @@ def test_penalties_match_hand_computation() -> None:
 
 def test_neutral_penalties_return_input() -> None:
     logits = torch.randn(2, 10)  # [2, 10]
-    out = apply_penalties(
-        logits, [[1, 2], [3]], [[4], []], [SamplingParams(), SamplingParams()], [frozenset({0})] * 2
-    )
+    out = apply_penalties(logits, [[1, 2], [3]], [[4], []], [SamplingParams(), SamplingParams()], [frozenset({0})] * 2)
     assert out is logits
 
 

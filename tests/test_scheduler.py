@@ -40,8 +40,9 @@ def test_aging_lets_a_long_prompt_through_a_stream_of_short_ones(checkpoints):
     long = engine.add_request("long", None, PROMPT[:100], SamplingParams(max_tokens=1, temperature=0))
     shorts = []
     for step in range(200):
-        shorts.append(engine.add_request(f"s{step}", None, PROMPT[step:step + 10],
-                                         SamplingParams(max_tokens=1, temperature=0)))
+        shorts.append(
+            engine.add_request(f"s{step}", None, PROMPT[step : step + 10], SamplingParams(max_tokens=1, temperature=0))
+        )
         engine.step()
         if long.finished:
             break
@@ -54,12 +55,11 @@ def test_aging_lets_a_long_prompt_through_a_stream_of_short_ones(checkpoints):
 
 @pytest.mark.parametrize("num_blocks", [8, 12])
 def test_running_out_of_kv_pages_preempts_and_recomputes_exactly(checkpoints, num_blocks):
-    prompts = [PROMPT[i * 7:i * 7 + 10] for i in range(3)]
+    prompts = [PROMPT[i * 7 : i * 7 + 10] for i in range(3)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     roomy = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu")
     expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    tight = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu", num_kv_blocks=num_blocks,
-                block_size=4)
+    tight = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu", num_kv_blocks=num_blocks, block_size=4)
     got = [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == expected
     usage = tight.engine.usage()

@@ -28,12 +28,24 @@ CTX = 2048
 MAX_SEQS = 4
 USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"city": {"type": "string"}}}}},
-         {"type": "function", "function": {"name": "get_time", "description": "Local time of a city.",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+]
 
 
 @dataclass
@@ -51,8 +63,9 @@ class Live:
     def client(self, api_key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
-    def request(self, method: str, path: str, body: bytes | dict | None = None,
-                key: str | None = KEY) -> tuple[int, dict | str]:
+    def request(
+        self, method: str, path: str, body: bytes | dict | None = None, key: str | None = KEY
+    ) -> tuple[int, dict | str]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         headers = {"Content-Type": "application/json"}
         if key is not None:
@@ -70,8 +83,11 @@ class Live:
     def metrics(self) -> dict[str, float]:
         status, text = self.request("GET", "/metrics")
         assert status == 200
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
 
     def log_records(self) -> list[dict]:
         return [json.loads(line) for line in self.log.read_text().splitlines()]
@@ -80,8 +96,9 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> Live:
     log = tmp_path_factory.mktemp("server") / "requests.jsonl"
-    engine = Engine(EngineConfig(dtype="float32", device="cpu", max_num_seqs=MAX_SEQS, max_model_len=CTX),
-                    progress=False)
+    engine = Engine(
+        EngineConfig(dtype="float32", device="cpu", max_num_seqs=MAX_SEQS, max_model_len=CTX), progress=False
+    )
     async_engine = AsyncEngine(engine)
     async_engine.start()
     app = build_app(async_engine, ServerConfig(api_key=KEY, served_model_name=MODEL, max_n=8, request_log=str(log)))
@@ -105,8 +122,11 @@ def live(tmp_path_factory) -> Live:
 def chat(live: Live, messages=USER, **kwargs):
     kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("temperature", 0.0)
-    extra = {k: kwargs.pop(k) for k in ("chat_template_kwargs", "vote", "top_k", "repetition_penalty",
-                                        "stop_token_ids", "ignore_eos") if k in kwargs}
+    extra = {
+        k: kwargs.pop(k)
+        for k in ("chat_template_kwargs", "vote", "top_k", "repetition_penalty", "stop_token_ids", "ignore_eos")
+        if k in kwargs
+    }
     return live.client().chat.completions.create(model=MODEL, messages=messages, extra_body=extra or None, **kwargs)
 
 
@@ -262,8 +282,11 @@ def test_penalties_change_greedy_output(live):
 def test_vote_stops_sampling_once_decided(live):
     # greedy samples agree; with MAX_SEQS slots the last samples wait, so they are aborted once decided
     n = MAX_SEQS + 2
-    status, body = live.request("POST", "/v1/chat/completions", {
-        "messages": USER, "n": n, "vote": True, "temperature": 0, "max_tokens": 40, **NO_THINK})
+    status, body = live.request(
+        "POST",
+        "/v1/chat/completions",
+        {"messages": USER, "n": n, "vote": True, "temperature": 0, "max_tokens": 40, **NO_THINK},
+    )
     assert status == 200, body
     [choice] = body["choices"]
     greedy = chat(live, max_tokens=40, **NO_THINK).choices[0].message.content
@@ -303,16 +326,30 @@ def test_tools_reach_the_template(live):
     assert with_tools == len(live.tokenizer.encode(rendered(live, tools=TOOLS, enable_thinking=False)))
     assert with_tools > plain
     assert chat(live, max_tokens=2, tools=TOOLS, tool_choice="none", **NO_THINK).usage.prompt_tokens == plain
-    named = chat(live, max_tokens=2, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-                 **NO_THINK).usage.prompt_tokens
+    named = chat(
+        live, max_tokens=2, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, **NO_THINK
+    ).usage.prompt_tokens
     assert named == len(live.tokenizer.encode(rendered(live, tools=TOOLS[1:], enable_thinking=False)))
-    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    history = USER + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
     out = chat(live, history, max_tokens=2, tools=TOOLS, **NO_THINK)
-    template_history = history[:1] + [{"role": "assistant", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    template_history = history[:1] + [
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"city": "Oslo"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
     expected = rendered(live, template_history, tools=TOOLS, enable_thinking=False)
     assert '{"name": "get_time", "arguments": {"city": "Oslo"}}' in expected
     assert out.usage.prompt_tokens == len(live.tokenizer.encode(expected))
@@ -326,17 +363,27 @@ class ScriptedOutput:
 
     def __call__(self, request_id: str, prompt, prompt_ids: list[int], params) -> RequestStream:
         stream = RequestStream(request_id)
-        pieces = [self.token_ids[i:i + 2] for i in range(0, len(self.token_ids), 2)] or [[]]
+        pieces = [self.token_ids[i : i + 2] for i in range(0, len(self.token_ids), 2)] or [[]]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            stream.queue.put_nowait(RequestDelta(request_id, piece, None, len(prompt_ids), last,
-                                                 self.finish_reason if last else None,
-                                                 error=self.error if last else None))
+            stream.queue.put_nowait(
+                RequestDelta(
+                    request_id,
+                    piece,
+                    None,
+                    len(prompt_ids),
+                    last,
+                    self.finish_reason if last else None,
+                    error=self.error if last else None,
+                )
+            )
         return stream
 
 
-TOOL_OUTPUT = ('The user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
-               '"arguments": {"city": "Paris"}}\n</tool_call>')
+TOOL_OUTPUT = (
+    'The user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+    '"arguments": {"city": "Paris"}}\n</tool_call>'
+)
 
 
 def test_tool_calls_are_parsed_from_the_output(live, monkeypatch):
@@ -348,14 +395,20 @@ def test_tool_calls_are_parsed_from_the_output(live, monkeypatch):
     assert choice.message.content is None
     [call] = choice.message.tool_calls
     assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
-        "function", "get_weather", {"city": "Paris"})
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
     streamed = list(chat(live, tools=TOOLS, stream=True))
     calls = [tc for c in streamed for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
-        (0, "get_weather", {"city": "Paris"})]
+        (0, "get_weather", {"city": "Paris"})
+    ]
     assert calls[0].id.startswith("call_")
-    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in streamed) == \
-        "The user wants the weather."
+    assert (
+        "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in streamed)
+        == "The user wants the weather."
+    )
     assert all(not c.choices[0].delta.content for c in streamed)
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
     no_tools = chat(live).choices[0]  # without tools the block stays text
@@ -368,8 +421,12 @@ def test_engine_failures_are_a_500_for_that_request_only(live, monkeypatch):
     status, body = live.request("POST", "/v1/chat/completions", {"messages": USER})
     assert status == 500 and "RuntimeError: boom" in body["error"]["message"]
     conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "stream": True}),
-                 headers={"Authorization": f"Bearer {KEY}"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"prompt": "x", "stream": True}),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     events = conn.getresponse().read().decode().split("\n\n")
     conn.close()
     assert json.loads(events[-3].removeprefix("data: "))["error"]["type"] == "server_error"
@@ -406,12 +463,20 @@ BAD = [
     ("/v1/chat/completions", {"messages": USER, "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "needs logprobs"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, 400, "has no tools"),
-    ("/v1/chat/completions", {"messages": USER, "tools": TOOLS,
-                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "'nope'"),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        400,
+        "'nope'",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "wizard"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "needs a content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "only text parts"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "only text parts",
+    ),
     ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo is not supported"),
     ("/v1/completions", {"prompt": [10**6]}, 400, "Prompt token ids must lie in"),
@@ -438,7 +503,9 @@ def test_concurrent_clients_match_their_solo_runs(live):
     def run(i: int) -> str:
         if i % 2:
             return complete(live, prompts[i], max_tokens=10).choices[0].text
-        return chat(live, [{"role": "user", "content": prompts[i]}], max_tokens=10, **NO_THINK).choices[0].message.content
+        return (
+            chat(live, [{"role": "user", "content": prompts[i]}], max_tokens=10, **NO_THINK).choices[0].message.content
+        )
 
     solo = [run(i) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
@@ -450,8 +517,11 @@ def wait_until_idle(live: Live, timeout: float = 5.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         metrics = live.metrics()
-        if metrics["deltaspec_num_requests_running"] == 0 and metrics["deltaspec_kv_blocks_used"] == 0 \
-                and metrics["deltaspec_num_requests_waiting"] == 0:
+        if (
+            metrics["deltaspec_num_requests_running"] == 0
+            and metrics["deltaspec_kv_blocks_used"] == 0
+            and metrics["deltaspec_num_requests_waiting"] == 0
+        ):
             return metrics
         assert time.monotonic() < deadline, metrics
         time.sleep(0.05)

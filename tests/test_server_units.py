@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from deltaspec.cli import build_parser, config_from_args, engine_config, main
 from deltaspec.config import ServerConfig
 from deltaspec.engine.async_engine import RequestDelta
-from deltaspec.model.weights import default_model_path
 from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.model.weights import default_model_path
 from deltaspec.sample.logprobs import Logprob
 from deltaspec.sample.params import SamplingParams
 from deltaspec.server.chat import ChatFormat, _Voting
@@ -22,8 +22,15 @@ from deltaspec.server.logprobs import chat_logprobs, completion_logprobs
 from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest
 from deltaspec.server.samples import Sample
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +38,21 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_dir(default_model_path())
 
 
-def deltas_of(token_ids: list[int], sizes: list[int], finish_reason: str = "stop",
-              stop_text: str | None = None) -> list[RequestDelta]:
+def deltas_of(
+    token_ids: list[int], sizes: list[int], finish_reason: str = "stop", stop_text: str | None = None
+) -> list[RequestDelta]:
     """Fake engine deltas: `token_ids` cut into pieces of the given sizes (cycled), the last one finishing."""
     out, start, i = [], 0, 0
     while start < len(token_ids):
-        piece = token_ids[start:start + sizes[i % len(sizes)]]
+        piece = token_ids[start : start + sizes[i % len(sizes)]]
         start += len(piece)
         i += 1
         last = start >= len(token_ids)
-        out.append(RequestDelta("r-0", piece, None, 5, last, finish_reason if last else None,
-                                stop_text=stop_text if last else None))
+        out.append(
+            RequestDelta(
+                "r-0", piece, None, 5, last, finish_reason if last else None, stop_text=stop_text if last else None
+            )
+        )
     return out
 
 
@@ -64,7 +75,7 @@ def test_detokenizer_holds_back_a_possible_stop_string(tokenizer):
     emitted = ""
     for i in range(len(ids)):
         emitted += detok.add([ids[i]])
-        decoded = tokenizer.decode(ids[:i + 1])
+        decoded = tokenizer.decode(ids[: i + 1])
         assert decoded.startswith(emitted)
         if decoded.endswith("return a"):  # could still become the stop string: held back
             held_seen = True
@@ -73,9 +84,9 @@ def test_detokenizer_holds_back_a_possible_stop_string(tokenizer):
     assert emitted + detok.finish([]) == text
     # the engine matched "a + b" on the last token: it reports the text cut there, and none of it was emitted
     cut = IncrementalDetokenizer(tokenizer, stop=["a + b"])
-    last = next(i for i in range(len(ids)) if "a + b" in tokenizer.decode(ids[:i + 1]))
+    last = next(i for i in range(len(ids)) if "a + b" in tokenizer.decode(ids[: i + 1]))
     emitted = "".join(cut.add([t]) for t in ids[:last])
-    stop_text = text[:text.index("a + b")]
+    stop_text = text[: text.index("a + b")]
     assert stop_text.startswith(emitted) and "a +" not in emitted
     assert emitted + cut.finish([ids[last]], stop_text=stop_text) == stop_text
 
@@ -107,8 +118,10 @@ def stream_choice(fmt: ChatFormat, deltas: list[RequestDelta], params: SamplingP
 
 
 def test_tool_call_and_reasoning_from_fake_deltas(tokenizer):
-    text = ('I need the weather.\n</think>\n\nLet me check.\n<tool_call>\n{"name": "get_weather", '
-            '"arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
+    text = (
+        'I need the weather.\n</think>\n\nLet me check.\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    )
     ids = tokenizer.encode(text)
     fmt = ChatFormat(tokenizer, started_in_thinking=True, tools=TOOLS, top_logprobs=None)
     whole = fmt.choice(0, tokenizer.decode(ids), "stop", None, [])
@@ -123,8 +136,9 @@ def test_tool_call_and_reasoning_from_fake_deltas(tokenizer):
         streamed = stream_choice(fmt, deltas_of(ids, sizes), SamplingParams())
         assert streamed["reasoning_content"] == whole.message.reasoning_content
         assert streamed["content"] == whole.message.content
-        assert [c["function"] for c in streamed["tool_calls"]] == [{"name": "get_weather",
-                                                                   "arguments": call.function.arguments}]
+        assert [c["function"] for c in streamed["tool_calls"]] == [
+            {"name": "get_weather", "arguments": call.function.arguments}
+        ]
         assert streamed["tool_calls"][0]["index"] == 0 and streamed["tool_calls"][0]["type"] == "function"
         assert streamed["finish_reason"] == "tool_calls"
 
@@ -154,10 +168,10 @@ def test_thinking_cut_by_length_is_all_reasoning(tokenizer):
 def test_stream_uses_the_engine_stop_text(tokenizer):
     text = "x = 1\ny = 2\nz = 3\n"
     ids = tokenizer.encode(text)
-    last = next(i for i in range(len(ids)) if "y =" in tokenizer.decode(ids[:i + 1]))  # where the engine stops
+    last = next(i for i in range(len(ids)) if "y =" in tokenizer.decode(ids[: i + 1]))  # where the engine stops
     params = SamplingParams(stop=["y ="])
     fmt = ChatFormat(tokenizer, started_in_thinking=False, tools=None, top_logprobs=None)
-    streamed = stream_choice(fmt, deltas_of(ids[:last + 1], [1], stop_text="x = 1\n"), params)
+    streamed = stream_choice(fmt, deltas_of(ids[: last + 1], [1], stop_text="x = 1\n"), params)
     assert streamed["content"] == "x = 1\n"
     assert fmt.choice(0, "x = 1\n", "stop", "y =", []).message.content == "x = 1\n"
 
@@ -180,13 +194,16 @@ def test_chat_and_completion_logprob_shapes(tokenizer):
     assert comp.text_offset == [10, 12]
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"messages": [{"role": "user", "content": 5}]}, "Invalid value for 'messages[0].content': input should be"),
-    ({"messages": [{"content": "x"}]}, "The request is missing the required field 'messages[0].role'."),
-    ({}, "The request is missing the required field 'messages'."),
-    ({"messages": [], "temperature": "hot"}, "Invalid value for 'temperature': input should be a valid number"),
-    ({"messages": [], "top_logprobs": 21}, "Invalid value for 'top_logprobs': input should be less than or equal"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"messages": [{"role": "user", "content": 5}]}, "Invalid value for 'messages[0].content': input should be"),
+        ({"messages": [{"content": "x"}]}, "The request is missing the required field 'messages[0].role'."),
+        ({}, "The request is missing the required field 'messages'."),
+        ({"messages": [], "temperature": "hot"}, "Invalid value for 'temperature': input should be a valid number"),
+        ({"messages": [], "top_logprobs": 21}, "Invalid value for 'top_logprobs': input should be less than or equal"),
+    ],
+)
 def test_validation_errors_name_the_field_in_one_sentence(body, message):
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate(body)
@@ -197,8 +214,9 @@ def test_validation_errors_name_the_field_in_one_sentence(body, message):
 
 
 def test_requests_ignore_unknown_fields_and_accept_every_prompt_form():
-    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "foo": 1,
-                                                "logit_bias": {"1": 2}})
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "foo": 1, "logit_bias": {"1": 2}}
+    )
     assert not hasattr(req, "foo")
     for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
         assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt
@@ -245,9 +263,27 @@ def test_vote_returns_the_first_finished_winner_and_aborts_once_decided(tokenize
 
 
 def test_serve_flags_build_both_configs():
-    args = build_parser().parse_args(["serve", "--ctx", "512", "--max-streams", "3", "--api-key", "k",
-                                      "--port", "9001", "--served-model-name", "m", "--request-log", "log.jsonl",
-                                      "--max-n", "4", "--dtype", "float32"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--ctx",
+            "512",
+            "--max-streams",
+            "3",
+            "--api-key",
+            "k",
+            "--port",
+            "9001",
+            "--served-model-name",
+            "m",
+            "--request-log",
+            "log.jsonl",
+            "--max-n",
+            "4",
+            "--dtype",
+            "float32",
+        ]
+    )
     engine = engine_config(args)
     server = config_from_args(args, ServerConfig)
     assert (engine.max_model_len, engine.max_num_seqs, engine.dtype) == (512, 3, "float32")
@@ -276,7 +312,7 @@ def test_detokenizer_deltas_equal_the_whole_decode_for_random_splits(tokenizer):
             detok, out, i = IncrementalDetokenizer(tokenizer), "", 0
             while i < len(ids):
                 step = rng.randint(1, 4)
-                out += detok.add(ids[i:i + step])
+                out += detok.add(ids[i : i + step])
                 i += step
             out += detok.finish([])
             assert out == tokenizer.decode(ids)
@@ -285,8 +321,10 @@ def test_detokenizer_deltas_equal_the_whole_decode_for_random_splits(tokenizer):
 def test_usage_reports_the_prompt_tokens_resumed_from_a_prefix_checkpoint():
     from deltaspec.server.samples import usage_of
 
-    samples = [Sample(i, f"r-{i}", None, SamplingParams(), 40, token_ids=[1, 2, 3],
-                      metrics={"num_cached_tokens": cached}) for i, cached in enumerate((31, 31))]
+    samples = [
+        Sample(i, f"r-{i}", None, SamplingParams(), 40, token_ids=[1, 2, 3], metrics={"num_cached_tokens": cached})
+        for i, cached in enumerate((31, 31))
+    ]
     usage = usage_of(40, samples)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 6, 46)
     assert usage.prompt_tokens_details.cached_tokens == 31

@@ -27,9 +27,9 @@ class ScriptedDrafter:
     def propose(self, requests):
         drafts = []
         for req in requests:
-            prompt = next(p for p in self.continuations if tuple(req.token_ids[:len(p)]) == p)
+            prompt = next(p for p in self.continuations if tuple(req.token_ids[: len(p)]) == p)
             done = len(req.token_ids) - len(prompt)
-            truth = self.continuations[prompt][done:done + req.max_tokens]
+            truth = self.continuations[prompt][done : done + req.max_tokens]
             tokens = [t if i < self.right else (t + 1) % self.vocab for i, t in enumerate(truth)]
             drafts.append(Draft(tokens=tokens))
         return drafts
@@ -62,8 +62,7 @@ def test_ngram_greedy_is_token_identical_in_float64(checkpoints, name, k):
     for a, b in zip(plain, spec):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: p.logprob for t, p in x.items()} == pytest.approx({t: p.logprob for t, p in y.items()},
-                                                                       abs=1e-9)
+            assert {t: p.logprob for t, p in x.items()} == pytest.approx({t: p.logprob for t, p in y.items()}, abs=1e-9)
     assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0  # drafts were really verified
 
 
@@ -97,15 +96,24 @@ def test_sequence_finishing_mid_draft_keeps_only_what_it_may(checkpoints):
     plain_llm, plain = run(path, PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
     stop_token = plain[0].outputs[0].token_ids[6]
-    llm = LLM(str(path), dtype="float64", device="cpu", draft_tokens=7,
-              drafter=ScriptedDrafter(truth, 100, plain_llm.engine.model_config.vocab_size))
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_token]),
-                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-                         SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
-                         SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)])
+    llm = LLM(
+        str(path),
+        dtype="float64",
+        device="cpu",
+        draft_tokens=7,
+        drafter=ScriptedDrafter(truth, 100, plain_llm.engine.model_config.vocab_size),
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        [
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_token]),
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        ],
+    )
     first = plain[0].outputs[0].token_ids
-    assert outs[0].outputs[0].token_ids == first[:first.index(stop_token) + 1]
+    assert outs[0].outputs[0].token_ids == first[: first.index(stop_token) + 1]
     assert outs[0].outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].token_ids == plain[1].outputs[0].token_ids[:3]
     assert outs[2].outputs[0].token_ids == plain[2].outputs[0].token_ids[:11]
@@ -113,12 +121,28 @@ def test_sequence_finishing_mid_draft_keeps_only_what_it_may(checkpoints):
     assert llm.engine.usage()["state_slots_used"] == 0
 
 
-@pytest.mark.parametrize("speculative,k", [("ngram", 7), ("draft", 1), ("draft", 3), ("draft", 7), ("draft", 15),
-                                           ("draft+ngram", 5), ("mtp", 1), ("mtp", 3), ("mtp", 7), ("mtp", 15),
-                                           ("mtp+ngram", 5)])
+@pytest.mark.parametrize(
+    "speculative,k",
+    [
+        ("ngram", 7),
+        ("draft", 1),
+        ("draft", 3),
+        ("draft", 7),
+        ("draft", 15),
+        ("draft+ngram", 5),
+        ("mtp", 1),
+        ("mtp", 3),
+        ("mtp", 7),
+        ("mtp", 15),
+        ("mtp+ngram", 5),
+    ],
+)
 def test_default_model_greedy_is_identical_with_every_drafter(speculative, k):
-    prompts = ['def is_prime(n):\n    """Return True if n is a prime number."""\n', "import os\n\n\ndef main(",
-               "class Stack:\n"]
+    prompts = [
+        'def is_prime(n):\n    """Return True if n is a prime number."""\n',
+        "import os\n\n\ndef main(",
+        "class Stack:\n",
+    ]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = LLM(dtype="float64", device="cpu").generate(prompts, params)
     spec = LLM(dtype="float64", device="cpu", speculative=speculative, draft_tokens=k).generate(prompts, params)
@@ -129,12 +153,19 @@ def test_default_model_greedy_is_identical_with_every_drafter(speculative, k):
 @pytest.mark.parametrize("speculative", ["draft", "draft+ngram"])
 @pytest.mark.parametrize("k", [1, 3, 7, 15])
 def test_draft_model_greedy_is_token_identical_on_random_models(checkpoints, tmp_path, k, speculative):
-    draft = write_checkpoint(tmp_path / "draft", "qwen3_5", seed=5, num_hidden_layers=2,
-                             layer_types=["linear_attention", "full_attention"])
+    draft = write_checkpoint(
+        tmp_path / "draft", "qwen3_5", seed=5, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]
+    )
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     _, plain = run(checkpoints["qwen3_next_r3_moe"], PROMPTS, params)
-    _, spec = run(checkpoints["qwen3_next_r3_moe"], PROMPTS, params, speculative=speculative, draft_tokens=k,
-                  draft_model=str(draft))
+    _, spec = run(
+        checkpoints["qwen3_next_r3_moe"],
+        PROMPTS,
+        params,
+        speculative=speculative,
+        draft_tokens=k,
+        draft_model=str(draft),
+    )
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0
 
@@ -183,16 +214,28 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path, s
 
     path = write_checkpoint(tmp_path / "tiny_vocab", "qwen3_5", seed=11, vocab_size=6)
     add_mtp_weights(path, seed=13)
-    draft = write_checkpoint(tmp_path / "tiny_vocab_draft", "qwen3_5", seed=12, vocab_size=6, num_hidden_layers=2,
-                             layer_types=["linear_attention", "full_attention"])
+    draft = write_checkpoint(
+        tmp_path / "tiny_vocab_draft",
+        "qwen3_5",
+        seed=12,
+        vocab_size=6,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n = 3000
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     options = dict(max_num_seqs=256, max_model_len=32)
     _, plain = run(path, [prompt] * n, params, **options)
-    _, spec = run(path, [prompt] * n, [SamplingParams(max_tokens=6, temperature=1.0, seed=10_000 + s,
-                                                      ignore_eos=True) for s in range(n)],
-                  speculative=speculative, draft_tokens=3, draft_model=str(draft), **options)
+    _, spec = run(
+        path,
+        [prompt] * n,
+        [SamplingParams(max_tokens=6, temperature=1.0, seed=10_000 + s, ignore_eos=True) for s in range(n)],
+        speculative=speculative,
+        draft_tokens=3,
+        draft_model=str(draft),
+        **options,
+    )
     rounds = sum(o.metrics.get("spec_rounds", 0) for o in spec)
     accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in spec)
     assert rounds > n // 3 and accepted > n // 20  # speculation shaped a good share of the samples
@@ -200,10 +243,12 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path, s
         a = torch.bincount(torch.tensor([o.outputs[0].token_ids[position] for o in plain]), minlength=6)
         b = torch.bincount(torch.tensor([o.outputs[0].token_ids[position] for o in spec]), minlength=6)
         assert chi_square(a, b) < 20.5  # 5 degrees of freedom, p = 0.001
-    pairs_a = torch.bincount(torch.tensor([o.outputs[0].token_ids[4] * 6 + o.outputs[0].token_ids[5] for o in plain]),
-                             minlength=36)
-    pairs_b = torch.bincount(torch.tensor([o.outputs[0].token_ids[4] * 6 + o.outputs[0].token_ids[5] for o in spec]),
-                             minlength=36)
+    pairs_a = torch.bincount(
+        torch.tensor([o.outputs[0].token_ids[4] * 6 + o.outputs[0].token_ids[5] for o in plain]), minlength=36
+    )
+    pairs_b = torch.bincount(
+        torch.tensor([o.outputs[0].token_ids[4] * 6 + o.outputs[0].token_ids[5] for o in spec]), minlength=36
+    )
     assert chi_square(pairs_a, pairs_b) < 66.6  # joint law of two tokens, 35 degrees of freedom, p = 0.001
 
 
@@ -213,8 +258,9 @@ def test_drafts_cut_by_a_small_token_budget_stay_exact():
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(dtype="float64", device="cpu").generate(prompts, params)
     for speculative in ("draft", "draft+ngram", "ngram"):
-        spec = LLM(dtype="float64", device="cpu", speculative=speculative, draft_tokens=7,
-                   max_num_batched_tokens=6).generate(prompts, params)
+        spec = LLM(
+            dtype="float64", device="cpu", speculative=speculative, draft_tokens=7, max_num_batched_tokens=6
+        ).generate(prompts, params)
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain], speculative
 
 

@@ -12,8 +12,24 @@ from deltaspec.cache.replay import ReplayCursor
 
 ROOT = Path(__file__).resolve().parent.parent / "deltaspec"
 # Lowest first. A module may import from its own package and from packages before it, never after it.
-LAYERS = ("errors", "config", "ops", "cache", "model", "sample", "execution", "spec", "engine", "outputs", "llm",
-          "evaluate", "server", "bench", "cli", "__init__")
+LAYERS = (
+    "errors",
+    "config",
+    "ops",
+    "cache",
+    "model",
+    "sample",
+    "execution",
+    "spec",
+    "engine",
+    "outputs",
+    "llm",
+    "evaluate",
+    "server",
+    "bench",
+    "cli",
+    "__init__",
+)
 CURSOR_FIELDS = {"pending_fold", "logged"}
 
 
@@ -33,8 +49,9 @@ def imported_modules(source: str) -> list[tuple[int, str]]:
             found.append((node.lineno, node.module))
         elif isinstance(node, ast.Import):
             found.extend((node.lineno, alias.name) for alias in node.names)
-    return [(line, module) for line, module in found if module == "relative import" or module.split(".")[0] ==
-            "deltaspec"]
+    return [
+        (line, module) for line, module in found if module == "relative import" or module.split(".")[0] == "deltaspec"
+    ]
 
 
 def layer_violations(package: str, source: str) -> list[str]:
@@ -66,15 +83,19 @@ def test_every_module_belongs_to_a_layer():
 
 
 def test_packages_import_only_from_lower_layers():
-    violations = [f"{path.relative_to(ROOT.parent)} {problem}" for package, path in modules()
-                  for problem in layer_violations(package, path.read_text())]
+    violations = [
+        f"{path.relative_to(ROOT.parent)} {problem}"
+        for package, path in modules()
+        for problem in layer_violations(package, path.read_text())
+    ]
     assert violations == []
 
 
 def test_the_layer_check_sees_lazy_and_backward_imports():
     lazy = "def f():\n    from deltaspec.engine.engine import Engine\n    return Engine\n"
-    assert layer_violations("cache", lazy) == ["line 2: cache imports deltaspec.engine.engine (engine is not below "
-                                               "cache)"]
+    assert layer_violations("cache", lazy) == [
+        "line 2: cache imports deltaspec.engine.engine (engine is not below cache)"
+    ]
     assert layer_violations("engine", "import deltaspec.cache.manager\n") == []
     assert layer_violations("spec", "from deltaspec.spec.drafter import Draft\n") == []
     assert layer_violations("server", "from deltaspec.bench import device\n")  # bench is above server
@@ -85,8 +106,13 @@ def cursor_writes(source: str) -> list[int]:
     """Lines that assign to a replay-cursor field (`x.pending_fold = ...`, `x.logged += ...`)."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         for target in targets:
             for sub in ast.walk(target):
                 if isinstance(sub, ast.Attribute) and sub.attr in CURSOR_FIELDS:
@@ -96,8 +122,11 @@ def cursor_writes(source: str) -> list[int]:
 
 def test_only_the_replay_module_writes_the_cursor():
     owner = ROOT / "cache" / "replay.py"
-    writers = {str(path.relative_to(ROOT)): lines for _, path in modules()
-               if path != owner and (lines := cursor_writes(path.read_text()))}
+    writers = {
+        str(path.relative_to(ROOT)): lines
+        for _, path in modules()
+        if path != owner and (lines := cursor_writes(path.read_text()))
+    }
     assert writers == {}
     assert cursor_writes(owner.read_text())  # the check does see the owner's writes
     assert cursor_writes("seq.replay.pending_fold, x = 1, 2\n") == [1]

@@ -278,7 +278,8 @@ def _transformers_normalises_messages() -> bool:
 
 
 needs_message_normalisation = pytest.mark.skipif(
-    not _transformers_normalises_messages(), reason="this transformers does not normalise messages before rendering")
+    not _transformers_normalises_messages(), reason="this transformers does not normalise messages before rendering"
+)
 
 PARITY_CASES = [
     ([{"role": "user", "content": "Hi"}], None, {}),

@@ -11,26 +11,30 @@ import pytest
 from deltaspec.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-            "</function>\n</tool_call>")
+XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "f",
-        "parameters": {"type": "object", "properties": {
-            "s": {"type": "string"},
-            "i": {"type": "integer"},
-            "n": {"type": "number"},
-            "b": {"type": "boolean"},
-            "o": {"type": "object"},
-            "a": {"type": "array"},
-            "ns": {"type": ["string", "null"]},
-            "ni": {"anyOf": [{"type": "null"}, {"type": "integer"}]},
-            "u": {"description": "no type"},
-        }},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "s": {"type": "string"},
+                    "i": {"type": "integer"},
+                    "n": {"type": "number"},
+                    "b": {"type": "boolean"},
+                    "o": {"type": "object"},
+                    "a": {"type": "array"},
+                    "ns": {"type": ["string", "null"]},
+                    "ni": {"anyOf": [{"type": "null"}, {"type": "integer"}]},
+                    "u": {"description": "no type"},
+                },
+            },
+        },
+    }
+]
 
 
 def _args(text: str, tools=TOOLS) -> dict:
@@ -78,14 +82,14 @@ def test_no_calls_gives_stripped_text():
 
 def test_to_dict_is_the_openai_shape():
     call = ToolCall(id="call_1", name="f", arguments="{}")
-    assert call.to_dict() == {"id": "call_1", "type": "function",
-                              "function": {"name": "f", "arguments": "{}"}}
+    assert call.to_dict() == {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def test_json_format_details():
     assert _args('<tool_call>{"name": "f"}</tool_call>') == {}
-    assert _args('<tool_call>{"name": "f", "arguments": {"x": [1, {"y": null}]}}</tool_call>') == \
-        {"x": [1, {"y": None}]}
+    assert _args('<tool_call>{"name": "f", "arguments": {"x": [1, {"y": null}]}}</tool_call>') == {
+        "x": [1, {"y": None}]
+    }
     _, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"city": "Zürich"}}</tool_call>')
     assert calls[0].arguments == '{"city": "Zürich"}'
 
@@ -228,10 +232,25 @@ def test_stream_malformed_block_is_content():
     assert (text, calls) == ("x <tool_call>oops</tool_call> y", [])
 
 
-_BLOCKS = [JSON_CALL, XML_CALL, _xml("f", i="3", b="True", s="a b"),
-           '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>',
-           "<tool_call>bad</tool_call>", "<tool_call>", "</tool_call>", "<tool", "<", "_call>",
-           "text", " ", "\n", "\n\n", "Let me check.", "{", "}"]
+_BLOCKS = [
+    JSON_CALL,
+    XML_CALL,
+    _xml("f", i="3", b="True", s="a b"),
+    '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>',
+    "<tool_call>bad</tool_call>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool",
+    "<",
+    "_call>",
+    "text",
+    " ",
+    "\n",
+    "\n\n",
+    "Let me check.",
+    "{",
+    "}",
+]
 
 
 def test_stream_matches_parse_for_random_texts_and_splits():

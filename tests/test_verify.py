@@ -19,10 +19,35 @@ from deltaspec.spec.verify import VerifyResult, verify_greedy, verify_greedy_tok
 # Upper 0.1% points of the chi-square distribution by degrees of freedom (scipy is not installed;
 # computed once with mpmath).
 CHI2_999 = {
-    1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124,
-    9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528, 14: 36.123, 15: 37.697,
-    16: 39.252, 17: 40.79, 18: 42.312, 19: 43.82, 20: 45.315, 21: 46.797, 22: 48.268,
-    23: 49.728, 24: 51.179, 25: 52.62, 26: 54.052, 27: 55.476, 28: 56.892, 29: 58.301,
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+    10: 29.588,
+    11: 31.264,
+    12: 32.909,
+    13: 34.528,
+    14: 36.123,
+    15: 37.697,
+    16: 39.252,
+    17: 40.79,
+    18: 42.312,
+    19: 43.82,
+    20: 45.315,
+    21: 46.797,
+    22: 48.268,
+    23: 49.728,
+    24: 51.179,
+    25: 52.62,
+    26: 54.052,
+    27: 55.476,
+    28: 56.892,
+    29: 58.301,
     30: 59.703,
 }
 
@@ -182,7 +207,7 @@ def test_greedy_mixed_batch_equals_each_sequence_alone() -> None:
     logits = [logits_with_argmax(a, seed=i) for i, (a, _) in enumerate(cases)]
     drafts = [d for _, d in cases]
     batched = verify_greedy(logits, drafts)
-    alone = [verify_greedy([l], [d]) for l, d in zip(logits, drafts)]
+    alone = [verify_greedy([rows], [d]) for rows, d in zip(logits, drafts)]
     assert batched.tokens == [r.tokens[0] for r in alone]
     assert batched.tokens == [[3, 1, 4, 6], [7], [2], [5, 5], [0, 2]]
     assert batched.accepted == [3, 0, 0, 1, 1]
@@ -227,8 +252,7 @@ def test_greedy_speculation_equals_step_by_step_argmax() -> None:
             truth = reference[b][done : done + rng.randint(0, 5)]
             drafts.append([t if rng.random() < 0.7 else rng.randrange(model.vocab) for t in truth])
         target_logits = [
-            torch.stack([model.logits(sequences[b] + d[:i]) for i in range(len(d) + 1)])
-            for b, d in zip(active, drafts)
+            torch.stack([model.logits(sequences[b] + d[:i]) for i in range(len(d) + 1)]) for b, d in zip(active, drafts)
         ]
         result = verify_greedy(target_logits, drafts)
         for b, new in zip(active, result.tokens):
@@ -290,8 +314,7 @@ def test_sampling_with_greedy_params_equals_verify_greedy_and_draws_nothing() ->
 def test_rejection_sampling_is_lossless(per_sequence_generators: bool) -> None:
     target, p, q = toy_tables(seed=4, params=PLAIN)
     trials = 20_000
-    result = run_trials(target, q, PLAIN, k=3, trials=trials, seed=7,
-                        per_sequence_generators=per_sequence_generators)
+    result = run_trials(target, q, PLAIN, k=3, trials=trials, seed=7, per_sequence_generators=per_sequence_generators)
     rate = sum(a > 0 for a in result.accepted) / trials
     assert 0.2 < rate < 0.9, f"acceptance should be partial, got {rate}"
     check_lossless(result, p)
@@ -307,8 +330,7 @@ def test_two_token_joint_distribution_matches_sequential_sampling() -> None:
     """Completing one-token rounds with a plain draw, (t0, t1) ~ p[START](t0) * p[t0](t1)."""
     target, p, q = toy_tables(seed=2, params=PLAIN)
     trials = 20_000
-    result = run_trials(target, q, PLAIN, k=2, trials=trials, seed=11,
-                        per_sequence_generators=False)
+    result = run_trials(target, q, PLAIN, k=2, trials=trials, seed=11, per_sequence_generators=False)
     g = torch.Generator().manual_seed(5)
     joint = torch.zeros(V, V)
     for tokens in result.tokens:
@@ -318,8 +340,7 @@ def test_two_token_joint_distribution_matches_sequential_sampling() -> None:
     expected = p[START][:, None] * p[:V]
     assert_matches(joint.flatten(), expected.flatten())
     independent = p[START][:, None] * p[START][None, :]  # a wrong conditional is detected
-    stat = ((joint.flatten() - trials * independent.flatten()) ** 2
-            / (trials * independent.flatten())).sum().item()
+    stat = ((joint.flatten() - trials * independent.flatten()) ** 2 / (trials * independent.flatten())).sum().item()
     assert stat > CHI2_999[24]
 
 
@@ -328,8 +349,7 @@ def test_lossless_with_temperature_top_k_top_p() -> None:
     target, p, q = toy_tables(seed=6, params=params, scale=1.0)
     assert ((p[START] > 0) != (q[START] > 0)).any(), "supports should differ to exercise residuals"
     assert (p[START] == 0).any()
-    result = run_trials(target, q, params, k=3, trials=20_000, seed=13,
-                        per_sequence_generators=False)
+    result = run_trials(target, q, params, k=3, trials=20_000, seed=13, per_sequence_generators=False)
     check_lossless(result, p)
     # The unfiltered target distribution is not what comes out.
     raw = torch.softmax(target[START], -1)
@@ -340,8 +360,7 @@ def test_lossless_with_temperature_top_k_top_p() -> None:
 def test_acceptance_rate_is_the_overlap(seed: int) -> None:
     target, p, q = toy_tables(seed=seed, params=PLAIN)
     trials = 20_000
-    result = run_trials(target, q, PLAIN, k=1, trials=trials, seed=seed,
-                        per_sequence_generators=False)
+    result = run_trials(target, q, PLAIN, k=1, trials=trials, seed=seed, per_sequence_generators=False)
     beta = torch.minimum(p[START], q[START]).sum().item()
     rate = sum(result.accepted) / trials
     assert abs(rate - beta) < 4 * math.sqrt(beta * (1 - beta) / trials), (rate, beta)
@@ -352,8 +371,9 @@ def test_deterministic_drafter_accepts_with_p_of_the_draft_and_stays_lossless() 
     d0 = int(torch.argsort(p[START], descending=True)[1])  # a likely but not the likeliest token
     d1 = int(torch.argmax(p[d0]))
     trials = 20_000
-    result = run_trials(target, None, PLAIN, k=2, trials=trials, seed=17,
-                        per_sequence_generators=False, fixed_drafts=[d0, d1])
+    result = run_trials(
+        target, None, PLAIN, k=2, trials=trials, seed=17, per_sequence_generators=False, fixed_drafts=[d0, d1]
+    )
     first_accept = sum(a >= 1 for a in result.accepted) / trials
     beta = p[START, d0].item()
     assert abs(first_accept - beta) < 4 * math.sqrt(beta * (1 - beta) / trials)
@@ -366,8 +386,7 @@ def test_deterministic_drafter_accepts_with_p_of_the_draft_and_stays_lossless() 
 
 
 def test_deterministic_drafter_with_certain_target_always_accepts() -> None:
-    logits = torch.tensor([[0.0, 50.0, 0.0], [0.0, 0.0, 50.0], [60.0, 0.0, 0.0]],
-                          dtype=torch.float64)
+    logits = torch.tensor([[0.0, 50.0, 0.0], [0.0, 0.0, 50.0], [60.0, 0.0, 0.0]], dtype=torch.float64)
     result = verify_sampling([logits], [[1, 2]], [None], [PLAIN], [make_generator(0, "cpu")])
     assert result.tokens == [[1, 2, 0]] and result.accepted == [2]
 
@@ -421,8 +440,10 @@ def test_same_seed_same_tokens_in_any_batch_order() -> None:
     def run(order: list[int], global_seed: int) -> list[list[int]]:
         torch.manual_seed(global_seed)  # must not matter: each row has its own generator
         result = verify_sampling(
-            [target_logits[b] for b in order], [drafts[b] for b in order],
-            [draft_probs[b] for b in order], [params[b] for b in order],
+            [target_logits[b] for b in order],
+            [drafts[b] for b in order],
+            [draft_probs[b] for b in order],
+            [params[b] for b in order],
             [make_generator(params[b].seed, "cpu") for b in order],
         )
         return [result.tokens[order.index(b)] for b in range(n)]
@@ -432,8 +453,9 @@ def test_same_seed_same_tokens_in_any_batch_order() -> None:
     assert run([3, 0, 5, 1, 4, 2], 3) == forward
     # Alone in its own batch, a sequence gives the same tokens too.
     for b in range(n):
-        alone = verify_sampling([target_logits[b]], [drafts[b]], [draft_probs[b]], [params[b]],
-                                [make_generator(params[b].seed, "cpu")])
+        alone = verify_sampling(
+            [target_logits[b]], [drafts[b]], [draft_probs[b]], [params[b]], [make_generator(params[b].seed, "cpu")]
+        )
         assert alone.tokens[0] == forward[b]
 
 
@@ -470,8 +492,7 @@ def test_generator_consumption_order_is_k_uniforms_then_v_exponentials() -> None
 def test_different_seeds_give_different_tokens() -> None:
     logits = torch.zeros(1, 1000)
     tokens = {
-        verify_sampling([logits], [[]], [None], [PLAIN], [make_generator(s, "cpu")]).tokens[0][0]
-        for s in range(10)
+        verify_sampling([logits], [[]], [None], [PLAIN], [make_generator(s, "cpu")]).tokens[0][0] for s in range(10)
     }
     assert len(tokens) > 5
 
@@ -497,9 +518,10 @@ def test_greedy_verification_from_device_argmax_equals_the_logits_path():
     drafts = [[], [4, 1, 7], [2, 2], [5, 0, 3, 3]]
     logits = [torch.randn(1 + len(d), 8) for d in drafts]
     for d, rows in zip(drafts, logits):  # make some drafts right, so acceptance varies
-        for i, token in enumerate(d[:len(d) // 2 + 1]):
+        for i, token in enumerate(d[: len(d) // 2 + 1]):
             rows[i, token] += 10.0
     expected = verify_greedy(logits, drafts)
     got = verify_greedy_tokens([rows.argmax(-1).tolist() for rows in logits], drafts)
-    assert got == expected and any(expected.accepted) and not all(
-        a == len(d) for a, d in zip(expected.accepted, drafts))
+    assert (
+        got == expected and any(expected.accepted) and not all(a == len(d) for a, d in zip(expected.accepted, drafts))
+    )

@@ -111,6 +111,5 @@ def test_decided_is_exact(n):
     for k in range(n + 1):
         for prefix in itertools.product(alphabet, repeat=k):
             vote = _vote(n, list(prefix))
-            finals = {_vote(n, [*prefix, *rest]).winner
-                      for rest in itertools.product(alphabet, repeat=n - k)}
+            finals = {_vote(n, [*prefix, *rest]).winner for rest in itertools.product(alphabet, repeat=n - k)}
             assert vote.decided == (finals == {vote.winner}), prefix

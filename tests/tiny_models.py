@@ -16,11 +16,23 @@ VOCAB = 512
 
 def _common(**overrides) -> dict:
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
-        eos_token_id=None, pad_token_id=0, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rms_norm_eps=1e-6,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
     )
     base.update(overrides)
     return base
@@ -44,14 +56,28 @@ def make_model(kind: str, seed: int = 0, **overrides):
         config = tf.Qwen3_5TextConfig(**_common(**overrides))
         model = tf.Qwen3_5ForCausalLM(config)
     elif kind == "qwen3_5_moe":
-        config = tf.Qwen3_5MoeTextConfig(**_common(
-            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, **overrides))
+        config = tf.Qwen3_5MoeTextConfig(
+            **_common(
+                num_experts=6,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                **overrides,
+            )
+        )
         model = tf.Qwen3_5MoeForCausalLM(config)
     elif kind == "qwen3_next":
-        config = tf.Qwen3NextConfig(**_common(
-            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, decoder_sparse_step=1, norm_topk_prob=True, **overrides))
+        config = tf.Qwen3NextConfig(
+            **_common(
+                num_experts=6,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                decoder_sparse_step=1,
+                norm_topk_prob=True,
+                **overrides,
+            )
+        )
         model = tf.Qwen3NextForCausalLM(config)
     else:
         raise ValueError(kind)
@@ -75,26 +101,40 @@ def add_mtp_weights(directory: Path, num_layers: int = 1, seed: int = 1) -> None
     from safetensors.torch import load_file, save_file
 
     config = json.loads((directory / "config.json").read_text())
-    h, heads, kv, d = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
-                       config["head_dim"])
+    h, heads, kv, d = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.05):
         return torch.randn(*shape, generator=gen) * scale
 
-    tensors = {"mtp.fc.weight": rand(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": rand(h),
-               "mtp.pre_fc_norm_hidden.weight": rand(h), "mtp.norm.weight": rand(h)}
+    tensors = {
+        "mtp.fc.weight": rand(h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": rand(h),
+        "mtp.pre_fc_norm_hidden.weight": rand(h),
+        "mtp.norm.weight": rand(h),
+    }
     for i in range(num_layers):
         p = f"mtp.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": rand(h), p + "post_attention_layernorm.weight": rand(h),
-            p + "self_attn.q_proj.weight": rand(2 * heads * d, h), p + "self_attn.k_proj.weight": rand(kv * d, h),
-            p + "self_attn.v_proj.weight": rand(kv * d, h), p + "self_attn.o_proj.weight": rand(h, heads * d),
-            p + "self_attn.q_norm.weight": rand(d), p + "self_attn.k_norm.weight": rand(d),
-            p + "mlp.gate_proj.weight": rand(config["intermediate_size"], h),
-            p + "mlp.up_proj.weight": rand(config["intermediate_size"], h),
-            p + "mlp.down_proj.weight": rand(h, config["intermediate_size"]),
-        })
+        tensors.update(
+            {
+                p + "input_layernorm.weight": rand(h),
+                p + "post_attention_layernorm.weight": rand(h),
+                p + "self_attn.q_proj.weight": rand(2 * heads * d, h),
+                p + "self_attn.k_proj.weight": rand(kv * d, h),
+                p + "self_attn.v_proj.weight": rand(kv * d, h),
+                p + "self_attn.o_proj.weight": rand(h, heads * d),
+                p + "self_attn.q_norm.weight": rand(d),
+                p + "self_attn.k_norm.weight": rand(d),
+                p + "mlp.gate_proj.weight": rand(config["intermediate_size"], h),
+                p + "mlp.up_proj.weight": rand(config["intermediate_size"], h),
+                p + "mlp.down_proj.weight": rand(h, config["intermediate_size"]),
+            }
+        )
     weights = load_file(directory / "model.safetensors")
     weights.update(tensors)
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})

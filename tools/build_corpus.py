@@ -36,8 +36,9 @@ import urllib.parse
 import urllib.request
 import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -45,7 +46,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class Source(NamedTuple):
-    """A pinned PyPI sdist: `exclude` lists path fragments whose files are left out (vendored code under other terms)."""
+    """A pinned PyPI sdist: `exclude` lists path fragments whose files are left out (vendored code under other
+    terms)."""
 
     name: str
     version: str
@@ -60,7 +62,12 @@ SOURCES = (
     Source("requests", "2.34.2", "Apache-2.0", "f288924cae4e29463698d6d60bc6a4da69c89185ad1e0bcc4104f584e960b9ed"),
     Source("urllib3", "2.8.0", "MIT", "63bf2ead4c879426ebf22ef2a781eeb4aa3b4ae798a0435506f8687fd5bb9b63"),
     Source("httpx", "0.28.1", "BSD-3-Clause", "75e98c5f16b0f35b567856f597f06ff2270a374470a5c2392242528e3e3e42fc"),
-    Source("packaging", "26.4", "Apache-2.0 OR BSD-2-Clause", "c4b671c41ddb9bf26e543c37723610d28fb6bf7affc4da17cf048d419d2c062a"),
+    Source(
+        "packaging",
+        "26.4",
+        "Apache-2.0 OR BSD-2-Clause",
+        "c4b671c41ddb9bf26e543c37723610d28fb6bf7affc4da17cf048d419d2c062a",
+    ),
     Source("more-itertools", "11.2.1", "MIT", "cbf08fd0af284dc69718b9b76a8e6203df624d70209ea511e4219d350c856f63"),
     Source("toolz", "1.2.0", "BSD-3-Clause", "9667a038e9d6ecba37995e26cb2f59ec6420b6ad8dd9677de59db9b956b08490"),
     Source("boltons", "26.2.0", "BSD-3-Clause", "d39cfd15c1a1c3bd4d705c82252fa9edb8e4f5e8cc039f8e39afac7b1b47e92c"),
@@ -69,7 +76,9 @@ SOURCES = (
     Source("pyparsing", "3.3.3", "MIT", "928ae7e20211f3b6f3915a72f06a0cfd29ab9d24279dd6346b6b1a7146397d36"),
     Source("pygments", "2.21.0", "BSD-2-Clause", "610ca751c9bc2492b38eb9a38a7fbc93edbbb2d7182edaf34e66ae493dee5c8c"),
     Source("rich", "15.0.0", "MIT", "edd07a4824c6b40189fb7ac9bc4c52536e9780fbbfbddf6f1e2502c31b068c36"),
-    Source("prompt_toolkit", "3.0.53", "BSD-3-Clause", "9ec8a0ad96d5c56148b3f914aa79c1564c3fde5d2e6b876e7bc327e353cf8fa6"),
+    Source(
+        "prompt_toolkit", "3.0.53", "BSD-3-Clause", "9ec8a0ad96d5c56148b3f914aa79c1564c3fde5d2e6b876e7bc327e353cf8fa6"
+    ),
     Source("jinja2", "3.1.6", "BSD-3-Clause", "0137fb05990d35f1275a587e9aee6d56da821fc83491a0fb838183be43f66d6d"),
     Source("werkzeug", "3.1.9", "BSD-3-Clause", "55ca7c70a75689be937aa27f8ff4b018f06ff4838fc73045560bf0f5a1291060"),
     Source("flask", "3.1.3", "BSD-3-Clause", "0ef0e52b8a9cd932855379197dd8f94047b359ca0a78695144304cb45f87c9eb"),
@@ -77,12 +86,19 @@ SOURCES = (
     Source("pydantic", "2.14.4", "MIT", "7c19f1d46f8accf55a4617a6116e1ade64840870f397b846a2c53fb9019414ba"),
     Source("fastapi", "0.165.0", "MIT", "dd94d4128319c1e1d50535ab023ab698f850a4d2822f0e181747b46f4ff3c0ab"),
     Source("tornado", "6.6.1", "Apache-2.0", "28e6311402af59c8b02e3fa0f5e7d8eb465b25081381803b127d97e6a4395d5a"),
-    Source("aiohttp", "3.14.5", "Apache-2.0 AND MIT", "5558a7f5a05af9ecf744af91e5baefc436f93c9333e656c27ec253f9a6bbe178"),
+    Source(
+        "aiohttp", "3.14.5", "Apache-2.0 AND MIT", "5558a7f5a05af9ecf744af91e5baefc436f93c9333e656c27ec253f9a6bbe178"
+    ),
     Source("kombu", "5.7.0", "BSD-3-Clause", "31e62fdfd2381caa3422f8e02b84a491d9a2180ddda74507b57f4cb1e1c2c2c9"),
     Source("celery", "5.7.0", "BSD-3-Clause", "6a5dfcf6662287204f009a02002b9e66c83d4105e47ebabdc7079108772fc6f0"),
     Source("django", "6.1.3", "BSD-3-Clause", "b5d2d9e35295065d13b1927b3f19a59bd119f737aa6299def14ccca1ae3c8c0d"),
     Source("sqlalchemy", "2.1.9", "MIT", "d700a8b2edfb26282a470333d6bc4a454c4acda4d201a3bea7b72fa76c217d28"),
-    Source("docutils", "0.23", "Public-Domain AND BSD-2-Clause (.py files)", "746f5060322511280a1e50eb76846ed6bf2342984b2ac04dc42caa1a8d78799e"),
+    Source(
+        "docutils",
+        "0.23",
+        "Public-Domain AND BSD-2-Clause (.py files)",
+        "746f5060322511280a1e50eb76846ed6bf2342984b2ac04dc42caa1a8d78799e",
+    ),
     Source("sphinx", "9.2.0", "BSD-2-Clause", "90470459f3cab15d9dfed146c71cf77694b0445df17b2e0e69059cb9f7fc9ee4"),
     Source("babel", "2.19.0", "BSD-3-Clause", "fddd2cbbbac7c299af3c2880be23609c331bd94f0912baca6cb0abfe054dfc27"),
     Source("parso", "0.8.7", "MIT", "eaaac4c9fdd5e9e8852dc778d2d7405897ec510f2a298071453e5e3a07914bb1"),
@@ -91,14 +107,33 @@ SOURCES = (
     Source("black", "26.10.1", "MIT", "5f9f83beae62437e060dafd53d7f1fc327e3d3494f74d72ee5c2b73eb90fc4e7"),
     Source("mypy", "2.4.1", "MIT", "63b590965691e540a335fa74dadf31a7069142f6b72e234689bbd244edf55623"),
     Source("networkx", "3.7", "BSD-3-Clause", "fd77a511bd90f39f3d016351345b52cf5319b813bdca01de3f755d3cca62e96a"),
-    Source("numpy", "2.5.5", "BSD-3-Clause", "5cddc243c75114ba845f01b1f87aca1572dbf7b6c2d88636ed3e1d2bccd7f1bf", ("vendored-meson/",)),
+    Source(
+        "numpy",
+        "2.5.5",
+        "BSD-3-Clause",
+        "5cddc243c75114ba845f01b1f87aca1572dbf7b6c2d88636ed3e1d2bccd7f1bf",
+        ("vendored-meson/",),
+    ),
     Source("scikit-learn", "1.9.1", "BSD-3-Clause", "629cada3e33e2b9bf376cdc7614a47a4140b8aedc1d836579e359736fbd82977"),
-    Source("matplotlib", "3.11.2", "PSF-2.0 style (Matplotlib License)", "cec596316640f2b394b8f0daa0ea61a8eae82d017b620b9f202befb972a59ea4"),
+    Source(
+        "matplotlib",
+        "3.11.2",
+        "PSF-2.0 style (Matplotlib License)",
+        "cec596316640f2b394b8f0daa0ea61a8eae82d017b620b9f202befb972a59ea4",
+    ),
     Source("dask", "2026.8.0", "BSD-3-Clause", "8a94c37b5de6d869343340dc26c3c3acca7ec48a3abdabe00ea3abb1125884d5"),
     Source("bokeh", "3.10.2", "BSD-3-Clause", "d9fba1004fae149c6e6d54ba37410e52b8d4622ed5c6dad2220afa1b61362de0"),
     # pip vendors certifi (MPL-2.0); setuptools vendors autocommand (LGPL-3.0).
-    Source("pip", "26.3", "MIT", "6c36ae7da8695be67e3cd9f7d87919667ced53f57ce2ede75d89b5912ed2bc4c", ("_vendor/certifi/",)),
-    Source("setuptools", "84.2.1", "MIT", "3ff8b3b5492a0aa66960f4419365a86b84e013070d4313e4d4a6894f5d64d6bc", ("_vendor/autocommand",)),
+    Source(
+        "pip", "26.3", "MIT", "6c36ae7da8695be67e3cd9f7d87919667ced53f57ce2ede75d89b5912ed2bc4c", ("_vendor/certifi/",)
+    ),
+    Source(
+        "setuptools",
+        "84.2.1",
+        "MIT",
+        "3ff8b3b5492a0aa66960f4419365a86b84e013070d4313e4d4a6894f5d64d6bc",
+        ("_vendor/autocommand",),
+    ),
 )
 
 STDLIB_NAME = "python-stdlib"
@@ -113,10 +148,13 @@ COPYLEFT = re.compile(r"GNU (?:Lesser |Library |Affero )?General Public License|
 LITERAL_LINE = re.compile(r"\s*(?:[-+]?\.?\d|[rbuRBU]{0,2}['\"]|[(\[{}\])])")
 NEAR_DUP_NOISE = re.compile(r"#[^\n]*|\s+")
 
-CHAT_FORMAT = "<|im_start|>user\n{request}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{answer}<|im_end|>\n"
+CHAT_FORMAT = (
+    "<|im_start|>user\n{request}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{answer}<|im_end|>\n"
+)
 MIN_BODY_LINES, MAX_BODY_LINES = 3, 60
 
-# Verbs that open docstrings ("Return ...", "Returns ..."); they let a request say "that returns ..." or "to return ...".
+# Verbs that open docstrings ("Return ...", "Returns ..."); they let a request say "that returns ..." or
+# "to return ...".
 VERBS = frozenset(
     """
     accept add append apply build calculate call check clean clear close collect compare compile compute configure
@@ -147,7 +185,8 @@ METHOD_TEMPLATES = {
     "to": "Add a method `{sig}` to the `{cls}` class to {imperative}",
     "ask": "Can you write the `{name}` method of a `{cls}` class that {third_q}?",
     "describe": "Write the method `{cls}.{sig}` based on this description: {summary}",
-    "spec": "Implement the following method of the class `{cls}` in Python.\n\nSignature: `{defline}`\nDescription: {summary}",
+    "spec": "Implement the following method of the class `{cls}` in Python.\n\n"
+    "Signature: `{defline}`\nDescription: {summary}",
 }
 VERB_TEMPLATES = frozenset({"that", "which", "to", "ask"})
 
@@ -199,7 +238,9 @@ def fetch_sdist(source: Source, cache: Path) -> bytes:
                 return data
     api_url, entry = _sdist_entry(source)
     if entry["digests"]["sha256"] != source.sha256:
-        raise RuntimeError(f"{source.name} {source.version}: PyPI lists sha256 {entry['digests']['sha256']}, pinned {source.sha256}.")
+        raise RuntimeError(
+            f"{source.name} {source.version}: PyPI lists sha256 {entry['digests']['sha256']}, pinned {source.sha256}."
+        )
     with urllib.request.urlopen(urllib.parse.urljoin(api_url, entry["url"]), timeout=300) as response:
         data = response.read()
     if _sha256(data) != source.sha256:
@@ -219,13 +260,18 @@ def sdist_files(data: bytes) -> Iterator[tuple[str, int, bytes | None]]:
     """
     if zipfile.is_zipfile(io.BytesIO(data)):
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            infos = sorted((i for i in archive.infolist() if not i.is_dir() and i.filename.endswith(".py")), key=lambda i: i.filename)
+            infos = sorted(
+                (i for i in archive.infolist() if not i.is_dir() and i.filename.endswith(".py")),
+                key=lambda i: i.filename,
+            )
             for info in infos:
                 content = archive.read(info) if info.file_size <= MAX_FILE_BYTES else None
                 yield info.filename.split("/", 1)[-1], info.file_size, content
         return
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
-        members = sorted((m for m in archive.getmembers() if m.isfile() and m.name.endswith(".py")), key=lambda m: m.name)
+        members = sorted(
+            (m for m in archive.getmembers() if m.isfile() and m.name.endswith(".py")), key=lambda m: m.name
+        )
         for member in members:
             content = archive.extractfile(member).read() if member.size <= MAX_FILE_BYTES else None
             yield member.name.split("/", 1)[-1], member.size, content
@@ -391,7 +437,9 @@ def instruction_pairs(source: str, path: str, text: str, phrasings: int) -> Iter
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             candidates.append((node, None))
         elif isinstance(node, ast.ClassDef):
-            candidates += [(item, node.name) for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            candidates += [
+                (item, node.name) for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
     for node, cls in candidates:
         docstring = ast.get_docstring(node)
         if not docstring or len(node.body) < 2:
@@ -463,7 +511,9 @@ def collect_files(cache: Path) -> tuple[dict, dict[str, list[dict]]]:
     return stats, splits
 
 
-def build_pairs(files: list[dict], phrasings: int, exclude_answers: set[str]) -> tuple[list[tuple[bool, list[str]]], set[str]]:
+def build_pairs(
+    files: list[dict], phrasings: int, exclude_answers: set[str]
+) -> tuple[list[tuple[bool, list[str]]], set[str]]:
     """`(is_test, phrasings)` of the instruction pairs of `files`, one per distinct answer not in `exclude_answers`."""
     pairs, answers = [], set()
     for record in tqdm(files, desc="instruction pairs", unit="file"):
@@ -501,7 +551,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "corpus", help="output folder")
     parser.add_argument("--cache", type=Path, default=REPO_ROOT / "build" / "sdists", help="sdist download cache")
-    parser.add_argument("--chat-fraction", type=float, default=0.25, help="target share of chat pairs in the training bytes")
+    parser.add_argument(
+        "--chat-fraction", type=float, default=0.25, help="target share of chat pairs in the training bytes"
+    )
     parser.add_argument("--phrasings", type=int, default=2, help="most request phrasings per training function")
     args = parser.parse_args()
 
@@ -525,7 +577,8 @@ def main() -> None:
         "split_rule": SPLIT_RULE,
         "filters": {
             "max_file_bytes": MAX_FILE_BYTES,
-            "data": f"more than half the lines or characters in lines over {LONG_LINE} chars, or >=200 lines with >70% literal lines",
+            "data": f"more than half the lines or characters in lines over {LONG_LINE} chars, "
+            "or >=200 lines with >70% literal lines",
             "copyleft_header": COPYLEFT.pattern,
             "near_duplicate": "sha256 of the text without #-comments and whitespace",
         },

@@ -26,8 +26,10 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
     special = set(tokenizer.all_special_ids)
     tokens = tokenizer.convert_ids_to_tokens(list(range(vocab)))
     added = {t.content for t in tokenizer.added_tokens_decoder.values()}
-    return np.array([0 if i in special else (len(t.encode()) if t in added else len(t)) for i, t in enumerate(tokens)],
-                    dtype=np.int64)
+    return np.array(
+        [0 if i in special else (len(t.encode()) if t in added else len(t)) for i, t in enumerate(tokens)],
+        dtype=np.int64,
+    )
 
 
 @torch.no_grad()
@@ -37,7 +39,9 @@ def evaluate_lm(model, tokens: np.ndarray, byte_lengths: np.ndarray, seq_len: in
     total_nll, total_tokens, total_bytes = 0.0, 0, 0
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     for first in range(0, windows, batch):
-        rows = np.stack([tokens[w * seq_len:(w + 1) * seq_len + 1] for w in range(first, min(first + batch, windows))])
+        rows = np.stack(
+            [tokens[w * seq_len : (w + 1) * seq_len + 1] for w in range(first, min(first + batch, windows))]
+        )
         ids = torch.from_numpy(rows.astype(np.int64)).to(device)
         with autocast:
             logits = model(ids[:, :-1]).logits
@@ -45,5 +49,9 @@ def evaluate_lm(model, tokens: np.ndarray, byte_lengths: np.ndarray, seq_len: in
         total_nll += nll.item()
         total_tokens += ids[:, 1:].numel()
         total_bytes += int(byte_lengths[rows[:, 1:]].sum())
-    return {"tokens": total_tokens, "loss": total_nll / total_tokens, "ppl": math.exp(total_nll / total_tokens),
-            "bits_per_byte": total_nll / math.log(2) / max(total_bytes, 1)}
+    return {
+        "tokens": total_tokens,
+        "loss": total_nll / total_tokens,
+        "ppl": math.exp(total_nll / total_tokens),
+        "bits_per_byte": total_nll / math.log(2) / max(total_bytes, 1),
+    }

@@ -40,20 +40,59 @@ def sweep(batch: int, device: str = "cuda") -> list[dict]:
                 state = initial.clone()
                 out = torch.empty(batch, VALUE_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
-                def launch():
+                def launch(columns=columns, warps=warps, stages=stages, out=out, state=state):
                     _recurrent_kernel[(batch, VALUE_HEADS, HEAD_DIM // columns)](
-                        q, k, v, g, beta, out, state, state, state, state, state, query_start, slots, zeros, zeros,
-                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                        beta.stride(0), out.stride(0), out.stride(1), state.stride(0), state.stride(1),
-                        state.stride(2), *(0,) * 10, HEAD_RATIO=VALUE_HEADS // KEY_HEADS, DK=HEAD_DIM,
-                        DV=HEAD_DIM, BK=HEAD_DIM, BV=columns, HAS_LOG=False, num_warps=warps, num_stages=stages)
+                        q,
+                        k,
+                        v,
+                        g,
+                        beta,
+                        out,
+                        state,
+                        state,
+                        state,
+                        state,
+                        state,
+                        query_start,
+                        slots,
+                        zeros,
+                        zeros,
+                        q.stride(0),
+                        q.stride(1),
+                        k.stride(0),
+                        k.stride(1),
+                        v.stride(0),
+                        v.stride(1),
+                        g.stride(0),
+                        beta.stride(0),
+                        out.stride(0),
+                        out.stride(1),
+                        state.stride(0),
+                        state.stride(1),
+                        state.stride(2),
+                        *(0,) * 10,
+                        HEAD_RATIO=VALUE_HEADS // KEY_HEADS,
+                        DK=HEAD_DIM,
+                        DV=HEAD_DIM,
+                        BK=HEAD_DIM,
+                        BV=columns,
+                        HAS_LOG=False,
+                        num_warps=warps,
+                        num_stages=stages,
+                    )
 
                 launch()
                 reference = reference if reference is not None else out.clone()
                 us = 1e3 * do_bench(launch, warmup=20, rep=100, return_mode="median")
-                row = {"sequences": batch, "columns": columns, "warps": warps, "stages": stages, "us": us,
-                       "state_gb_s": 2 * state[:batch].numel() * 4 / us / 1e3,
-                       "bitwise_equal": torch.equal(out, reference)}
+                row = {
+                    "sequences": batch,
+                    "columns": columns,
+                    "warps": warps,
+                    "stages": stages,
+                    "us": us,
+                    "state_gb_s": 2 * state[:batch].numel() * 4 / us / 1e3,
+                    "bitwise_equal": torch.equal(out, reference),
+                }
                 print(*row.values(), flush=True)
                 results.append(row)
     return results

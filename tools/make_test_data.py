@@ -23,7 +23,7 @@ def function_prompts(text: str, limit: int) -> list[dict]:
             doc = node.body[0]
             if len(node.body) < 2 or doc.end_lineno - node.lineno > 12:
                 continue
-            out.append({"name": node.name, "prompt": "".join(lines[node.lineno - 1:doc.end_lineno])})
+            out.append({"name": node.name, "prompt": "".join(lines[node.lineno - 1 : doc.end_lineno])})
         if len(out) >= limit:
             break
     return out
@@ -50,7 +50,7 @@ def main() -> None:
         prompts += [{**p, "path": row["path"]} for p in function_prompts(row["text"], args.per_file)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "heldout_code_sample.txt").write_text(sample)
-    (args.out / "heldout_functions.json").write_text(json.dumps(prompts[:args.functions], indent=1))
+    (args.out / "heldout_functions.json").write_text(json.dumps(prompts[: args.functions], indent=1))
     print(f"sample: {len(sample)} bytes from {files}; {min(len(prompts), args.functions)} function prompts")
 
 

@@ -48,7 +48,9 @@ def write_stream(tokenizer: Tokenizer, texts: list[str], path: Path, batch_size:
     tmp = path.with_suffix(path.suffix + ".part")
     with tmp.open("wb") as handle, tqdm(total=len(texts), desc=desc, unit="doc") as progress:
         for start in range(0, len(texts), batch_size):
-            for offset, encoding in enumerate(tokenizer.encode_batch(texts[start : start + batch_size], add_special_tokens=False)):
+            for offset, encoding in enumerate(
+                tokenizer.encode_batch(texts[start : start + batch_size], add_special_tokens=False)
+            ):
                 ids = np.asarray(encoding.ids, dtype=np.uint16)
                 handle.write(ids.astype("<u2").tobytes())
                 handle.write(eot.astype("<u2").tobytes())
@@ -77,7 +79,11 @@ def compress(path: Path, preset: int) -> Path:
     target = path.with_name(path.name + ".xz")
     tmp = target.with_suffix(".xz.part")
     size = path.stat().st_size
-    with path.open("rb") as source, lzma.open(tmp, "wb", preset=preset) as sink, tqdm(total=size, desc="xz", unit="B", unit_scale=True) as progress:
+    with (
+        path.open("rb") as source,
+        lzma.open(tmp, "wb", preset=preset) as sink,
+        tqdm(total=size, desc="xz", unit="B", unit_scale=True) as progress,
+    ):
         while chunk := source.read(1 << 22):
             sink.write(chunk)
             progress.update(len(chunk))
@@ -91,8 +97,12 @@ def utf8_bytes(texts: list[str]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=Path, default=REPO_ROOT / "build" / "corpus", help="folder of build_corpus.py's output")
-    parser.add_argument("--tokenizer", type=Path, default=REPO_ROOT / "build" / "tokenizer", help="folder of tokenizer.json")
+    parser.add_argument(
+        "--corpus", type=Path, default=REPO_ROOT / "build" / "corpus", help="folder of build_corpus.py's output"
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, default=REPO_ROOT / "build" / "tokenizer", help="folder of tokenizer.json"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "pack", help="output folder")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training documents' shuffle")
     parser.add_argument("--batch-size", type=int, default=256, help="documents per encode_batch call")
@@ -135,7 +145,12 @@ def main() -> None:
         texts = read_texts(args.corpus / f"{name}.jsonl")
         held = write_stream(tokenizer, texts, args.out / f"{name}.bin", args.batch_size, name)
         check_stream(tokenizer, args.out / f"{name}.bin", texts, held, args.check_docs)
-        splits[name] = {"file": f"{name}.bin", "documents": len(texts), "tokens": int(held.sum()), "text_bytes": utf8_bytes(texts)}
+        splits[name] = {
+            "file": f"{name}.bin",
+            "documents": len(texts),
+            "tokens": int(held.sum()),
+            "text_bytes": utf8_bytes(texts),
+        }
     for split in splits.values():
         split["bytes_per_token"] = round(split["text_bytes"] / split["tokens"], 4)
         split["sha256"] = file_sha256(args.out / split["file"])
@@ -148,9 +163,15 @@ def main() -> None:
         "eot_token_id": tokenizer.token_to_id(EOT),
         "tokenizer_sha256": file_sha256(tokenizer_path),
         "shuffle_seed": args.seed,
-        "notes": "tokens count one <|endoftext|> after every document; text_bytes are the documents' UTF-8 bytes without it",
+        "notes": "tokens count one <|endoftext|> after every document; "
+        "text_bytes are the documents' UTF-8 bytes without it",
         "splits": splits,
-        "train_xz": {"file": packed.name, "bytes": packed.stat().st_size, "preset": args.xz_preset, "sha256": file_sha256(packed)},
+        "train_xz": {
+            "file": packed.name,
+            "bytes": packed.stat().st_size,
+            "preset": args.xz_preset,
+            "sha256": file_sha256(packed),
+        },
     }
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(json.dumps(meta, indent=2))

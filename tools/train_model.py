@@ -18,18 +18,35 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from corpus_io import evaluate_lm, load_tokens, token_byte_lengths
 
 SHAPES = {
     # 8 layers, 3 GDN : 1 attention, tied 8k embeddings: ~10.6 M parameters
-    "target": dict(hidden_size=320, num_hidden_layers=8, intermediate_size=704, num_attention_heads=4,
-                   num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                   linear_key_head_dim=64, linear_value_head_dim=64),
+    "target": dict(
+        hidden_size=320,
+        num_hidden_layers=8,
+        intermediate_size=704,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    ),
     # 4 layers: ~2.5 M parameters
-    "draft": dict(hidden_size=160, num_hidden_layers=4, intermediate_size=448, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                  linear_key_head_dim=32, linear_value_head_dim=32),
+    "draft": dict(
+        hidden_size=160,
+        num_hidden_layers=4,
+        intermediate_size=448,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    ),
 }
 
 
@@ -37,9 +54,16 @@ def build_config(shape: str, vocab_size: int, eos_ids: list[int], pad_id: int, m
     import transformers as tf
 
     return tf.Qwen3_5TextConfig(
-        vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=max_len,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        max_position_embeddings=max_len,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None, **SHAPES[shape])
+        rms_norm_eps=1e-6,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        **SHAPES[shape],
+    )
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -51,7 +75,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 
 def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator, device) -> torch.Tensor:
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch)
-    rows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64)
+    rows = np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64)
     return torch.from_numpy(rows).to(device, non_blocking=True)  # [B, L+1]
 
 
@@ -94,11 +118,15 @@ def main() -> None:
     model = tf.Qwen3_5ForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     steps = int(args.tokens // (args.batch * args.seq_len))
-    print(f"{args.shape}: {n_params / 1e6:.2f} M parameters, {steps} steps of {args.batch}x{args.seq_len} tokens, "
-          f"{len(train) / 1e6:.1f} M training tokens", flush=True)
+    print(
+        f"{args.shape}: {n_params / 1e6:.2f} M parameters, {steps} steps of {args.batch}x{args.seq_len} tokens, "
+        f"{len(train) / 1e6:.1f} M training tokens",
+        flush=True,
+    )
     fused = device.type == "cuda"
-    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=fused)
+    opt = torch.optim.AdamW(
+        param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused
+    )
     rng = np.random.default_rng(args.seed)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     curve, t0, seen = {"step": [], "tokens": [], "train_loss": [], "lr": [], "eval": []}, time.time(), 0
@@ -121,19 +149,24 @@ def main() -> None:
             curve["tokens"].append(seen)
             curve["train_loss"].append(loss.item())
             curve["lr"].append(lr)
-            print(f"step {step}/{steps} loss {loss.item():.4f} lr {lr:.2e} "
-                  f"{seen / (time.time() - t0) / 1e3:.0f} k tok/s", flush=True)
+            print(
+                f"step {step}/{steps} loss {loss.item():.4f} lr {lr:.2e} {seen / (time.time() - t0) / 1e3:.0f} k tok/s",
+                flush=True,
+            )
         if (step + 1) % args.eval_every == 0 and step != steps - 1:
             model.eval()
-            result = {name: evaluate_lm(model, toks[:args.eval_tokens], byte_lengths, args.seq_len, device)
-                      for name, toks in heldout.items()}
+            result = {
+                name: evaluate_lm(model, toks[: args.eval_tokens], byte_lengths, args.seq_len, device)
+                for name, toks in heldout.items()
+            }
             model.train()
             curve["eval"].append({"step": step, "tokens": seen, **result})
             print(f"eval @ {step}: " + json.dumps(result), flush=True)
     curve["seconds"] = time.time() - t0
     model = model.to(torch.bfloat16).eval()
-    curve["final_bf16"] = {name: evaluate_lm(model, toks, byte_lengths, args.seq_len, device)
-                           for name, toks in heldout.items()}
+    curve["final_bf16"] = {
+        name: evaluate_lm(model, toks, byte_lengths, args.seq_len, device) for name, toks in heldout.items()
+    }
     print("final (bfloat16 weights, all held-out tokens): " + json.dumps(curve["final_bf16"]), flush=True)
     curve["parameters"] = n_params
     curve["args"] = {k: str(v) for k, v in vars(args).items()}

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
-
 from corpus_io import load_tokens
+from torch import nn
 from train_model import lr_at, sample_batch
 
 
@@ -69,7 +68,9 @@ def evaluate_mtp(head, target, tokens: np.ndarray, seq_len: int, device, autocas
     windows = (len(tokens) - 2) // seq_len
     correct = count = 0
     for first in range(0, windows, batch):
-        rows = np.stack([tokens[w * seq_len:(w + 1) * seq_len + 2] for w in range(first, min(first + batch, windows))])
+        rows = np.stack(
+            [tokens[w * seq_len : (w + 1) * seq_len + 2] for w in range(first, min(first + batch, windows))]
+        )
         _, c, n = mtp_step(head, target, torch.from_numpy(rows.astype(np.int64)).to(device), autocast)
         correct, count = correct + c, count + n
     return {"tokens": count, "top1_at_plus2": correct / max(count, 1)}
@@ -120,8 +121,9 @@ def main() -> None:
     train = load_tokens(args.pack / "train.bin")
     heldout = {name: load_tokens(args.pack / f"heldout_{name}.bin") for name in ("code", "chat")}
     steps = int(args.tokens // (args.batch * args.seq_len))
-    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
+    )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     rng = np.random.default_rng(args.seed)
     curve, t0 = {"step": [], "train_loss": [], "train_top1": []}, time.time()
@@ -129,8 +131,9 @@ def main() -> None:
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, args.lr, args.warmup)
-        loss, correct, count = mtp_step(head, target, sample_batch(train, args.batch, args.seq_len + 1, rng, device),
-                                        autocast)
+        loss, correct, count = mtp_step(
+            head, target, sample_batch(train, args.batch, args.seq_len + 1, rng, device), autocast
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
@@ -142,8 +145,9 @@ def main() -> None:
             print(f"mtp step {step}/{steps} loss {loss.item():.4f} top1@+2 {correct / count:.3f}", flush=True)
     head = head.to(torch.bfloat16)
     target = target.to(torch.bfloat16)
-    curve["final_bf16"] = {name: evaluate_mtp(head, target, toks, args.seq_len, device, autocast)
-                           for name, toks in heldout.items()}
+    curve["final_bf16"] = {
+        name: evaluate_mtp(head, target, toks, args.seq_len, device, autocast) for name, toks in heldout.items()
+    }
     curve["seconds"] = time.time() - t0
     print("final MTP (bfloat16, all held-out tokens): " + json.dumps(curve["final_bf16"]), flush=True)
     save_head(head, args.target)

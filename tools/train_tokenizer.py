@@ -14,8 +14,8 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
@@ -25,13 +25,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tests.tiny_tokenizer import SPECIAL_TOKENS, TEXT_TOKENS, write_tokenizer_config  # noqa: E402
 
-QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 ADDED_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TEXT_TOKENS))
 ROUND_TRIP_SAMPLES = (
     "def f(x):\n    if x:\n\t\treturn  x  \n\n\n        # trailing   \n",
     "class A:\n    '''Doc.'''\n\n    def __init__(self, y: int = 3) -> None:\n        self.y = y\r\n",
-    "x = {'a': [1, 2.5e-3, -0x1F], \"b\": f\"{y!r:>10}\"}  # ünïcödé ✓ 中文 😀\n",
-    "<|im_start|>user\nWrite it.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n```python\npass\n```<|im_end|>\n",
+    'x = {\'a\': [1, 2.5e-3, -0x1F], "b": f"{y!r:>10}"}  # ünïcödé ✓ 中文 😀\n',
+    "<|im_start|>user\nWrite it.<|im_end|>\n<|im_start|>assistant\n"
+    "<think>\n\n</think>\n\n```python\npass\n```<|im_end|>\n",
 )
 
 
@@ -90,7 +91,9 @@ def check_round_trip(tokenizer: Tokenizer, texts: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=8192, help="total vocabulary, added tokens included")
-    parser.add_argument("--corpus", type=Path, default=REPO_ROOT / "build" / "corpus", help="folder of build_corpus.py's output")
+    parser.add_argument(
+        "--corpus", type=Path, default=REPO_ROOT / "build" / "corpus", help="folder of build_corpus.py's output"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "tokenizer", help="output folder")
     parser.add_argument("--model-max-length", type=int, default=4096, help="model_max_length in tokenizer_config.json")
     parser.add_argument("--check-docs", type=int, default=200, help="training documents whose round trip is checked")
@@ -103,7 +106,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(args.out / "tokenizer.json"))
     write_tokenizer_config(tokenizer, args.out, args.model_max_length)
-    print(f"vocab {tokenizer.get_vocab_size()}, round trip checked on {len(samples) + len(ROUND_TRIP_SAMPLES)} texts, wrote {args.out}")
+    print(
+        f"vocab {tokenizer.get_vocab_size()}, round trip checked on {len(samples) + len(ROUND_TRIP_SAMPLES)} texts, "
+        f"wrote {args.out}"
+    )
 
 
 if __name__ == "__main__":

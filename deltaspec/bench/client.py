@@ -70,8 +70,12 @@ class Client:
                     timing.completion_tokens = chunk["usage"]["completion_tokens"]
                     timing.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in chunk.get("choices", []):
-                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or \
-                        (choice.get("delta") or {}).get("reasoning_content") or ""
+                    piece = (
+                        choice.get("text")
+                        or (choice.get("delta") or {}).get("content")
+                        or (choice.get("delta") or {}).get("reasoning_content")
+                        or ""
+                    )
                     if piece:
                         timing.chunk_times.append(time.perf_counter())
                         timing.text += piece

@@ -35,9 +35,14 @@ def target(args: argparse.Namespace, engine_config):
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "requests.jsonl"
         with local_server(engine_config, log) as (url, engine):
-            identity = {"model": str(engine.model_dir), "device": str(engine.device), "dtype": engine.config.dtype,
-                        "max_model_len": engine.config.max_model_len, "max_num_seqs": engine.config.max_num_seqs,
-                        "speculative": "none"}
+            identity = {
+                "model": str(engine.model_dir),
+                "device": str(engine.device),
+                "dtype": engine.config.dtype,
+                "max_model_len": engine.config.max_model_len,
+                "max_num_seqs": engine.config.max_num_seqs,
+                "speculative": "none",
+            }
             yield Client(url), identity, log
 
 
@@ -53,26 +58,57 @@ def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     with target(args, engine_config) as (client, identity, log):
         rows = bench_serve(client, levels, args.requests_per_client, args.max_tokens, args.runs, log, progress=say)
-    write_report({"benchmark": "serve", "commit": commit(), **identity, "max_tokens": args.max_tokens,
-                  "requests_per_client": args.requests_per_client, "runs": args.runs, "levels": rows}, args.out)
+    write_report(
+        {
+            "benchmark": "serve",
+            "commit": commit(),
+            **identity,
+            "max_tokens": args.max_tokens,
+            "requests_per_client": args.requests_per_client,
+            "runs": args.runs,
+            "levels": rows,
+        },
+        args.out,
+    )
     if args.plot:
-        svg = line_chart("deltaspec bench serve", "concurrent streams", "tok/s", levels,
-                         {"aggregate (C x 1000 / mean TPOT)": [r["aggregate_tok_s"] for r in rows],
-                          "output tokens / wall time": [r["output_tok_s_wall"] for r in rows]})
+        svg = line_chart(
+            "deltaspec bench serve",
+            "concurrent streams",
+            "tok/s",
+            levels,
+            {
+                "aggregate (C x 1000 / mean TPOT)": [r["aggregate_tok_s"] for r in rows],
+                "output tokens / wall time": [r["output_tok_s_wall"] for r in rows],
+            },
+        )
         Path(args.plot).write_text(svg)
         say(f"wrote {args.plot}")
 
 
 def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
     with target(args, engine_config) as (client, identity, _):
-        runs = [bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, run, progress=say)
-                for run in range(args.runs)]
-    medians = {key: statistics.median(run[key][subkey] if subkey else run[key] for run in runs)
-               for key, subkey in (("first_turn_wait_s", "p50"), ("follow_up_wait_s", "p50"),
-                                   ("follow_up_wait_max_s", None))}
-    write_report({"benchmark": "agents", "commit": commit(), **identity, "agents": args.agents,
-                  "doc_chars": args.doc_chars, "stagger_s": args.stagger, "max_tokens": args.max_tokens,
-                  "median_over_runs": medians, "runs": runs}, args.out)
+        runs = [
+            bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, run, progress=say)
+            for run in range(args.runs)
+        ]
+    medians = {
+        key: statistics.median(run[key][subkey] if subkey else run[key] for run in runs)
+        for key, subkey in (("first_turn_wait_s", "p50"), ("follow_up_wait_s", "p50"), ("follow_up_wait_max_s", None))
+    }
+    write_report(
+        {
+            "benchmark": "agents",
+            "commit": commit(),
+            **identity,
+            "agents": args.agents,
+            "doc_chars": args.doc_chars,
+            "stagger_s": args.stagger,
+            "max_tokens": args.max_tokens,
+            "median_over_runs": medians,
+            "runs": runs,
+        },
+        args.out,
+    )
 
 
 def cmd_bench_spec(args: argparse.Namespace, engine_config) -> None:
@@ -87,8 +123,17 @@ def cmd_bench_spec(args: argparse.Namespace, engine_config) -> None:
     plain = rows[0]["decode_tok_s"]
     for row in rows:
         row["speedup"] = row["decode_tok_s"] / plain
-    write_report({"benchmark": "spec", "commit": commit(), "model": engine_config.model or "embedded default",
-                  "max_tokens": args.max_tokens, "runs": args.runs, "configurations": rows}, args.out)
+    write_report(
+        {
+            "benchmark": "spec",
+            "commit": commit(),
+            "model": engine_config.model or "embedded default",
+            "max_tokens": args.max_tokens,
+            "runs": args.runs,
+            "configurations": rows,
+        },
+        args.out,
+    )
 
 
 def ints(text: str) -> list[int]:
@@ -112,9 +157,13 @@ def cmd_bench_decode(args: argparse.Namespace, engine_config) -> None:
 
     r = bench_decode(engine_config, args.context, args.max_tokens, args.runs, args.compare_hf)
     hf = f", {r['speedup_vs_hf']:.2f}x transformers" if "speedup_vs_hf" in r else ""
-    write_device_report(r, args, f"decode {r['decode_tok_s']:.2f} tok/s ({r['step_ms']:.2f} ms/step), roofline "
-                                 f"{r['roofline_tok_s']:.2f} tok/s at {r['bandwidth_gb_s']:.0f} GB/s: "
-                                 f"{100 * r['roofline_fraction']:.1f} %{hf}")
+    write_device_report(
+        r,
+        args,
+        f"decode {r['decode_tok_s']:.2f} tok/s ({r['step_ms']:.2f} ms/step), roofline "
+        f"{r['roofline_tok_s']:.2f} tok/s at {r['bandwidth_gb_s']:.0f} GB/s: "
+        f"{100 * r['roofline_fraction']:.1f} %{hf}",
+    )
 
 
 def cmd_bench_verify(args: argparse.Namespace, engine_config) -> None:
@@ -128,71 +177,99 @@ def cmd_bench_concurrency(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.concurrency import bench_concurrency
 
     r = bench_concurrency(engine_config, ints(args.concurrency), args.context, args.max_tokens, args.runs)
-    write_device_report(r, args, "; ".join(f"C={row['concurrency']} {row['aggregate_tok_s']:.1f} tok/s"
-                                           for row in r["levels"]))
+    write_device_report(
+        r, args, "; ".join(f"C={row['concurrency']} {row['aggregate_tok_s']:.1f} tok/s" for row in r["levels"])
+    )
 
 
 def cmd_bench_prefill(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.prefill import bench_prefill
 
     r = bench_prefill(engine_config, ints(args.lengths), args.runs)
-    write_device_report(r, args, "; ".join(f"{row['length']} tokens {row['prefill_tok_s']:.0f} tok/s"
-                                           for row in r["lengths"]))
+    write_device_report(
+        r, args, "; ".join(f"{row['length']} tokens {row['prefill_tok_s']:.0f} tok/s" for row in r["lengths"])
+    )
 
 
 def cmd_bench_longctx(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.longctx import bench_longctx
 
     r = bench_longctx(engine_config, args.doc_tokens, args.question_tokens, args.max_tokens, args.runs)
-    write_device_report(r, args, f"{r['doc_tokens']}-token document: first-question TTFT {r['first_ttft_s']:.3f} s, "
-                                 f"follow-up TTFT {r['follow_up_ttft_s']:.3f} s ({r['follow_up_num_cached_tokens']:.0f} "
-                                 f"of {r['follow_up_prompt_tokens']} tokens cached, prefix caching "
-                                 f"{'on' if r['prefix_caching'] else 'off'}), follow-up decode "
-                                 f"{r['follow_up_decode_tok_s']:.2f} tok/s")
+    write_device_report(
+        r,
+        args,
+        f"{r['doc_tokens']}-token document: first-question TTFT {r['first_ttft_s']:.3f} s, "
+        f"follow-up TTFT {r['follow_up_ttft_s']:.3f} s ({r['follow_up_num_cached_tokens']:.0f} "
+        f"of {r['follow_up_prompt_tokens']} tokens cached, prefix caching "
+        f"{'on' if r['prefix_caching'] else 'off'}), follow-up decode "
+        f"{r['follow_up_decode_tok_s']:.2f} tok/s",
+    )
 
 
 def cmd_bench_spec_oracle(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.decode import bench_spec_oracle
     from deltaspec.spec.oracle import parse_profile, profile_for_acceptance_length
 
-    profile = parse_profile(args.oracle_profile) if args.oracle_profile else \
-        profile_for_acceptance_length(args.oracle_al, engine_config.draft_tokens)
+    profile = (
+        parse_profile(args.oracle_profile)
+        if args.oracle_profile
+        else profile_for_acceptance_length(args.oracle_al, engine_config.draft_tokens)
+    )
     r = bench_spec_oracle(engine_config, profile, args.context, args.max_tokens, args.runs)
-    write_device_report(r, args, f"plain {r['plain_decode_tok_s']:.2f} tok/s, oracle {r['spec_decode_tok_s']:.2f} "
-                                 f"tok/s ({r['speedup']:.2f}x) at AL {r['acceptance_length']:.2f} "
-                                 f"(profile expects {r['expected_acceptance_length']:.2f})")
+    write_device_report(
+        r,
+        args,
+        f"plain {r['plain_decode_tok_s']:.2f} tok/s, oracle {r['spec_decode_tok_s']:.2f} "
+        f"tok/s ({r['speedup']:.2f}x) at AL {r['acceptance_length']:.2f} "
+        f"(profile expects {r['expected_acceptance_length']:.2f})",
+    )
 
 
 def cmd_bench_profile(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.profile import bench_profile
 
     r = bench_profile(engine_config, args.streams, args.context, args.steps, args.top)
-    lines = [f"{k['share'] * 100:5.1f} %  {k['us_per_step']:9.1f} us/step  {k['calls']:6d} calls  {k['name'][:90]}"
-             for k in r["kernels"]]
-    write_device_report(r, args, f"{r['profiled_ms_per_step']:.2f} ms of {r['time_kind']} time per step:\n"
-                        + "\n".join(lines))
+    lines = [
+        f"{k['share'] * 100:5.1f} %  {k['us_per_step']:9.1f} us/step  {k['calls']:6d} calls  {k['name'][:90]}"
+        for k in r["kernels"]
+    ]
+    write_device_report(
+        r, args, f"{r['profiled_ms_per_step']:.2f} ms of {r['time_kind']} time per step:\n" + "\n".join(lines)
+    )
 
 
 def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
     """decode, verify, concurrency, prefill, longctx, spec-oracle, profile: the engine on this device, no server."""
+
     def common(parser, max_tokens: int | None = 64, context: bool = True, runs: bool = True):
         if context:
             parser.add_argument("--context", type=int, default=128, help="prompt tokens (default: 128)")
         if max_tokens is not None:
-            parser.add_argument("--max-tokens", type=int, default=max_tokens,
-                                help=f"new tokens per request, eos ignored (default: {max_tokens})")
+            parser.add_argument(
+                "--max-tokens",
+                type=int,
+                default=max_tokens,
+                help=f"new tokens per request, eos ignored (default: {max_tokens})",
+            )
         if runs:
-            parser.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
+            parser.add_argument(
+                "--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)"
+            )
         parser.add_argument("--json", action="store_true", help="print the JSON report (default: a summary line)")
         parser.add_argument("--out", default=None, help="also write the JSON report here")
         add_engine_flags(parser)
 
     decode = scenarios.add_parser("decode", help="single-stream decode tok/s, bytes per step, roofline fraction")
-    decode.add_argument("--compare-hf", action="store_true",
-                        help="also time transformers' generate on the same weights and report the speed-up")
+    decode.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time transformers' generate on the same weights and report the speed-up",
+    )
     common(decode)
     decode.set_defaults(func=lambda args: cmd_bench_decode(args, engine_config(args)))
-    verify = scenarios.add_parser("verify", help="time of one pass with r rows for one sequence, and its ratio to 1 row")
+    verify = scenarios.add_parser(
+        "verify", help="time of one pass with r rows for one sequence, and its ratio to 1 row"
+    )
     verify.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts (default: 1,2,4,8,16,32,64)")
     verify.add_argument("--rounds", type=int, default=4, help="timed passes per row count and run (default: 4)")
     common(verify, max_tokens=None)
@@ -205,19 +282,31 @@ def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
     prefill.add_argument("--lengths", default="1024,8192,32768", help="prompt lengths (default: 1024,8192,32768)")
     common(prefill, max_tokens=None, context=False)
     prefill.set_defaults(func=lambda args: cmd_bench_prefill(args, engine_config(args)))
-    longctx = scenarios.add_parser("longctx", help="first-question and follow-up TTFT on a long document, the "
-                                                   "follow-up's cached tokens and decode tok/s at that depth")
+    longctx = scenarios.add_parser(
+        "longctx",
+        help="first-question and follow-up TTFT on a long document, the "
+        "follow-up's cached tokens and decode tok/s at that depth",
+    )
     longctx.add_argument("--doc-tokens", type=int, default=8192, help="document tokens (default: 8192)")
     longctx.add_argument("--question-tokens", type=int, default=32, help="tokens per question (default: 32)")
     common(longctx, context=False)
     longctx.set_defaults(func=lambda args: cmd_bench_longctx(args, engine_config(args)))
-    oracle = scenarios.add_parser("spec-oracle", help="speculative decoding with an oracle drafter at a known "
-                                                      "acceptance profile, against plain decoding")
-    oracle.add_argument("--oracle-profile", default=None,
-                        help="per-position acceptance probabilities, e.g. 0.9,0.8,0.7 (the draft length is their count)")
-    oracle.add_argument("--oracle-al", type=float, default=3.0,
-                        help="without --oracle-profile: a constant profile of --draft-tokens positions with this "
-                             "expected acceptance length (default: 3)")
+    oracle = scenarios.add_parser(
+        "spec-oracle",
+        help="speculative decoding with an oracle drafter at a known acceptance profile, against plain decoding",
+    )
+    oracle.add_argument(
+        "--oracle-profile",
+        default=None,
+        help="per-position acceptance probabilities, e.g. 0.9,0.8,0.7 (the draft length is their count)",
+    )
+    oracle.add_argument(
+        "--oracle-al",
+        type=float,
+        default=3.0,
+        help="without --oracle-profile: a constant profile of --draft-tokens positions with this "
+        "expected acceptance length (default: 3)",
+    )
     common(oracle)
     oracle.set_defaults(func=lambda args: cmd_bench_spec_oracle(args, engine_config(args)))
     prof = scenarios.add_parser("profile", help="kernel time breakdown of decode steps of C streams")

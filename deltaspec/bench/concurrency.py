@@ -29,11 +29,24 @@ def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max
     for c in levels:
         level_run(engine, c, context, min(max_tokens, 4), WARMUP_SEED)
         per_run = [level_run(engine, c, context, max_tokens, seed=i) for i in range(runs)]
-        rows.append({"concurrency": c, "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in per_run),
-                     "tpot_ms_mean": statistics.median(r["tpot_ms_mean"] for r in per_run), "per_run": per_run})
+        rows.append(
+            {
+                "concurrency": c,
+                "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in per_run),
+                "tpot_ms_mean": statistics.median(r["tpot_ms_mean"] for r in per_run),
+                "per_run": per_run,
+            }
+        )
         say(f"C={c:>3}: {rows[-1]['aggregate_tok_s']:.1f} tok/s aggregate")
     single = next((r["aggregate_tok_s"] for r in rows if r["concurrency"] == 1), None)
     for row in rows:
         row["ratio_to_single_stream"] = row["aggregate_tok_s"] / single if single else None
-    return identity(engine, "concurrency", context=context, max_tokens=max_tokens, runs=runs,
-                    speculative=engine.config.speculative, levels=rows)
+    return identity(
+        engine,
+        "concurrency",
+        context=context,
+        max_tokens=max_tokens,
+        runs=runs,
+        speculative=engine.config.speculative,
+        levels=rows,
+    )

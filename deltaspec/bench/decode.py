@@ -57,10 +57,20 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
         say(f"decode run {i + 1}/{runs}: {per_run[-1]['decode_tok_s']:.2f} tok/s")
     tok_s = statistics.median(r["decode_tok_s"] for r in per_run)
     step_bytes = bytes_per_step(engine, context + max_tokens / 2, mtp)
-    report = identity(engine, "decode", context=context, max_tokens=max_tokens, runs=runs,
-                      speculative=engine.config.speculative, decode_tok_s=tok_s, step_ms=1000 / tok_s,
-                      **roofline(tok_s, step_bytes["total"], bandwidth, engine.config.speculative == "none"), bytes_per_step_parts=step_bytes,
-                      kv_context_mean=context + max_tokens / 2, per_run=per_run)
+    report = identity(
+        engine,
+        "decode",
+        context=context,
+        max_tokens=max_tokens,
+        runs=runs,
+        speculative=engine.config.speculative,
+        decode_tok_s=tok_s,
+        step_ms=1000 / tok_s,
+        **roofline(tok_s, step_bytes["total"], bandwidth, engine.config.speculative == "none"),
+        bytes_per_step_parts=step_bytes,
+        kv_context_mean=context + max_tokens / 2,
+        per_run=per_run,
+    )
     if report["roofline_violation"]:
         say("WARNING: decode is faster than the bandwidth roofline -- the bytes-per-step count or the timing is wrong")
     if compare_hf:
@@ -72,19 +82,22 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
     return report
 
 
-def oracle_engine(config: EngineConfig, longest: int, draft_tokens: int,
-                  streams: int = 1) -> tuple[Engine, OracleDrafter]:
+def oracle_engine(
+    config: EngineConfig, longest: int, draft_tokens: int, streams: int = 1
+) -> tuple[Engine, OracleDrafter]:
     """An engine drafting with an oracle: replay logs for `draft_tokens` drafts, and every round as long a draft
     as the sequence's expectation allows; sequences the oracle expects nothing of decode plainly."""
     k = max(draft_tokens, 1)
     oracle = OracleDrafter(plan_for(config).model_config.vocab_size, config.seed)
-    engine = bench_engine(replace(config, draft_tokens=k), longest, streams, drafter=oracle,
-                          draft_policy=FixedDraftLength(k))
+    engine = bench_engine(
+        replace(config, draft_tokens=k), longest, streams, drafter=oracle, draft_policy=FixedDraftLength(k)
+    )
     return engine, oracle
 
 
-def shaped_reference(engine: Engine, oracle: OracleDrafter, prompt: list[int], max_tokens: int,
-                     plain_ids: list[int], k: int) -> list[int]:
+def shaped_reference(
+    engine: Engine, oracle: OracleDrafter, prompt: list[int], max_tokens: int, plain_ids: list[int], k: int
+) -> list[int]:
     """The greedy continuation as passes of the measured run's shape compute it: when the oracle's first draft
     token is always wrong, every pass verifies k drafts and keeps one token, so every token comes from a
     (k + 1)-row verify pass, as in the measured run. A verify pass can round differently from a 1-row decode
@@ -95,8 +108,14 @@ def shaped_reference(engine: Engine, oracle: OracleDrafter, prompt: list[int], m
     return seq.output_ids
 
 
-def spec_run(engine: Engine, oracle: OracleDrafter, profile: list[float], prompt: list[int], max_tokens: int,
-             calibrations: int = 8) -> dict:
+def spec_run(
+    engine: Engine,
+    oracle: OracleDrafter,
+    profile: list[float],
+    prompt: list[int],
+    max_tokens: int,
+    calibrations: int = 8,
+) -> dict:
     """A plain greedy run (timed), a reference run of the measured run's pass shape (`shaped_reference`), then
     the prompt with the oracle drafting at `profile`. When the speculative run's tokens still drift from the
     reference, its own output becomes the next reference and it runs again: the passes before the drift repeat
@@ -112,15 +131,19 @@ def spec_run(engine: Engine, oracle: OracleDrafter, profile: list[float], prompt
             break
         reference = seq.output_ids
     m, stats = seq.metrics(), seq.acceptance
-    return {"plain_decode_tok_s": plain.metrics()["decode_tok_s"], "spec_decode_tok_s": m["decode_tok_s"],
-            "acceptance_length": stats.accepted / stats.rounds if stats.rounds else 0.0,
-            "rounds": stats.rounds, "acceptance_per_position": m.get("acceptance_per_position", []),
-            "matches_plain": seq.output_ids == plain.output_ids, "attempts": attempt,
-            "diverged": seq.request_id in oracle.diverged}
+    return {
+        "plain_decode_tok_s": plain.metrics()["decode_tok_s"],
+        "spec_decode_tok_s": m["decode_tok_s"],
+        "acceptance_length": stats.accepted / stats.rounds if stats.rounds else 0.0,
+        "rounds": stats.rounds,
+        "acceptance_per_position": m.get("acceptance_per_position", []),
+        "matches_plain": seq.output_ids == plain.output_ids,
+        "attempts": attempt,
+        "diverged": seq.request_id in oracle.diverged,
+    }
 
 
-def bench_spec_oracle(config: EngineConfig, profile: list[float], context: int, max_tokens: int,
-                      runs: int) -> dict:
+def bench_spec_oracle(config: EngineConfig, profile: list[float], context: int, max_tokens: int, runs: int) -> dict:
     k = len(profile)
     engine, oracle = oracle_engine(config, context + max_tokens, k)
     spec_run(engine, oracle, profile, random_prompt(engine, context, WARMUP_SEED), min(max_tokens, 2 * k + 2))
@@ -128,13 +151,26 @@ def bench_spec_oracle(config: EngineConfig, profile: list[float], context: int, 
     for i in range(runs):
         per_run.append(spec_run(engine, oracle, profile, random_prompt(engine, context, i), max_tokens))
         r = per_run[-1]
-        say(f"run {i + 1}/{runs}: plain {r['plain_decode_tok_s']:.2f} tok/s, oracle k={k} "
-            f"{r['spec_decode_tok_s']:.2f} tok/s, AL {r['acceptance_length']:.2f}")
+        say(
+            f"run {i + 1}/{runs}: plain {r['plain_decode_tok_s']:.2f} tok/s, oracle k={k} "
+            f"{r['spec_decode_tok_s']:.2f} tok/s, AL {r['acceptance_length']:.2f}"
+        )
     plain = statistics.median(r["plain_decode_tok_s"] for r in per_run)
     spec = statistics.median(r["spec_decode_tok_s"] for r in per_run)
-    return identity(engine, "spec-oracle", context=context, max_tokens=max_tokens, runs=runs,
-                    speculative=f"oracle k={k}", draft_tokens=k, profile=profile,
-                    expected_acceptance_length=expected_acceptance_length(profile),
-                    acceptance_length=statistics.median(r["acceptance_length"] for r in per_run),
-                    plain_decode_tok_s=plain, spec_decode_tok_s=spec, speedup=spec / plain,
-                    diverged_runs=sum(r["diverged"] for r in per_run), per_run=per_run)
+    return identity(
+        engine,
+        "spec-oracle",
+        context=context,
+        max_tokens=max_tokens,
+        runs=runs,
+        speculative=f"oracle k={k}",
+        draft_tokens=k,
+        profile=profile,
+        expected_acceptance_length=expected_acceptance_length(profile),
+        acceptance_length=statistics.median(r["acceptance_length"] for r in per_run),
+        plain_decode_tok_s=plain,
+        spec_decode_tok_s=spec,
+        speedup=spec / plain,
+        diverged_runs=sum(r["diverged"] for r in per_run),
+        per_run=per_run,
+    )

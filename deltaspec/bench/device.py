@@ -19,8 +19,8 @@ from deltaspec.bench.stats import commit
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
-from deltaspec.execution.sequence import Sequence
 from deltaspec.errors import DeltaspecError
+from deltaspec.execution.sequence import Sequence
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.speculator import DraftLength
@@ -59,17 +59,27 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
     return 2 * (nbytes // 4) * 4 / statistics.median(times)
 
 
-def bench_engine(config: EngineConfig, longest: int, streams: int = 1, drafter: Drafter | None = None,
-                 draft_policy: DraftLength | None = None, **changes) -> Engine:
+def bench_engine(
+    config: EngineConfig,
+    longest: int,
+    streams: int = 1,
+    drafter: Drafter | None = None,
+    draft_policy: DraftLength | None = None,
+    **changes,
+) -> Engine:
     """An engine whose context fits `longest` tokens per sequence and `streams` sequences at once (drafting with
     `drafter` and `draft_policy` when given)."""
     config = replace(config, max_model_len=longest, max_num_seqs=max(streams, 1), **changes)
     limit = plan_for(config).model_config.max_position_embeddings
     if longest > limit:
-        raise DeltaspecError(f"A context of {longest} tokens exceeds the model's {limit} positions; "
-                             f"use a shorter --context / --lengths or fewer --max-tokens.")
-    say(f"building the engine ({config.shape or config.model or 'embedded default model'}, "
-        f"{'random weights' if config.random_weights else 'checkpoint'}) ...")
+        raise DeltaspecError(
+            f"A context of {longest} tokens exceeds the model's {limit} positions; "
+            f"use a shorter --context / --lengths or fewer --max-tokens."
+        )
+    say(
+        f"building the engine ({config.shape or config.model or 'embedded default model'}, "
+        f"{'random weights' if config.random_weights else 'checkpoint'}) ..."
+    )
     return Engine(config, progress=True, drafter=drafter, draft_policy=draft_policy)
 
 
@@ -102,7 +112,13 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Seque
 def identity(engine: Engine, benchmark: str, **extra) -> dict:
     """The fields every report starts with: benchmark, device, dtype, model or shape, commit."""
     cfg = engine.config
-    source = {"shape": cfg.shape, "random_weights": True} if cfg.random_weights else \
-        {"model": str(engine.model_dir)}
-    return {"benchmark": benchmark, "device": device_name(engine.device), "dtype": cfg.dtype,
-            "state_dtype": cfg.state_dtype, **source, "commit": commit(), **extra}
+    source = {"shape": cfg.shape, "random_weights": True} if cfg.random_weights else {"model": str(engine.model_dir)}
+    return {
+        "benchmark": benchmark,
+        "device": device_name(engine.device),
+        "dtype": cfg.dtype,
+        "state_dtype": cfg.state_dtype,
+        **source,
+        "commit": commit(),
+        **extra,
+    }

@@ -37,18 +37,31 @@ def hf_model_class(config: ModelConfig):
     import transformers
 
     moe = config.moe
-    moe_fields = {} if moe is None else {
-        "num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
-        "moe_intermediate_size": moe.moe_intermediate_size,
-        "shared_expert_intermediate_size": moe.shared_expert_intermediate_size}
+    moe_fields = (
+        {}
+        if moe is None
+        else {
+            "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.num_experts_per_tok,
+            "moe_intermediate_size": moe.moe_intermediate_size,
+            "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+        }
+    )
     if config.model_type == "qwen3_5_text":
         return transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, {}
     if config.model_type == "qwen3_5_moe_text":
         return transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, moe_fields
     if config.model_type == "qwen3_next":
-        return transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, moe_fields | {
-            "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i, m in enumerate(config.moe_layers) if not m]}
+        return (
+            transformers.Qwen3NextConfig,
+            transformers.Qwen3NextForCausalLM,
+            moe_fields
+            | {
+                "norm_topk_prob": moe.norm_topk_prob,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, m in enumerate(config.moe_layers) if not m],
+            },
+        )
     raise DeltaspecError(f"--compare-hf does not know the transformers class of {config.model_type}.")
 
 
@@ -68,16 +81,30 @@ def hf_model(engine: Engine):
     config = engine.model_config
     config_cls, model_cls, extra = hf_model_class(config)
     hf_config = config_cls(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, layer_types=list(config.layer_types),
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=config.attention_bias, max_position_embeddings=config.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
-                         "partial_rotary_factor": config.partial_rotary_factor},
-        linear_num_key_heads=config.linear_num_key_heads, linear_num_value_heads=config.linear_num_value_heads,
-        linear_key_head_dim=config.linear_key_head_dim, linear_value_head_dim=config.linear_value_head_dim,
-        linear_conv_kernel_dim=config.linear_conv_kernel_dim, **extra)
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        layer_types=list(config.layer_types),
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": config.rope_theta,
+            "partial_rotary_factor": config.partial_rotary_factor,
+        },
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        **extra,
+    )
     hf_config.dtype = engine.dtype
     with torch.device("meta"):
         model = model_cls(hf_config)
@@ -101,8 +128,15 @@ def hf_model(engine: Engine):
 def _generate_seconds(model, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> float:
     sync(device)
     start = time.perf_counter()
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        use_cache=True,
+    )
     sync(device)
     if out.shape[1] != prompt.shape[1] + new_tokens:
         raise DeltaspecError(f"transformers generated {out.shape[1] - prompt.shape[1]} tokens, not {new_tokens}.")
@@ -134,20 +168,36 @@ def hf_decode(engine: Engine, context: int, max_tokens: int, runs: int) -> dict:
     logger = logging.getLogger("transformers")
     logger.addHandler(fallbacks)
     try:  # the first prefill and decode steps are where transformers picks (and reports) its kernels
-        _generate_seconds(model, torch.tensor([random_prompt(engine, context, 1 << 20)], device=engine.device),
-                          min(max_tokens, 4), engine.device)
+        _generate_seconds(
+            model,
+            torch.tensor([random_prompt(engine, context, 1 << 20)], device=engine.device),
+            min(max_tokens, 4),
+            engine.device,
+        )
     finally:
         logger.removeHandler(fallbacks)
     per_run = []
     for i in range(runs):
         prompt = torch.tensor([random_prompt(engine, context, i)], device=engine.device)
-        per_run.append({"first_token_s": _generate_seconds(model, prompt, 1, engine.device),
-                        "total_s": _generate_seconds(model, prompt, max_tokens, engine.device)})
+        per_run.append(
+            {
+                "first_token_s": _generate_seconds(model, prompt, 1, engine.device),
+                "total_s": _generate_seconds(model, prompt, max_tokens, engine.device),
+            }
+        )
         say(f"transformers run {i + 1}/{runs}: {max_tokens} tokens in {per_run[-1]['total_s']:.2f} s")
     decode_s = statistics.median(r["total_s"] for r in per_run) - statistics.median(r["first_token_s"] for r in per_run)
     if max_tokens < 2 or decode_s <= 0:
-        raise DeltaspecError(f"transformers' decode time could not be told apart from its first token over "
-                             f"{max_tokens} tokens; raise --max-tokens.")
-    return {"hf_decode_tok_s": (max_tokens - 1) / decode_s, "hf_per_run": per_run, "hf_class": type(model).__name__,
-            "transformers_version": transformers.__version__, "fla_importable": fla_version() is not None,
-            "fla_version": fla_version(), "hf_fallbacks": sorted(set(fallbacks.messages))}
+        raise DeltaspecError(
+            f"transformers' decode time could not be told apart from its first token over "
+            f"{max_tokens} tokens; raise --max-tokens."
+        )
+    return {
+        "hf_decode_tok_s": (max_tokens - 1) / decode_s,
+        "hf_per_run": per_run,
+        "hf_class": type(model).__name__,
+        "transformers_version": transformers.__version__,
+        "fla_importable": fla_version() is not None,
+        "fla_version": fla_version(),
+        "hf_fallbacks": sorted(set(fallbacks.messages)),
+    }

@@ -21,20 +21,29 @@ from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError
 
-MEDIANS = ("first_ttft_s", "first_decode_tok_s", "follow_up_ttft_s", "follow_up_num_cached_tokens",
-           "follow_up_decode_tok_s")
+MEDIANS = (
+    "first_ttft_s",
+    "first_decode_tok_s",
+    "follow_up_ttft_s",
+    "follow_up_num_cached_tokens",
+    "follow_up_decode_tok_s",
+)
 
 
 def check_sizes(config: EngineConfig, doc_tokens: int, question_tokens: int, max_tokens: int, runs: int) -> int:
     """The positions a run needs (document, two questions, two answers); an error when they do not fit."""
     if min(doc_tokens, question_tokens, runs) < 1 or max_tokens < 2:
-        raise DeltaspecError("--doc-tokens, --question-tokens and --runs must be at least 1 and --max-tokens at "
-                             "least 2 (decode tok/s needs two new tokens).")
+        raise DeltaspecError(
+            "--doc-tokens, --question-tokens and --runs must be at least 1 and --max-tokens at "
+            "least 2 (decode tok/s needs two new tokens)."
+        )
     longest = doc_tokens + 2 * question_tokens + 2 * max_tokens
     limit = plan_for(replace(config, max_model_len=longest)).model_config.max_position_embeddings
     if longest > limit:
-        raise DeltaspecError(f"A document of {doc_tokens} tokens with two questions and two answers needs {longest} "
-                             f"positions, more than the model's {limit}; use a smaller --doc-tokens.")
+        raise DeltaspecError(
+            f"A document of {doc_tokens} tokens with two questions and two answers needs {longest} "
+            f"positions, more than the model's {limit}; use a smaller --doc-tokens."
+        )
     return longest
 
 
@@ -45,9 +54,14 @@ def longctx_run(engine: Engine, doc_tokens: int, question_tokens: int, max_token
     first = run(engine, [doc + q1], max_tokens)[0]
     follow_up = run(engine, [doc + q1 + first.output_ids + q2], max_tokens)[0]
     m1, m2 = first.metrics(), follow_up.metrics()
-    return {"first_ttft_s": m1["time_to_first_token"], "first_decode_tok_s": m1["decode_tok_s"],
-            "follow_up_ttft_s": m2["time_to_first_token"], "follow_up_num_cached_tokens": follow_up.num_cached_tokens,
-            "follow_up_prompt_tokens": len(follow_up.prompt_ids), "follow_up_decode_tok_s": m2["decode_tok_s"]}
+    return {
+        "first_ttft_s": m1["time_to_first_token"],
+        "first_decode_tok_s": m1["decode_tok_s"],
+        "follow_up_ttft_s": m2["time_to_first_token"],
+        "follow_up_num_cached_tokens": follow_up.num_cached_tokens,
+        "follow_up_prompt_tokens": len(follow_up.prompt_ids),
+        "follow_up_decode_tok_s": m2["decode_tok_s"],
+    }
 
 
 def bench_longctx(config: EngineConfig, doc_tokens: int, question_tokens: int, max_tokens: int, runs: int) -> dict:
@@ -57,12 +71,24 @@ def bench_longctx(config: EngineConfig, doc_tokens: int, question_tokens: int, m
     per_run = []
     for i in range(runs):
         per_run.append(r := longctx_run(engine, doc_tokens, question_tokens, max_tokens, seed=i))
-        say(f"run {i + 1}/{runs}: first-question TTFT {r['first_ttft_s']:.3f} s, follow-up TTFT "
+        say(
+            f"run {i + 1}/{runs}: first-question TTFT {r['first_ttft_s']:.3f} s, follow-up TTFT "
             f"{r['follow_up_ttft_s']:.3f} s ({r['follow_up_num_cached_tokens']} of {r['follow_up_prompt_tokens']} "
-            f"tokens cached), decode {r['first_decode_tok_s']:.2f} / {r['follow_up_decode_tok_s']:.2f} tok/s")
+            f"tokens cached), decode {r['first_decode_tok_s']:.2f} / {r['follow_up_decode_tok_s']:.2f} tok/s"
+        )
     cfg = engine.config
-    return identity(engine, "longctx", doc_tokens=doc_tokens, question_tokens=question_tokens, max_tokens=max_tokens,
-                    runs=runs, prefix_caching=cfg.enable_prefix_caching,
-                    prefix_checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt, speculative=cfg.speculative,
-                    max_model_len=cfg.max_model_len, follow_up_prompt_tokens=per_run[0]["follow_up_prompt_tokens"],
-                    **{key: statistics.median(r[key] for r in per_run) for key in MEDIANS}, per_run=per_run)
+    return identity(
+        engine,
+        "longctx",
+        doc_tokens=doc_tokens,
+        question_tokens=question_tokens,
+        max_tokens=max_tokens,
+        runs=runs,
+        prefix_caching=cfg.enable_prefix_caching,
+        prefix_checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt,
+        speculative=cfg.speculative,
+        max_model_len=cfg.max_model_len,
+        follow_up_prompt_tokens=per_run[0]["follow_up_prompt_tokens"],
+        **{key: statistics.median(r[key] for r in per_run) for key in MEDIANS},
+        per_run=per_run,
+    )

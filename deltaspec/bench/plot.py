@@ -20,14 +20,16 @@ def line_chart(title: str, x_label: str, y_label: str, x: list[float], series: d
     def py(value: float) -> float:
         return HEIGHT - MARGIN - value / y_max * (HEIGHT - 2 * MARGIN)
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" '
-             f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
-             f'<text x="{WIDTH / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>',
-             f'<line x1="{MARGIN}" y1="{HEIGHT - MARGIN}" x2="{WIDTH - MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>',
-             f'<line x1="{MARGIN}" y1="{MARGIN}" x2="{MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>',
-             f'<text x="{WIDTH / 2}" y="{HEIGHT - 15}" text-anchor="middle">{escape(x_label)}</text>',
-             f'<text x="15" y="{HEIGHT / 2}" text-anchor="middle" transform="rotate(-90 15 {HEIGHT / 2})">'
-             f'{escape(y_label)}</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" '
+        f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
+        f'<text x="{WIDTH / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>',
+        f'<line x1="{MARGIN}" y1="{HEIGHT - MARGIN}" x2="{WIDTH - MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>',
+        f'<line x1="{MARGIN}" y1="{MARGIN}" x2="{MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>',
+        f'<text x="{WIDTH / 2}" y="{HEIGHT - 15}" text-anchor="middle">{escape(x_label)}</text>',
+        f'<text x="15" y="{HEIGHT / 2}" text-anchor="middle" transform="rotate(-90 15 {HEIGHT / 2})">'
+        f"{escape(y_label)}</text>",
+    ]
     for value in x:
         parts.append(f'<text x="{px(value):.1f}" y="{HEIGHT - MARGIN + 16}" text-anchor="middle">{value:g}</text>')
     for i in range(5):
@@ -37,7 +39,8 @@ def line_chart(title: str, x_label: str, y_label: str, x: list[float], series: d
         color = COLORS[k % len(COLORS)]
         points = " ".join(f"{px(a):.1f},{py(b):.1f}" for a, b in zip(x, values) if b is not None)
         parts.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts.append(f'<text x="{WIDTH - MARGIN}" y="{MARGIN + 16 * k}" text-anchor="end" fill="{color}">'
-                     f'{escape(name)}</text>')
+        parts.append(
+            f'<text x="{WIDTH - MARGIN}" y="{MARGIN + 16 * k}" text-anchor="end" fill="{color}">{escape(name)}</text>'
+        )
     parts.append("</svg>")
     return "\n".join(parts)

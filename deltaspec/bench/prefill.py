@@ -19,10 +19,24 @@ def bench_prefill(config: EngineConfig, lengths: list[int], runs: int) -> dict:
     run(engine, [random_prompt(engine, min(lengths), WARMUP_SEED)], 1)
     rows = []
     for length in lengths:
-        ttft = [run(engine, [random_prompt(engine, length, 7919 * i + length)], 1)[0].metrics()["time_to_first_token"]
-                for i in range(runs)]
-        rows.append({"length": length, "ttft_s": statistics.median(ttft),
-                     "prefill_tok_s": length / statistics.median(ttft), "per_run_ttft_s": ttft})
+        ttft = [
+            run(engine, [random_prompt(engine, length, 7919 * i + length)], 1)[0].metrics()["time_to_first_token"]
+            for i in range(runs)
+        ]
+        rows.append(
+            {
+                "length": length,
+                "ttft_s": statistics.median(ttft),
+                "prefill_tok_s": length / statistics.median(ttft),
+                "per_run_ttft_s": ttft,
+            }
+        )
         say(f"{length:>6} tokens: {rows[-1]['prefill_tok_s']:.0f} tok/s")
-    return identity(engine, "prefill", runs=runs, prefill_chunk=engine.config.prefill_chunk,
-                    max_num_batched_tokens=engine.config.max_num_batched_tokens, lengths=rows)
+    return identity(
+        engine,
+        "prefill",
+        runs=runs,
+        prefill_chunk=engine.config.prefill_chunk,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        lengths=rows,
+    )

@@ -57,17 +57,29 @@ def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, 
         sync(engine.device)
     wall_ms = 1000 * (time.perf_counter() - began) / steps
     if any(s.finished for s in seqs):
-        raise RuntimeError("a stream finished inside the profiled steps; the profile would not be of "
-                           f"{streams} streams")
+        raise RuntimeError(
+            f"a stream finished inside the profiled steps; the profile would not be of {streams} streams"
+        )
     while engine.has_unfinished():
         engine.step()
     events = [(e.key, e.count, own_time_us(e, on_device)) for e in prof.key_averages()]
     events = sorted((e for e in events if e[2] > 0), key=lambda e: -e[2])
     total_us = sum(us for _, _, us in events)
-    kernels = [{"name": name, "calls": count, "total_ms": us / 1000, "us_per_step": us / steps,
-                "share": us / total_us} for name, count, us in events[:top]]
-    return identity(engine, "profile", streams=streams, context=context, steps=steps,
-                    speculative=engine.config.speculative, time_kind="device" if on_device else "cpu",
-                    step_ms=step_ms, graph_replay_ms=replay_ms,
-                    profiled_ms_per_step=total_us / 1000 / steps, wall_ms_per_step_under_profiler=wall_ms,
-                    kernels=kernels)
+    kernels = [
+        {"name": name, "calls": count, "total_ms": us / 1000, "us_per_step": us / steps, "share": us / total_us}
+        for name, count, us in events[:top]
+    ]
+    return identity(
+        engine,
+        "profile",
+        streams=streams,
+        context=context,
+        steps=steps,
+        speculative=engine.config.speculative,
+        time_kind="device" if on_device else "cpu",
+        step_ms=step_ms,
+        graph_replay_ms=replay_ms,
+        profiled_ms_per_step=total_us / 1000 / steps,
+        wall_ms_per_step_under_profiler=wall_ms,
+        kernels=kernels,
+    )

@@ -8,7 +8,8 @@ from pathlib import Path
 CODE = [
     'def read_lines(path):\n    """Return the lines of the file at path, without newlines."""\n',
     'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n',
-    'class LRUCache:\n    """A least-recently-used cache with a fixed capacity."""\n\n    def __init__(self, capacity):\n',
+    'class LRUCache:\n    """A least-recently-used cache with a fixed capacity."""\n\n'
+    "    def __init__(self, capacity):\n",
     'def parse_query(url):\n    """Return the query parameters of url as a dict."""\n',
     'def chunks(items, size):\n    """Yield successive lists of at most size items."""\n',
     'async def fetch_all(session, urls):\n    """Fetch every url concurrently and return the bodies."""\n',

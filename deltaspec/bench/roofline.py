@@ -34,11 +34,14 @@ def bytes_per_step(engine: Engine, context: float, mtp: bool = False) -> dict:
     `context` tokens of attention KV."""
     config, dtype_size = engine.model_config, engine.dtype.itemsize
     state_size = torch.empty(0, dtype=engine.cache.gdn.state[0].dtype).element_size() if config.gdn_layer_ids else 0
-    kv_layers = len(config.attention_layer_ids) + (engine.model.num_kv_layers - len(config.attention_layer_ids)
-                                                   if mtp else 0)
+    kv_layers = len(config.attention_layer_ids) + (
+        engine.model.num_kv_layers - len(config.attention_layer_ids) if mtp else 0
+    )
     kv = int(context * kv_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_size)
-    per_gdn_layer = (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-                     * state_size + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * dtype_size)
+    per_gdn_layer = (
+        config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_size
+        + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * dtype_size
+    )
     gdn = 2 * len(config.gdn_layer_ids) * per_gdn_layer  # read and written
     weights = weight_bytes_per_step(engine, mtp)
     return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
@@ -49,6 +52,11 @@ def roofline(decode_tok_s: float, bytes_step: int, bandwidth: float, one_token_p
     decoding (`one_token_per_step` False) a step can commit several tokens, so beating the one-token roofline
     is not a violation."""
     roofline_tok_s = bandwidth / bytes_step
-    return {"bytes_per_step": bytes_step, "bandwidth_gb_s": bandwidth / 1e9, "roofline_tok_s": roofline_tok_s,
-            "roofline_step_ms": 1000 / roofline_tok_s, "roofline_fraction": decode_tok_s / roofline_tok_s,
-            "roofline_violation": one_token_per_step and decode_tok_s > roofline_tok_s}
+    return {
+        "bytes_per_step": bytes_step,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "roofline_tok_s": roofline_tok_s,
+        "roofline_step_ms": 1000 / roofline_tok_s,
+        "roofline_fraction": decode_tok_s / roofline_tok_s,
+        "roofline_violation": one_token_per_step and decode_tok_s > roofline_tok_s,
+    }

@@ -23,8 +23,10 @@ def run_level(client: Client, concurrency: int, per_client: int, max_tokens: int
     work = requests(concurrency * per_client)
 
     def worker(k: int) -> list[Timing]:
-        return [client.stream(endpoint, {**body, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
-                for endpoint, body in work[k::concurrency]]
+        return [
+            client.stream(endpoint, {**body, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+            for endpoint, body in work[k::concurrency]
+        ]
 
     with ThreadPoolExecutor(concurrency) as pool:
         return [t for timings in pool.map(worker, range(concurrency)) for t in timings]
@@ -39,8 +41,9 @@ def log_tpots(request_log: Path | None, since_line: int) -> tuple[list[float], i
     return [t for t in tpots if t], len(lines)
 
 
-def measure_level(client: Client, concurrency: int, per_client: int, max_tokens: int, request_log: Path | None,
-                  logged: int) -> tuple[dict, int]:
+def measure_level(
+    client: Client, concurrency: int, per_client: int, max_tokens: int, request_log: Path | None, logged: int
+) -> tuple[dict, int]:
     """One run of one concurrency level, and the request-log line count after it."""
     start = time.perf_counter()
     timings = run_level(client, concurrency, per_client, max_tokens)
@@ -50,26 +53,46 @@ def measure_level(client: Client, concurrency: int, per_client: int, max_tokens:
     ttft = percentiles([t.ttft for t in timings if t.ttft is not None])
     tpot = percentiles([x * 1000 for x in tpots])
     generated = sum(t.completion_tokens for t in timings)
-    return {"requests": len(timings), "generated_tokens": generated, "wall_s": wall, "ttft_s": ttft,
-            "tpot_ms": tpot, "tpot_source": "request_log" if server_tpots else "client",
-            "aggregate_tok_s": concurrency * 1000 / tpot["mean"] if tpot["mean"] else None,
-            "output_tok_s_wall": generated / wall}, logged
+    return {
+        "requests": len(timings),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "ttft_s": ttft,
+        "tpot_ms": tpot,
+        "tpot_source": "request_log" if server_tpots else "client",
+        "aggregate_tok_s": concurrency * 1000 / tpot["mean"] if tpot["mean"] else None,
+        "output_tok_s_wall": generated / wall,
+    }, logged
 
 
-def bench_serve(client: Client, levels: list[int], per_client: int, max_tokens: int, runs: int,
-                request_log: Path | None = None, progress=print) -> list[dict]:
+def bench_serve(
+    client: Client,
+    levels: list[int],
+    per_client: int,
+    max_tokens: int,
+    runs: int,
+    request_log: Path | None = None,
+    progress=print,
+) -> list[dict]:
     results, logged = [], log_tpots(request_log, 0)[1]
     for concurrency in levels:
         measured = []
         for _ in range(runs):
             run, logged = measure_level(client, concurrency, per_client, max_tokens, request_log, logged)
             measured.append(run)
-        row = {"concurrency": concurrency, "runs": measured,
-               **{key: statistics.median(r[key] for r in measured if r[key] is not None)
-                  for key in ("aggregate_tok_s", "output_tok_s_wall")},
-               "ttft_p50_s": statistics.median(r["ttft_s"]["p50"] for r in measured),
-               "tpot_p50_ms": statistics.median(r["tpot_ms"]["p50"] for r in measured)}
-        progress(f"C={concurrency}: aggregate {row['aggregate_tok_s']:.1f} tok/s (median of {runs}), "
-                 f"TTFT p50 {row['ttft_p50_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.1f} ms")
+        row = {
+            "concurrency": concurrency,
+            "runs": measured,
+            **{
+                key: statistics.median(r[key] for r in measured if r[key] is not None)
+                for key in ("aggregate_tok_s", "output_tok_s_wall")
+            },
+            "ttft_p50_s": statistics.median(r["ttft_s"]["p50"] for r in measured),
+            "tpot_p50_ms": statistics.median(r["tpot_ms"]["p50"] for r in measured),
+        }
+        progress(
+            f"C={concurrency}: aggregate {row['aggregate_tok_s']:.1f} tok/s (median of {runs}), "
+            f"TTFT p50 {row['ttft_p50_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.1f} ms"
+        )
         results.append(row)
     return results

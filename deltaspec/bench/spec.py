@@ -18,8 +18,11 @@ from deltaspec.sample.params import SamplingParams
 
 
 def prompt_set(llm: LLM) -> list[str]:
-    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": c}], enable_thinking=False)
-             for c in CHAT] if llm.tokenizer is not None and llm.tokenizer.has_chat_template else []
+    chats = (
+        [llm.tokenizer.apply_chat_template([{"role": "user", "content": c}], enable_thinking=False) for c in CHAT]
+        if llm.tokenizer is not None and llm.tokenizer.has_chat_template
+        else []
+    )
     return CODE + chats
 
 
@@ -41,16 +44,26 @@ def measure(engine_config: EngineConfig, max_tokens: int, runs: int, progress=pr
                     accepted_at.append(0)
                 drafted_at[i] += d
                 accepted_at[i] += a
-        per_run.append({"decode_tok_s": statistics.median(o.metrics["decode_tok_s"] for o in outs),
-                        "acceptance_length": accepted / rounds if rounds else None,
-                        "acceptance_per_position": [a / d for a, d in zip(accepted_at, drafted_at)]})
+        per_run.append(
+            {
+                "decode_tok_s": statistics.median(o.metrics["decode_tok_s"] for o in outs),
+                "acceptance_length": accepted / rounds if rounds else None,
+                "acceptance_per_position": [a / d for a, d in zip(accepted_at, drafted_at)],
+            }
+        )
     drafting = engine_config.speculative != "none"
-    row = {"speculative": engine_config.speculative, "draft_tokens": engine_config.draft_tokens if drafting else 0,
-           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in per_run),
-           "acceptance_length": per_run[0]["acceptance_length"],
-           "tokens_per_round": per_run[0]["acceptance_length"] + 1 if per_run[0]["acceptance_length"] else 1.0,
-           "acceptance_per_position": per_run[0]["acceptance_per_position"], "runs": per_run,
-           "device": llm.engine.config.device, "dtype": llm.engine.config.dtype, "prompts": len(prompts)}
+    row = {
+        "speculative": engine_config.speculative,
+        "draft_tokens": engine_config.draft_tokens if drafting else 0,
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in per_run),
+        "acceptance_length": per_run[0]["acceptance_length"],
+        "tokens_per_round": per_run[0]["acceptance_length"] + 1 if per_run[0]["acceptance_length"] else 1.0,
+        "acceptance_per_position": per_run[0]["acceptance_per_position"],
+        "runs": per_run,
+        "device": llm.engine.config.device,
+        "dtype": llm.engine.config.dtype,
+        "prompts": len(prompts),
+    }
     al = f"{row['acceptance_length']:.2f}" if row["acceptance_length"] is not None else "n/a"
     progress(f"{row['speculative']:>12} k={row['draft_tokens']:<2} decode {row['decode_tok_s']:.1f} tok/s, AL {al}")
     return row

@@ -25,7 +25,15 @@ def commit() -> str | None:
     if os.environ.get("DELTASPEC_COMMIT"):
         return os.environ["DELTASPEC_COMMIT"]
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=5).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                cwd=Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None

@@ -43,12 +43,15 @@ def bench_verify(config: EngineConfig, context: int, rows: list[int], rounds: in
         raise DeltaspecError(f"Row counts must be at least 1; got {rows}.")
     engine, oracle = oracle_engine(config, context + rounds * max(rows) + 1, max(rows) - 1)
     if max(rows) > engine.config.max_num_batched_tokens:
-        raise DeltaspecError(f"{max(rows)} rows exceed --max-num-batched-tokens {engine.config.max_num_batched_tokens}.")
+        raise DeltaspecError(
+            f"{max(rows)} rows exceed --max-num-batched-tokens {engine.config.max_num_batched_tokens}."
+        )
     results = []
     for r in rows:
         timed_passes(engine, oracle, r, random_prompt(engine, context, WARMUP_SEED), 1)  # warm-up (graphs, kernels)
-        times = [t for i in range(runs) for t in timed_passes(engine, oracle, r, random_prompt(engine, context, i),
-                                                             rounds)]
+        times = [
+            t for i in range(runs) for t in timed_passes(engine, oracle, r, random_prompt(engine, context, i), rounds)
+        ]
         if not times:
             raise DeltaspecError(f"No pass verified {r} rows; raise --rounds.")
         results.append({"rows": r, "step_ms": 1000 * statistics.median(times), "passes": len(times)})
@@ -56,5 +59,13 @@ def bench_verify(config: EngineConfig, context: int, rows: list[int], rounds: in
     base = results[0]["step_ms"] if rows[0] == 1 else None
     for row in results:
         row["ratio_to_1_row"] = row["step_ms"] / base if base else None
-    return identity(engine, "verify", context=context, rounds=rounds, runs=runs, speculative="oracle all-accept",
-                    context_end=context + rounds * max(rows) + 1, rows=results)
+    return identity(
+        engine,
+        "verify",
+        context=context,
+        rounds=rounds,
+        runs=runs,
+        speculative="oracle all-accept",
+        context_end=context + rounds * max(rows) + 1,
+        rows=results,
+    )

@@ -47,10 +47,14 @@ class HostCheckpoints:
         if not self.budget or key in self.entries:
             return
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)
-        entry = HostCheckpoint(key, tokens, [self._host_copy(s[slot]) for s in self.gdn.state],
-                               [self._host_copy(c[slot]) for c in self.gdn.conv],
-                               [self._host_copy(cache.index_select(0, index)) for cache in (*self.kv.k, *self.kv.v)],
-                               self.clock())
+        entry = HostCheckpoint(
+            key,
+            tokens,
+            [self._host_copy(s[slot]) for s in self.gdn.state],
+            [self._host_copy(c[slot]) for c in self.gdn.conv],
+            [self._host_copy(cache.index_select(0, index)) for cache in (*self.kv.k, *self.kv.v)],
+            self.clock(),
+        )
         if entry.nbytes > self.budget:
             return
         while sum(e.nbytes for e in self.entries.values()) + entry.nbytes > self.budget:

@@ -27,7 +27,8 @@ class BlockAllocator:
         if count > len(self._free):
             raise DeltaspecError(
                 f"The KV cache is out of pages ({count} needed, {len(self._free)} free); "
-                "allocate more with --num-kv-blocks or run fewer sequences at once.")
+                "allocate more with --num-kv-blocks or run fewer sequences at once."
+            )
         blocks = [self._free.pop() for _ in range(count)]
         for block in blocks:
             self._refs[block] = 1
@@ -53,8 +54,16 @@ class BlockAllocator:
 class PagedKVCache:
     """K and V pages of every attention layer."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

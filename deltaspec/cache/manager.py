@@ -14,16 +14,39 @@ from deltaspec.config import ModelConfig
 
 
 class CacheManager:
-    def __init__(self, config: ModelConfig, num_kv_layers: int, num_slots: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, log_rows: int = 0,
-                 checkpoint_slots: int = 0, offload_bytes: int = 0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_kv_layers: int,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        device: torch.device,
+        log_rows: int = 0,
+        checkpoint_slots: int = 0,
+        offload_bytes: int = 0,
+    ):
         self.block_size = block_size
-        self.kv = PagedKVCache(num_kv_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
-                               dtype, device)
-        self.gdn = GDNStateCache(len(config.gdn_layer_ids), num_slots, config.linear_num_key_heads,
-                                 config.linear_num_value_heads, config.linear_key_head_dim,
-                                 config.linear_value_head_dim, config.gdn_conv_dim, config.linear_conv_kernel_dim,
-                                 state_dtype, dtype, device, log_rows, checkpoint_slots)
+        self.kv = PagedKVCache(
+            num_kv_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype, device
+        )
+        self.gdn = GDNStateCache(
+            len(config.gdn_layer_ids),
+            num_slots,
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            config.gdn_conv_dim,
+            config.linear_conv_kernel_dim,
+            state_dtype,
+            dtype,
+            device,
+            log_rows,
+            checkpoint_slots,
+        )
         self.caches = ModelCaches(kv=self.kv, gdn=self.gdn)
         self.prefix = PrefixCache(self.kv, self.gdn, offload_bytes) if checkpoint_slots else None
 

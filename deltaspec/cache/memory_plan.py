@@ -99,12 +99,16 @@ class MemoryPlan:
         return room // per_token // self.block_size * self.block_size
 
     def table(self) -> str:
-        rows = [("weights", self.weights), (f"attention KV ({self.streams} streams x {self.ctx} tokens)", self.kv),
-                (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states),
-                (f"drafter: {self.drafter.name} (weights, KV, states)", self.drafter_bytes),
-                ("workspace (one forward pass)", self.workspace),
-                ("reserve (runtime)", self.reserve), ("total needed", self.total),
-                (f"free on {self.device}", self.available)]
+        rows = [
+            ("weights", self.weights),
+            (f"attention KV ({self.streams} streams x {self.ctx} tokens)", self.kv),
+            (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states),
+            (f"drafter: {self.drafter.name} (weights, KV, states)", self.drafter_bytes),
+            ("workspace (one forward pass)", self.workspace),
+            ("reserve (runtime)", self.reserve),
+            ("total needed", self.total),
+            (f"free on {self.device}", self.available),
+        ]
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value / GIB:9.3f} GiB" for name, value in rows]
         limits = " or ".join(self.alternatives()) or "nothing: not even the weights fit"
@@ -122,10 +126,13 @@ class MemoryPlan:
 
     def refusal(self) -> str:
         advice = " or ".join(self.alternatives()) or "a smaller model or dtype, since not even the weights fit"
-        return (f"{self.streams} streams at {self.ctx} tokens need {self.total / GIB:.2f} GiB (weights "
-                f"{self.weights / GIB:.2f}, KV {self.kv / GIB:.2f}, GDN states {self.states / GIB:.2f}, drafter "
-                f"{self.drafter_bytes / GIB:.2f}, workspace {self.workspace / GIB:.2f}) but {self.available / GIB:.2f} GiB is free on {self.device}; "
-                f"{advice} would fit.")
+        return (
+            f"{self.streams} streams at {self.ctx} tokens need {self.total / GIB:.2f} GiB (weights "
+            f"{self.weights / GIB:.2f}, KV {self.kv / GIB:.2f}, GDN states {self.states / GIB:.2f}, drafter "
+            f"{self.drafter_bytes / GIB:.2f}, workspace {self.workspace / GIB:.2f}) but "
+            f"{self.available / GIB:.2f} GiB is free on {self.device}; "
+            f"{advice} would fit."
+        )
 
 
 def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
@@ -157,10 +164,24 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: torch.dtype, state_dtype: torch.dtype,
-                streams: int, ctx: int, block_size: int, batch_rows: int, prefill_chunk: int,
-                device: torch.device, available: int | None = None, log_rows: int = 0,
-                checkpoints: int = 0, graph_rows: int = 0, drafter: DrafterMemory = DrafterMemory()) -> MemoryPlan:
+def plan_memory(
+    config: ModelConfig,
+    num_kv_layers: int,
+    weights: int,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype,
+    streams: int,
+    ctx: int,
+    block_size: int,
+    batch_rows: int,
+    prefill_chunk: int,
+    device: torch.device,
+    available: int | None = None,
+    log_rows: int = 0,
+    checkpoints: int = 0,
+    graph_rows: int = 0,
+    drafter: DrafterMemory = DrafterMemory(),
+) -> MemoryPlan:
     """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
     slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
     `checkpoints` prefix-checkpoint slots are each one more state; `graph_rows` rows of captured CUDA graphs
@@ -170,26 +191,47 @@ def plan_memory(config: ModelConfig, num_kv_layers: int, weights: int, dtype: to
     kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * config.head_dim * size
     state = len(config.gdn_layer_ids) * (
         config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_size
-        + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * size)
+        + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * size
+    )
     log_size = 8 if torch.float64 in (dtype, state_dtype) else 4
-    state += len(config.gdn_layer_ids) * log_rows * (
-        (config.linear_num_key_heads * config.linear_key_head_dim
-         + config.linear_num_value_heads * (config.linear_value_head_dim + 2)) * log_size
-        + config.gdn_conv_dim * size)
+    state += (
+        len(config.gdn_layer_ids)
+        * log_rows
+        * (
+            (
+                config.linear_num_key_heads * config.linear_key_head_dim
+                + config.linear_num_value_heads * (config.linear_value_head_dim + 2)
+            )
+            * log_size
+            + config.gdn_conv_dim * size
+        )
+    )
     mlp_width = config.intermediate_size
     if config.moe is not None:
-        mlp_width = max(mlp_width, config.moe.moe_intermediate_size * config.moe.num_experts_per_tok,
-                        config.moe.shared_expert_intermediate_size)
+        mlp_width = max(
+            mlp_width,
+            config.moe.moe_intermediate_size * config.moe.num_experts_per_tok,
+            config.moe.shared_expert_intermediate_size,
+        )
     widest_projection = max(2 * config.num_attention_heads * config.head_dim, config.gdn_conv_dim, 2 * mlp_width)
     activations = batch_rows * (4 * config.hidden_size + widest_projection) * 4  # fp32 worst case
     logits = streams * config.vocab_size * 4
     graph_outputs = graph_rows * (config.vocab_size + config.hidden_size) * size
     attention_scores = min(prefill_chunk, batch_rows) * config.num_attention_heads * ctx * 4  # reference path
-    return MemoryPlan(device=str(device), streams=streams, ctx=ctx, block_size=block_size, weights=weights,
-                      kv_per_token=kv_per_token, state_per_stream=state,
-                      workspace=activations + logits + attention_scores + graph_outputs, reserve=RESERVE.get(device.type, GIB // 2),
-                      available=available_memory(device) if available is None else available,
-                      checkpoints=checkpoints, drafter=drafter)
+    return MemoryPlan(
+        device=str(device),
+        streams=streams,
+        ctx=ctx,
+        block_size=block_size,
+        weights=weights,
+        kv_per_token=kv_per_token,
+        state_per_stream=state,
+        workspace=activations + logits + attention_scores + graph_outputs,
+        reserve=RESERVE.get(device.type, GIB // 2),
+        available=available_memory(device) if available is None else available,
+        checkpoints=checkpoints,
+        drafter=drafter,
+    )
 
 
 def require_fit(plan: MemoryPlan) -> None:

@@ -30,14 +30,14 @@ def block_hashes(tokens: list[int], block_size: int) -> list[int]:
     """hashes[i]: the chain hash of tokens[: i * block_size] (hashes[0] is the empty prefix)."""
     hashes = [0]
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashes.append(hash((hashes[-1], tuple(tokens[start:start + block_size]))))
+        hashes.append(hash((hashes[-1], tuple(tokens[start : start + block_size]))))
     return hashes
 
 
 def prefix_key(tokens: list[int], length: int, block_size: int, hashes: list[int]) -> int:
     """The content address of tokens[:length]: the chain hash of its full blocks and its partial tail."""
     full = length // block_size
-    return hash((length, hashes[full], tuple(tokens[full * block_size:length])))
+    return hash((length, hashes[full], tuple(tokens[full * block_size : length])))
 
 
 @dataclass
@@ -135,7 +135,7 @@ class PrefixCache:
             return
         checkpoint_slot = self._free_slots.pop()
         self.gdn.copy_slot(slot, checkpoint_slot)
-        pages = blocks[:-(-length // self.block_size)]
+        pages = blocks[: -(-length // self.block_size)]
         self.kv.allocator.share(pages)
         self.checkpoints[key] = Checkpoint(key, tuple(tokens), checkpoint_slot, list(pages), next(self._clock))
 
@@ -145,8 +145,9 @@ class PrefixCache:
             self._evict_one(keep)
 
     def _evict_one(self, keep: Checkpoint | None = None) -> None:
-        key = min((k for k, c in self.checkpoints.items() if c is not keep),
-                  key=lambda k: self.checkpoints[k].last_used)
+        key = min(
+            (k for k, c in self.checkpoints.items() if c is not keep), key=lambda k: self.checkpoints[k].last_used
+        )
         victim = self.checkpoints[key]
         self.host.offload(key, victim.tokens, victim.slot, victim.blocks)
         self._drop(key)

@@ -19,26 +19,55 @@ class GDNStateCache:
     """`state[layer]` [num_slots, Hv, Dk, Dv], `conv[layer]` [num_slots, K-1, conv_dim], and with
     `log_rows` > 0 the replay logs `log[layer]` (GDNLog) and `conv_log[layer]` [num_slots, L, conv_dim]."""
 
-    def __init__(self, num_layers: int, num_slots: int, num_k_heads: int, num_v_heads: int, key_dim: int,
-                 value_dim: int, conv_dim: int, conv_kernel: int, state_dtype: torch.dtype, conv_dtype: torch.dtype,
-                 device: torch.device, log_rows: int = 0, checkpoint_slots: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_dim: int,
+        conv_kernel: int,
+        state_dtype: torch.dtype,
+        conv_dtype: torch.dtype,
+        device: torch.device,
+        log_rows: int = 0,
+        checkpoint_slots: int = 0,
+    ):
         self.checkpoint_slots = range(num_slots, num_slots + checkpoint_slots)
         self.scratch_slot = num_slots + checkpoint_slots
         running_slots = num_slots
         num_slots += checkpoint_slots + 1
-        self.state = [torch.zeros((num_slots, num_v_heads, key_dim, value_dim), dtype=state_dtype, device=device)
-                      for _ in range(num_layers)]
-        self.conv = [torch.zeros((num_slots, conv_kernel - 1, conv_dim), dtype=conv_dtype, device=device)
-                     for _ in range(num_layers)]
+        self.state = [
+            torch.zeros((num_slots, num_v_heads, key_dim, value_dim), dtype=state_dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self.conv = [
+            torch.zeros((num_slots, conv_kernel - 1, conv_dim), dtype=conv_dtype, device=device)
+            for _ in range(num_layers)
+        ]
         log_dtype = torch.float64 if torch.float64 in (state_dtype, conv_dtype) else torch.float32
 
         def zeros(*shape, dtype=log_dtype):
             return torch.zeros((num_slots, log_rows, *shape), dtype=dtype, device=device)
 
-        self.log = [GDNLog(k=zeros(num_k_heads, key_dim), v=zeros(num_v_heads, value_dim), g=zeros(num_v_heads),
-                           beta=zeros(num_v_heads)) for _ in range(num_layers)] if log_rows else [None] * num_layers
-        self.conv_log = [zeros(conv_dim, dtype=conv_dtype) for _ in range(num_layers)] if log_rows else \
-            [None] * num_layers
+        self.log = (
+            [
+                GDNLog(
+                    k=zeros(num_k_heads, key_dim),
+                    v=zeros(num_v_heads, value_dim),
+                    g=zeros(num_v_heads),
+                    beta=zeros(num_v_heads),
+                )
+                for _ in range(num_layers)
+            ]
+            if log_rows
+            else [None] * num_layers
+        )
+        self.conv_log = (
+            [zeros(conv_dim, dtype=conv_dtype) for _ in range(num_layers)] if log_rows else [None] * num_layers
+        )
         self._free = list(range(running_slots - 1, -1, -1))
 
     @property

@@ -77,8 +77,9 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                    params: SamplingParams) -> RequestStream:
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
         """Validate (DeltaspecError on bad input) and queue a request; call from the event loop."""
         seq = self.engine.new_sequence(request_id, prompt, prompt_ids, params)
         stream = RequestStream(request_id)
@@ -111,12 +112,18 @@ class AsyncEngine:
         sent = self._sent[seq.request_id]
         wants_logprobs = seq.params.logprobs is not None
         delta = RequestDelta(
-            request_id=seq.request_id, new_token_ids=seq.output_ids[sent:],
-            new_logprobs=seq.logprobs[sent:] if wants_logprobs else None, num_prompt_tokens=len(seq.prompt_ids),
-            finished=seq.finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            stop_text=seq.stop_text, error=seq.error,
+            request_id=seq.request_id,
+            new_token_ids=seq.output_ids[sent:],
+            new_logprobs=seq.logprobs[sent:] if wants_logprobs else None,
+            num_prompt_tokens=len(seq.prompt_ids),
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            stop_text=seq.stop_text,
+            error=seq.error,
             prompt_logprobs=seq.prompt_logprobs if sent == 0 and seq.params.prompt_logprobs is not None else None,
-            metrics=seq.metrics() if seq.finished else {})
+            metrics=seq.metrics() if seq.finished else {},
+        )
         self._sent[seq.request_id] = len(seq.output_ids)
         if seq.finished:
             del self._streams[seq.request_id], self._sent[seq.request_id]

@@ -12,21 +12,18 @@ import time
 
 import torch
 
-from deltaspec.cache.manager import CacheManager
 from deltaspec.cache.memory_plan import require_fit
 from deltaspec.config import EngineConfig, parse_dtype
+from deltaspec.engine.logprob_text import LogprobText
 from deltaspec.engine.next_tokens import next_tokens
 from deltaspec.engine.planning import plan_for
 from deltaspec.engine.scheduler import Scheduler
-from deltaspec.engine.setup import borrowed_tokenizer, graph_runner, route_gemms
+from deltaspec.engine.setup import engine_cache, engine_model, engine_tokenizer, graph_runner, route_gemms
 from deltaspec.engine.stopping import StopChecker
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.runner import Runner, SeqOutput
 from deltaspec.execution.sequence import Sequence
-from deltaspec.model.random_init import build_model
-from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.ops.dispatch import ops_for
-from deltaspec.sample.logprobs import gather_logprobs
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator
 from deltaspec.spec.drafter import Drafter
@@ -41,63 +38,65 @@ class Engine:
     configuration would build (tests and benchmarks inject their own); with a `drafter`, speculation runs
     whatever `config.speculative` says, and `config.speculative` becomes its name."""
 
-    def __init__(self, config: EngineConfig, progress: bool = True, drafter: Drafter | None = None,
-                 draft_policy: DraftLength | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: bool = True,
+        drafter: Drafter | None = None,
+        draft_policy: DraftLength | None = None,
+    ):
         planned = plan_for(config, drafter)
         require_fit(planned.plan)
-        self.plan, self.config, self.model_config, self.model_dir = (planned.plan, planned.config,
-                                                                     planned.model_config, planned.model_dir)
-        cfg = self.config
-        self.device, self.dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
-        self.max_model_len = cfg.max_model_len
-        ops = ops_for(self.device, reference_only=cfg.kernels == "reference")
-        self.model = build_model(cfg, self.model_dir, self.model_config, planned.raw, self.dtype, self.device, ops,
-                                 progress, planned.with_mtp)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir) if self.model_dir is not None else \
-            borrowed_tokenizer(self.model_config)
-        verify_costs = route_gemms(self.model, ops, cfg, self.dtype, self.device, progress)
-        num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
-        self.cache = CacheManager(self.model_config, self.model.num_kv_layers, cfg.max_num_seqs, num_blocks,
-                                  cfg.block_size, self.dtype, parse_dtype(cfg.state_dtype), self.device,
-                                  log_rows=cfg.log_rows, checkpoint_slots=cfg.prefix_checkpoints,
-                                  offload_bytes=int(cfg.prefix_offload_gib * 2 ** 30))
-        self.scheduler = Scheduler(self.cache, cfg.max_num_batched_tokens, cfg.prefill_chunk,
-                                   checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt)
+        self.plan, self.config, self.model_config = planned.plan, planned.config, planned.model_config
+        self.model_dir, self.max_model_len = planned.model_dir, planned.config.max_model_len
+        self.device, self.dtype = torch.device(self.config.device), parse_dtype(self.config.dtype)
+        ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
+        self.model = engine_model(planned, ops, progress)
+        self.tokenizer = engine_tokenizer(planned)
+        verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
+        self.cache = engine_cache(self.config, self.model_config, self.model.num_kv_layers)
+        self.scheduler = Scheduler(
+            self.cache,
+            self.config.max_num_batched_tokens,
+            self.config.prefill_chunk,
+            checkpoint_min_prompt=self.config.prefix_checkpoint_min_prompt,
+        )
         self.speculator = self._speculator(drafter, draft_policy, verify_costs)
-        self.runner = Runner(self.model, self.cache.caches, cfg.block_size, self.device,
-                             graph_runner(self.model, self.cache, cfg, self.model_config, progress))
-        eos = set(self.model_config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
-        self.eos_ids = frozenset(eos)
+        graphs = graph_runner(self.model, self.cache, self.config, self.model_config, progress)
+        self.runner = Runner(self.model, self.cache.caches, self.config.block_size, self.device, graphs)
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
+        self.eos_ids = frozenset(set(self.model_config.eos_token_ids) | tokenizer_eos)
         self.stops = StopChecker(self.tokenizer, self.max_model_len)
-        self._seed_counter = itertools.count(cfg.seed)
+        self.logprob_text = LogprobText(self.tokenizer)
+        self._seed_counter = itertools.count(self.config.seed)
 
-    def _speculator(self, drafter: Drafter | None, policy: DraftLength | None,
-                    verify_costs: VerifyCostTable) -> Speculator | None:
-        drafter = drafter or make_drafter(self.config, self.model_dir, self.model_config.vocab_size, self._mtp_drafter)
+    def _speculator(self, drafter: Drafter | None, policy: DraftLength | None, costs: VerifyCostTable):
+        def mtp() -> MTPDrafter:  # the MTP head drafts from this engine's model, caches and running sequences
+            return MTPDrafter(self.model, self.cache, self._running, self.device, self.config.seed)
+
+        drafter = drafter or make_drafter(self.config, self.model_dir, self.model_config.vocab_size, mtp)
         if drafter is None:
             return None
-        policy = policy or DraftLengthPolicy(max_k=self.config.draft_tokens, table=verify_costs)
+        policy = policy or DraftLengthPolicy(max_k=self.config.draft_tokens, table=costs)
         return Speculator(drafter, policy, self.cache, self.max_model_len)
 
-    def _mtp_drafter(self) -> MTPDrafter:
-        """The MTP head as a drafter, reading this engine's caches and running sequences."""
-        if self.model.mtp is None:
-            raise DeltaspecError(f"The checkpoint at {self.model_dir} has no MTP head (mtp.* tensors); "
-                                 "use speculative='ngram' or 'draft' instead.")
-        return MTPDrafter(self.model, self.cache, lambda seq_id: next(
-            s for s in self.scheduler.running if s.request_id == seq_id), self.device, self.config.seed)
+    def _running(self, seq_id: str) -> Sequence:
+        return next(s for s in self.scheduler.running if s.request_id == seq_id)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise DeltaspecError(f"The checkpoint at {self.model_dir} has no tokenizer.json, so text prompts "
-                                 "cannot be encoded; pass {'prompt_token_ids': [...]} instead.")
+            raise DeltaspecError(
+                f"The checkpoint at {self.model_dir} has no tokenizer.json, so text prompts "
+                "cannot be encoded; pass {'prompt_token_ids': [...]} instead."
+            )
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens)
 
-    def new_sequence(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                     params: SamplingParams) -> Sequence:
+    def new_sequence(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> Sequence:
         """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError."""
         if not prompt_ids:
             raise DeltaspecError("The prompt is empty; give at least one token.")
@@ -107,13 +106,22 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise DeltaspecError(
                 f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens; shorten the prompt, lower max_tokens, or raise --max-model-len.")
+                f"context of {self.max_model_len} tokens; shorten the prompt, lower max_tokens, or raise "
+                "--max-model-len."
+            )
         seed = params.seed if params.seed is not None else next(self._seed_counter)
-        return Sequence(request_id, prompt, list(prompt_ids), params, self.eos_ids,
-                        generator=None if params.greedy else make_generator(seed, self.device))
+        return Sequence(
+            request_id,
+            prompt,
+            list(prompt_ids),
+            params,
+            self.eos_ids,
+            generator=None if params.greedy else make_generator(seed, self.device),
+        )
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                    params: SamplingParams) -> Sequence:
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> Sequence:
         seq = self.new_sequence(request_id, prompt, prompt_ids, params)
         self.scheduler.add(seq)
         return seq
@@ -137,14 +145,19 @@ class Engine:
         (their pages count as cached, not used: eviction frees them)."""
         kv, gdn, prefix = self.cache.kv.allocator, self.cache.gdn, self.cache.prefix
         cached = prefix.pages_held_only_here() if prefix is not None else 0
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "kv_blocks_used": kv.num_blocks - kv.num_free - cached, "kv_blocks_cached": cached,
-                "kv_blocks_total": kv.num_blocks,
-                "prefix_checkpoints": len(prefix.checkpoints) if prefix is not None else 0,
-                "prefix_hits": prefix.hits if prefix is not None else 0,
-                "state_slots_used": self.config.max_num_seqs - gdn.num_free,
-                "state_slots_total": self.config.max_num_seqs, "preemptions": self.scheduler.num_preemptions,
-                "steps": self.scheduler.step_count}
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": kv.num_blocks - kv.num_free - cached,
+            "kv_blocks_cached": cached,
+            "kv_blocks_total": kv.num_blocks,
+            "prefix_checkpoints": len(prefix.checkpoints) if prefix is not None else 0,
+            "prefix_hits": prefix.hits if prefix is not None else 0,
+            "state_slots_used": self.config.max_num_seqs - gdn.num_free,
+            "state_slots_total": self.config.max_num_seqs,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.scheduler.step_count,
+        }
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -173,7 +186,7 @@ class Engine:
         prefix checkpoint where its prompt asks for one."""
         seq = out.seq
         if out.prompt_logits is not None:
-            self._record_prompt_logprobs(seq, out.first_position, out.prompt_logits)
+            self.logprob_text.record_prompt(seq, out.first_position, out.prompt_logits)
         self.cache.after_pass(seq, out.rows, out.logged)
         if seq.checkpoint_at and seq.checkpoint_at[0] == seq.num_computed and not out.verifying:
             seq.checkpoint_at.pop(0)
@@ -187,7 +200,7 @@ class Engine:
         for token, lp in zip(tokens, logprobs):
             seq.output_ids.append(token)
             if lp is not None:
-                seq.logprobs.append(self._with_text(lp))
+                seq.logprobs.append(self.logprob_text(lp))
             if self.stops(seq, token):
                 seq.finish_time = now
                 self._finish(seq)
@@ -199,23 +212,3 @@ class Engine:
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.finish(seq)
-
-    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        """Logprob of each next prompt token given its prefix (the first prompt token gets None), from the logits
-        of prompt rows from position `start`. A sequence recomputed after preemption does not record them twice."""
-        if start == 0 and not seq.prompt_logprobs:
-            seq.prompt_logprobs.append(None)
-        if len(seq.prompt_logprobs) != start + 1:
-            return
-        targets = seq.prompt_ids[start + 1:start + 1 + logits.shape[0]]
-        if not targets:
-            return
-        rows = logits[:len(targets)]
-        got = gather_logprobs(rows, torch.tensor(targets, device=rows.device),
-                              [seq.params.prompt_logprobs] * len(targets))
-        seq.prompt_logprobs.extend(self._with_text(lp) for lp in got)
-
-    def _with_text(self, logprobs: dict) -> dict:
-        if self.tokenizer is None:
-            return logprobs
-        return {t: type(lp)(lp.logprob, lp.rank, self.tokenizer.decode_token(t)) for t, lp in logprobs.items()}

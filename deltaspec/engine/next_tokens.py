@@ -18,8 +18,9 @@ def next_tokens(outputs: list[SeqOutput]) -> list[tuple[int, object]]:
         seqs = [out.seq for out in sampling]
         params = [seq.params for seq in seqs]
         raw = torch.cat([out.logits for out in sampling])  # [len(sampling), vocab]
-        logits = apply_penalties(raw, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs], params,
-                                 [s.eos_ids for s in seqs])
+        logits = apply_penalties(
+            raw, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs], params, [s.eos_ids for s in seqs]
+        )
         tokens = sample(logits, params, [s.generator for s in seqs])
         wanted = [p.logprobs for p in params]
         logprobs = gather_logprobs(raw, tokens, wanted) if any(w is not None for w in wanted) else [None] * len(seqs)

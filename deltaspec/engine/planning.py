@@ -56,27 +56,43 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
-    memory = DrafterMemory(drafter.name) if drafter is not None else \
-        drafter_memory(resolved, model_dir, model_config, mtp)
+    memory = (
+        DrafterMemory(drafter.name) if drafter is not None else drafter_memory(resolved, model_dir, model_config, mtp)
+    )
     streams, ctx = resolved.max_num_seqs, resolved.max_model_len
     if resolved.num_kv_blocks:
         ctx = resolved.num_kv_blocks * resolved.block_size // streams
-    plan = plan_memory(model_config, len(model_config.attention_layer_ids), target, dtype,
-                       parse_dtype(resolved.state_dtype), streams, ctx, resolved.block_size,
-                       resolved.max_num_batched_tokens, resolved.prefill_chunk, torch.device(resolved.device),
-                       log_rows=resolved.log_rows, checkpoints=resolved.prefix_checkpoints,
-                       graph_rows=graph_rows_of(resolved, model_config), drafter=memory)
+    plan = plan_memory(
+        model_config,
+        len(model_config.attention_layer_ids),
+        target,
+        dtype,
+        parse_dtype(resolved.state_dtype),
+        streams,
+        ctx,
+        resolved.block_size,
+        resolved.max_num_batched_tokens,
+        resolved.prefill_chunk,
+        torch.device(resolved.device),
+        log_rows=resolved.log_rows,
+        checkpoints=resolved.prefix_checkpoints,
+        graph_rows=graph_rows_of(resolved, model_config),
+        drafter=memory,
+    )
     return Planned(plan, resolved, model_config, raw, model_dir, with_mtp)
 
 
 def _random_shape(config: EngineConfig) -> ModelConfig:
     """The model config of a `--random-weights --shape` configuration, after checking the flags go together."""
     if not config.random_weights:
-        raise DeltaspecError("--shape only applies with --random-weights; add --random-weights, or drop --shape "
-                             "to load a checkpoint.")
+        raise DeltaspecError(
+            "--shape only applies with --random-weights; add --random-weights, or drop --shape to load a checkpoint."
+        )
     if config.shape is None:
-        raise DeltaspecError("--random-weights needs --shape NAME (qwen3.5-27b, qwen3.5-9b, qwen3.5-0.8b, "
-                             "qwen3.5-35b-a3b or qwen3-next-80b-a3b).")
+        raise DeltaspecError(
+            "--random-weights needs --shape NAME (qwen3.5-27b, qwen3.5-9b, qwen3.5-0.8b, "
+            "qwen3.5-35b-a3b or qwen3-next-80b-a3b)."
+        )
     if config.model is not None:
         raise DeltaspecError("--random-weights builds a model from --shape and loads no checkpoint; drop --model.")
     if uses(config.speculative, "draft") and not config.draft_model:

@@ -32,8 +32,14 @@ CHECKPOINT_OFFSETS = (512, 64)  # a long prompt leaves prefix checkpoints this m
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, prefill_chunk: int, aging_steps: int = 16,
-                 checkpoint_min_prompt: int = 0):
+    def __init__(
+        self,
+        cache: CacheManager,
+        max_num_batched_tokens: int,
+        prefill_chunk: int,
+        aging_steps: int = 16,
+        checkpoint_min_prompt: int = 0,
+    ):
         self.cache = cache
         self.checkpoint_min_prompt = checkpoint_min_prompt  # 0: no prompt checkpoints
         self.budget = max_num_batched_tokens
@@ -103,7 +109,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.remaining_prompt == 0 and s.num_computed < s.num_tokens]:
             if budget == 0:
                 break
-            del seq.draft[budget - 1:]  # a draft never takes more rows than the pass has left
+            del seq.draft[budget - 1 :]  # a draft never takes more rows than the pass has left
             rows = 1 + len(seq.draft)
             if seq in self.running and self._reserve(seq, seq.num_computed + rows):
                 batch.append(Scheduled(seq, rows))
@@ -136,8 +142,10 @@ class Scheduler:
             budget -= rows
         batch = [item for item in batch if item.seq in self.running]
         if not batch and self.has_unfinished():
-            raise DeltaspecError("The KV cache is too small for even one sequence's next chunk; "
-                                 "raise --num-kv-blocks or lower --max-model-len.")
+            raise DeltaspecError(
+                "The KV cache is too small for even one sequence's next chunk; "
+                "raise --num-kv-blocks or lower --max-model-len."
+            )
         return batch
 
     def finish(self, seq: Sequence) -> None:

@@ -1,5 +1,6 @@
-"""The device-dependent parts an engine is built with: the tokenizer of a random-weight model, the measured
-GEMM routing (and the verify costs read from it), and the CUDA graphs of decode and verify passes."""
+"""The parts an engine is built from, as its plan says: the model (a checkpoint or random weights), the
+tokenizer of a random-weight model, the caches, the measured GEMM routing (and the verify costs read from
+it), and the CUDA graphs of decode and verify passes."""
 
 from __future__ import annotations
 
@@ -8,16 +9,53 @@ from dataclasses import replace
 import torch
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.config import EngineConfig, ModelConfig
+from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
+from deltaspec.engine.planning import Planned
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.graph_buckets import uses_cuda_graphs
 from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.random_init import random_model
 from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
-from deltaspec.model.weights import default_model_path
+from deltaspec.model.weights import default_model_path, load_model
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.spec.policy import VerifyCostTable
 
 ROUTED_WEIGHT_ELEMENTS = 1 << 22  # weights of at least 4 M elements get a measured GEMM route
+
+
+def engine_model(planned: Planned, ops: OpTable, progress: bool) -> HybridModel:
+    """The engine's model: random weights of the shape, or the checkpoint; its MTP head only when it drafts."""
+    cfg, dtype, device = planned.config, parse_dtype(planned.config.dtype), torch.device(planned.config.device)
+    if cfg.random_weights:
+        return random_model(planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp)
+    return load_model(
+        planned.model_dir, planned.model_config, planned.raw, dtype, device, ops, progress, planned.with_mtp
+    )
+
+
+def engine_tokenizer(planned: Planned) -> Tokenizer | None:
+    """The checkpoint's tokenizer; a random-weight model's borrowed one."""
+    if planned.model_dir is not None:
+        return Tokenizer.from_dir(planned.model_dir)
+    return borrowed_tokenizer(planned.model_config)
+
+
+def engine_cache(config: EngineConfig, model_config: ModelConfig, num_kv_layers: int) -> CacheManager:
+    """KV pages for every stream's whole context (or `num_kv_blocks`), state slots, logs and checkpoints."""
+    num_blocks = config.num_kv_blocks or config.max_num_seqs * -(-config.max_model_len // config.block_size)
+    return CacheManager(
+        model_config,
+        num_kv_layers,
+        config.max_num_seqs,
+        num_blocks,
+        config.block_size,
+        parse_dtype(config.dtype),
+        parse_dtype(config.state_dtype),
+        torch.device(config.device),
+        log_rows=config.log_rows,
+        checkpoint_slots=config.prefix_checkpoints,
+        offload_bytes=int(config.prefix_offload_gib * 2**30),
+    )
 
 
 def borrowed_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
@@ -30,8 +68,9 @@ def borrowed_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
     return BorrowedTokenizer.lend(lent)
 
 
-def route_gemms(model: HybridModel, ops: OpTable, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                progress: bool) -> VerifyCostTable:
+def route_gemms(
+    model: HybridModel, ops: OpTable, config: EngineConfig, dtype: torch.dtype, device: torch.device, progress: bool
+) -> VerifyCostTable:
     """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply of `model` by the device's
     measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements;
     elsewhere keep torch's matmul and the default cost estimate. Weights too small to be bandwidth-bound
@@ -40,8 +79,9 @@ def route_gemms(model: HybridModel, ops: OpTable, config: EngineConfig, dtype: t
         return VerifyCostTable()
     from deltaspec.ops.gemm_routing import GemmRouter
 
-    shapes = {shape: count for shape, count in model.linear_shapes().items()
-              if shape[0] * shape[1] >= ROUTED_WEIGHT_ELEMENTS}
+    shapes = {
+        shape: count for shape, count in model.linear_shapes().items() if shape[0] * shape[1] >= ROUTED_WEIGHT_ELEMENTS
+    }
     if not shapes:
         return VerifyCostTable()
     router = GemmRouter(shapes, dtype, device, show_progress=progress)
@@ -49,12 +89,21 @@ def route_gemms(model: HybridModel, ops: OpTable, config: EngineConfig, dtype: t
     return VerifyCostTable(router.relative_costs(max(config.draft_tokens + 1, 2)))
 
 
-def graph_runner(model: HybridModel, cache: CacheManager, config: EngineConfig, model_config: ModelConfig,
-                 progress: bool) -> CudaGraphRunner | None:
+def graph_runner(
+    model: HybridModel, cache: CacheManager, config: EngineConfig, model_config: ModelConfig, progress: bool
+) -> CudaGraphRunner | None:
     """CUDA graphs for decode and verify passes, captured now, where `uses_cuda_graphs` allows them."""
     if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels, model_config.moe is not None):
         return None
-    graphs = CudaGraphRunner(model, cache.caches, config.block_size, torch.device(config.device),
-                             config.max_num_seqs, config.log_rows, config.max_model_len, cache.gdn.scratch_slot)
+    graphs = CudaGraphRunner(
+        model,
+        cache.caches,
+        config.block_size,
+        torch.device(config.device),
+        config.max_num_seqs,
+        config.log_rows,
+        config.max_model_len,
+        cache.gdn.scratch_slot,
+    )
     graphs.capture_all(progress)
     return graphs

@@ -36,7 +36,7 @@ class StopChecker:
         stopped the sequence already); on a match, cut the full text once."""
         params = seq.params
         longest = max(len(s) for s in params.stop)
-        tail = self.tokenizer.decode(seq.output_ids[-(2 * longest + 8):], params.skip_special_tokens)
+        tail = self.tokenizer.decode(seq.output_ids[-(2 * longest + 8) :], params.skip_special_tokens)
         if not any(stop in tail for stop in params.stop):
             return False
         text = self.tokenizer.decode(seq.output_ids, params.skip_special_tokens)

@@ -35,11 +35,15 @@ def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device
         positions.extend(span)
         slot_mapping.extend(seq.blocks[p // block_size] * block_size + p % block_size for p in span)
         tables.append(seq.blocks)
-    layout = SeqLayout.build([item.num_rows for item in schedule],
-                             [item.seq.num_computed + item.num_rows for item in schedule],
-                             [item.seq.state_slot for item in schedule], device,
-                             fold=[item.seq.replay.pending_fold for item in schedule],
-                             speculative=[bool(item.seq.draft) for item in schedule], block_tables=tables)
+    layout = SeqLayout.build(
+        [item.num_rows for item in schedule],
+        [item.seq.num_computed + item.num_rows for item in schedule],
+        [item.seq.state_slot for item in schedule],
+        device,
+        fold=[item.seq.replay.pending_fold for item in schedule],
+        speculative=[bool(item.seq.draft) for item in schedule],
+        block_tables=tables,
+    )
 
     def tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)

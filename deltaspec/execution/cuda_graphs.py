@@ -63,8 +63,17 @@ class GraphPass:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: HybridModel, caches: ModelCaches, block_size: int, device: torch.device,
-                 max_num_seqs: int, log_rows: int, max_model_len: int, scratch_slot: int):
+    def __init__(
+        self,
+        model: HybridModel,
+        caches: ModelCaches,
+        block_size: int,
+        device: torch.device,
+        max_num_seqs: int,
+        log_rows: int,
+        max_model_len: int,
+        scratch_slot: int,
+    ):
         self.model = model
         self.caches = caches
         self.block_size = block_size
@@ -91,8 +100,11 @@ class CudaGraphRunner:
         rows = 1
         for item in schedule:
             seq = item.seq
-            if item.num_rows != 1 + len(seq.draft) or seq.num_computed < len(seq.prompt_ids) \
-                    or seq.params.prompt_logprobs is not None:
+            if (
+                item.num_rows != 1 + len(seq.draft)
+                or seq.num_computed < len(seq.prompt_ids)
+                or seq.params.prompt_logprobs is not None
+            ):
                 return None
             rows = max(rows, item.num_rows)
         if any(item.seq.draft for item in schedule):
@@ -122,10 +134,10 @@ class CudaGraphRunner:
             ids, bs = seq.row_ids, self.block_size
             for i in range(rows):
                 positions[b * rows + i] = start + i
-            token_ids[b * rows:b * rows + n] = ids[start:start + n]
-            slot_mapping[b * rows:b * rows + n] = [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            token_ids[b * rows : b * rows + n] = ids[start : start + n]
+            slot_mapping[b * rows : b * rows + n] = [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
             context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.replay.pending_fold
-            tables[b * self.table_width:b * self.table_width + len(seq.blocks)] = seq.blocks
+            tables[b * self.table_width : b * self.table_width + len(seq.blocks)] = seq.blocks
             real_rows.append(n)
         inputs.host_longs.copy_(torch.tensor(token_ids + positions + slot_mapping + slots, dtype=torch.long))
         inputs.host_ints.copy_(torch.tensor(context + fold + tables, dtype=torch.int32))
@@ -139,13 +151,18 @@ class CudaGraphRunner:
         ints = torch.zeros(2 * size + size * width, dtype=torch.int32, device=self.device)
         token_ids, positions, slot_mapping, slots = longs.split([total, total, total, size])
         context, fold, tables = ints.split([size, size, size * width])
-        layout = SeqLayout.build([rows] * size, [rows] * size, [self.scratch_slot] * size, self.device,
-                                 speculative=[rows > 1] * size)
+        layout = SeqLayout.build(
+            [rows] * size, [rows] * size, [self.scratch_slot] * size, self.device, speculative=[rows > 1] * size
+        )
         layout.context_lens_t, layout.slots_t, layout.fold_t = context, slots, fold
         layout.block_tables = tables.view(size, width)
-        inputs = StaticInputs(ForwardBatch(token_ids, positions, slot_mapping, layout), longs, ints,
-                              torch.empty_like(longs, device="cpu").pin_memory(),
-                              torch.empty_like(ints, device="cpu").pin_memory())
+        inputs = StaticInputs(
+            ForwardBatch(token_ids, positions, slot_mapping, layout),
+            longs,
+            ints,
+            torch.empty_like(longs, device="cpu").pin_memory(),
+            torch.empty_like(ints, device="cpu").pin_memory(),
+        )
         self._pad(inputs, rows)
         return inputs
 

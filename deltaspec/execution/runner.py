@@ -10,8 +10,8 @@ argmax is not enough for it (sampling, penalties, logprobs, unmet min_tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -47,8 +47,14 @@ def token_rows(item: Scheduled) -> range:
 class Runner:
     """Runs passes eagerly, or through `graphs` (CUDA graphs) when the pass fits one of its buckets."""
 
-    def __init__(self, model: HybridModel, caches: ModelCaches, block_size: int, device: torch.device,
-                 graphs: CudaGraphRunner | None = None):
+    def __init__(
+        self,
+        model: HybridModel,
+        caches: ModelCaches,
+        block_size: int,
+        device: torch.device,
+        graphs: CudaGraphRunner | None = None,
+    ):
         self.model = model
         self.caches = caches
         self.block_size = block_size
@@ -60,24 +66,47 @@ class Runner:
         starts = [0]
         for item in schedule:
             starts.append(starts[-1] + item.num_rows)
-        picks = torch.tensor([start + r for item, start in zip(schedule, starts) for r in token_rows(item)],
-                             dtype=torch.long, device=self.device)  # [token rows of the pass]
+        picks = torch.tensor(
+            [start + r for item, start in zip(schedule, starts) for r in token_rows(item)],
+            dtype=torch.long,
+            device=self.device,
+        )  # [token rows of the pass]
         key = self.graphs.bucket_for(schedule) if self.graphs is not None else None
         if key is not None:
             replay = self.graphs.run(schedule, key)
             argmax = replay.greedy.index_select(0, replay.rows[picks]).tolist()
-            return self._outputs(schedule, starts, replay.hidden, argmax, key[1] > 1,
-                                 lambda lo, hi: replay.logits.index_select(0, replay.rows[picks[lo:hi]]),
-                                 lambda lo, hi: replay.logits.index_select(0, replay.rows[lo:hi]))
+            return self._outputs(
+                schedule,
+                starts,
+                replay.hidden,
+                argmax,
+                key[1] > 1,
+                lambda lo, hi: replay.logits.index_select(0, replay.rows[picks[lo:hi]]),
+                lambda lo, hi: replay.logits.index_select(0, replay.rows[lo:hi]),
+            )
         batch = build_batch(schedule, self.block_size, self.device)
         hidden = self.model(batch, self.caches)  # [T, hidden]
         logits = self.model.compute_logits(hidden[picks])  # [token rows, vocab]
-        return self._outputs(schedule, starts, hidden, logits.argmax(-1).tolist(), None,
-                             lambda lo, hi: logits[lo:hi], lambda lo, hi: self.model.compute_logits(hidden[lo:hi]))
+        return self._outputs(
+            schedule,
+            starts,
+            hidden,
+            logits.argmax(-1).tolist(),
+            None,
+            lambda lo, hi: logits[lo:hi],
+            lambda lo, hi: self.model.compute_logits(hidden[lo:hi]),
+        )
 
-    def _outputs(self, schedule: list[Scheduled], starts: list[int], hidden: torch.Tensor, argmax: list[int],
-                 all_logged: bool | None, token_logits: Callable[[int, int], torch.Tensor],
-                 row_logits: Callable[[int, int], torch.Tensor]) -> list[SeqOutput]:
+    def _outputs(
+        self,
+        schedule: list[Scheduled],
+        starts: list[int],
+        hidden: torch.Tensor,
+        argmax: list[int],
+        all_logged: bool | None,
+        token_logits: Callable[[int, int], torch.Tensor],
+        row_logits: Callable[[int, int], torch.Tensor],
+    ) -> list[SeqOutput]:
         """Split a pass's outputs by sequence. `hidden` holds the real rows back to back (sequence i from
         `starts[i]`); `argmax` and `token_logits(lo, hi)` cover the token rows in schedule order;
         `row_logits(lo, hi)` are the logits of rows lo..hi-1 of `hidden`. `all_logged` says whether a graph
@@ -91,8 +120,18 @@ class Runner:
                 prompt_rows = min(item.num_rows, len(seq.prompt_ids) - seq.num_computed)
                 prompt_logits = row_logits(start, start + prompt_rows)
             logged = bool(seq.draft) if all_logged is None else all_logged
-            outputs.append(SeqOutput(seq, seq.num_computed, item.num_rows, bool(seq.draft), logged,
-                                     hidden[start:start + item.num_rows], argmax[taken:taken + count], logits,
-                                     prompt_logits))
+            outputs.append(
+                SeqOutput(
+                    seq,
+                    seq.num_computed,
+                    item.num_rows,
+                    bool(seq.draft),
+                    logged,
+                    hidden[start : start + item.num_rows],
+                    argmax[taken : taken + count],
+                    logits,
+                    prompt_logits,
+                )
+            )
             taken += count
         return outputs

@@ -36,10 +36,15 @@ class AcceptanceStats:
     def metrics(self) -> dict:
         if not self.rounds:
             return {}
-        return dict(spec_rounds=self.rounds, spec_accepted_tokens=self.accepted,
-                    acceptance_length=self.accepted / self.rounds, tokens_per_round=self.accepted / self.rounds + 1,
-                    acceptance_per_position=[a / d for a, d in zip(self.accepted_at, self.drafted_at)],
-                    accepted_at=list(self.accepted_at), drafted_at=list(self.drafted_at))
+        return dict(
+            spec_rounds=self.rounds,
+            spec_accepted_tokens=self.accepted,
+            acceptance_length=self.accepted / self.rounds,
+            tokens_per_round=self.accepted / self.rounds + 1,
+            acceptance_per_position=[a / d for a, d in zip(self.accepted_at, self.drafted_at)],
+            accepted_at=list(self.accepted_at),
+            drafted_at=list(self.drafted_at),
+        )
 
 
 class Status(Enum):
@@ -99,8 +104,14 @@ class Sequence:
     def plain_greedy(self) -> bool:
         """The next token is the argmax of the raw logits: greedy, no penalties, no logprobs, min_tokens met."""
         p = self.params
-        return p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty \
-            and p.logprobs is None and len(self.output_ids) >= p.min_tokens
+        return (
+            p.greedy
+            and p.repetition_penalty == 1.0
+            and not p.presence_penalty
+            and not p.frequency_penalty
+            and p.logprobs is None
+            and len(self.output_ids) >= p.min_tokens
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -117,10 +128,16 @@ class Sequence:
     def metrics(self) -> dict:
         """Time to first token, decode time and decode tok/s by DESIGN §6."""
         n_new = len(self.output_ids)
-        out = {"arrival_time": self.arrival_wall_time, "num_prompt_tokens": len(self.prompt_ids),
-               "num_cached_tokens": self.num_cached_tokens, "num_generated_tokens": n_new,
-               "time_to_first_token": None, "decode_time": None,
-               "decode_tok_s": None, "time_per_output_token": None}
+        out = {
+            "arrival_time": self.arrival_wall_time,
+            "num_prompt_tokens": len(self.prompt_ids),
+            "num_cached_tokens": self.num_cached_tokens,
+            "num_generated_tokens": n_new,
+            "time_to_first_token": None,
+            "decode_time": None,
+            "decode_tok_s": None,
+            "time_per_output_token": None,
+        }
         if self.first_token_time is not None:
             out["time_to_first_token"] = self.first_token_time - self.arrival_time
         if self.first_token_time is not None and self.finish_time is not None:

@@ -14,7 +14,10 @@ class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig, kv_index: int, ops: OpTable):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.kv_index = kv_index
         self.ops = ops
         hidden, bias = config.hidden_size, config.attention_bias
@@ -28,8 +31,9 @@ class GatedAttention(nn.Module):
     def fuse(self) -> None:
         fuse(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"], self.ops)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, caches, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this layer's K/V rows into the paged cache."""
         t = x.shape[0]
         q_gate, k, v = self.qkv_proj(x)
@@ -39,5 +43,5 @@ class GatedAttention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = caches.kv.k[self.kv_index], caches.kv.v[self.kv_index]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = self.ops.paged_attention(q.contiguous(), k_cache, v_cache, batch.layout, self.head_dim ** -0.5)
+        o = self.ops.paged_attention(q.contiguous(), k_cache, v_cache, batch.layout, self.head_dim**-0.5)
         return self.o_proj(o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

@@ -19,8 +19,7 @@ from deltaspec.ops.dispatch import OpTable
 class DecoderLayer(nn.Module):
     """`h += mixer(norm1(h)); h += mlp(norm2(h))`."""
 
-    def __init__(self, config: ModelConfig, mixer_index: int, ops: OpTable, is_gdn: bool,
-                 mlp: nn.Module):
+    def __init__(self, config: ModelConfig, mixer_index: int, ops: OpTable, is_gdn: bool, mlp: nn.Module):
         super().__init__()
         self.is_gdn = is_gdn
         if is_gdn:
@@ -31,8 +30,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch, caches: ModelCaches, cos, sin,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        batch: ForwardBatch,
+        caches: ModelCaches,
+        cos,
+        sin,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x = input_layernorm(residual) [T, hidden] -> (next_norm(new residual), new residual)."""
         if self.is_gdn:
             mixed = self.linear_attn(x, batch, caches)
@@ -42,8 +49,9 @@ class DecoderLayer(nn.Module):
         return next_norm.add(self.mlp(x), residual)
 
 
-def run_blocks(layers: nn.ModuleList, h: torch.Tensor, final_norm: RMSNorm, batch: ForwardBatch,
-               caches: ModelCaches, cos, sin) -> torch.Tensor:
+def run_blocks(
+    layers: nn.ModuleList, h: torch.Tensor, final_norm: RMSNorm, batch: ForwardBatch, caches: ModelCaches, cos, sin
+) -> torch.Tensor:
     """h [T, hidden] through `layers`, then `final_norm` -> [T, hidden]."""
     x, residual = layers[0].input_layernorm(h), h
     for i, layer in enumerate(layers):

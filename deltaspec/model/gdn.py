@@ -40,8 +40,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(value_dim, hidden, ops)
 
     def fuse(self) -> None:
-        parts = ["in_proj_qkvz", "in_proj_ba"] if self.layout == "qwen3_next" else \
-            ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+        parts = (
+            ["in_proj_qkvz", "in_proj_ba"]
+            if self.layout == "qwen3_next"
+            else ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+        )
         fuse(self, "in_proj", parts, self.ops)
 
     def _project(self, x: torch.Tensor):
@@ -63,12 +66,15 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = self._project(x)
         layer = self.state_index
-        qkv = self.ops.causal_conv1d(qkv.contiguous(), self.conv1d_weight, caches.gdn.conv[layer], batch.layout,
-                                     caches.gdn.conv_log[layer])  # [T, conv channels]
+        qkv = self.ops.causal_conv1d(
+            qkv.contiguous(), self.conv1d_weight, caches.gdn.conv[layer], batch.layout, caches.gdn.conv_log[layer]
+        )  # [T, conv channels]
         q, k, v = torch.split(qkv, [self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        q, k, g, beta = self.ops.gdn_gates(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), a, b,
-                                           self.A_log, self.dt_bias)
-        o = self.ops.gated_delta_rule(q, k, v.view(t, self.hv, self.dv), g, beta, caches.gdn.state[layer],
-                                      batch.layout, caches.gdn.log[layer])  # [T, Hv, Dv]
+        q, k, g, beta = self.ops.gdn_gates(
+            q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), a, b, self.A_log, self.dt_bias
+        )
+        o = self.ops.gated_delta_rule(
+            q, k, v.view(t, self.hv, self.dv), g, beta, caches.gdn.state[layer], batch.layout, caches.gdn.log[layer]
+        )  # [T, Hv, Dv]
         o = self.ops.gated_rms_norm(o, z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(t, self.hv * self.dv))

@@ -36,7 +36,8 @@ def text_config_of(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise DeltaspecError(
-            f"Model type {model_type!r} is not supported; deltaspec runs {', '.join(SUPPORTED_TYPES)}.")
+            f"Model type {model_type!r} is not supported; deltaspec runs {', '.join(SUPPORTED_TYPES)}."
+        )
     if model_type in WRAPPER_TYPES:
         text = dict(raw.get("text_config") or {})
         text.setdefault("model_type", WRAPPER_TYPES[model_type])
@@ -57,7 +58,8 @@ def _rope(text: dict[str, Any]) -> tuple[float, float]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise DeltaspecError(
-            f"RoPE type {rope_type!r} is not supported yet; deltaspec supports the default (unscaled) RoPE.")
+            f"RoPE type {rope_type!r} is not supported yet; deltaspec supports the default (unscaled) RoPE."
+        )
     theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
     return float(theta), float(partial)
@@ -70,7 +72,8 @@ def _layer_types(text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
         layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
     if len(layer_types) != num_layers or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in layer_types):
         raise DeltaspecError(
-            f"layer_types must list {num_layers} entries, each 'linear_attention' or 'full_attention'.")
+            f"layer_types must list {num_layers} entries, each 'linear_attention' or 'full_attention'."
+        )
     return tuple(layer_types)
 
 

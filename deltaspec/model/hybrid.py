@@ -9,8 +9,8 @@ the rows the caller needs. Parameter names follow the Hugging Face checkpoint na
 import torch
 from torch import nn
 
-from deltaspec.config import LINEAR_ATTENTION, ModelConfig
 from deltaspec.cache.model_caches import ModelCaches
+from deltaspec.config import LINEAR_ATTENTION, ModelConfig
 from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, make_mlp
@@ -26,8 +26,11 @@ class RotaryTable(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
         self.dtype = dtype
-        self.register_buffer("inv_freq", inv_frequencies(config.rotary_dim, config.rope_theta,
-                                                         compute_dtype(dtype), device), persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            inv_frequencies(config.rotary_dim, config.rope_theta, compute_dtype(dtype), device),
+            persistent=False,
+        )
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cos_sin(positions, self.inv_freq, self.dtype)
@@ -41,8 +44,15 @@ class TextModel(nn.Module):
         layers = []
         for i, kind in enumerate(config.layer_types):
             is_gdn = kind == LINEAR_ATTENTION
-            layers.append(DecoderLayer(config, gdn_index if is_gdn else attn_index, ops, is_gdn,
-                                       make_mlp(config, config.moe_layers[i], ops)))
+            layers.append(
+                DecoderLayer(
+                    config,
+                    gdn_index if is_gdn else attn_index,
+                    ops,
+                    is_gdn,
+                    make_mlp(config, config.moe_layers[i], ops),
+                )
+            )
             gdn_index, attn_index = gdn_index + is_gdn, attn_index + (not is_gdn)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -99,8 +109,9 @@ class HybridModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """All rows of `batch` through the stack -> final hidden states [T, hidden]."""
         cos, sin = self.rotary(batch.positions)
-        return run_blocks(self.model.layers, self.model.embed_tokens(batch.token_ids), self.model.norm, batch,
-                          caches, cos, sin)
+        return run_blocks(
+            self.model.layers, self.model.embed_tokens(batch.token_ids), self.model.norm, batch, caches, cos, sin
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]."""

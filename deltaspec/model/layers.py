@@ -39,8 +39,9 @@ class FusedLinear(Linear):
     def __init__(self, parts: dict[str, Linear], ops: OpTable):
         first = next(iter(parts.values()))
         with torch.device("meta"):
-            super().__init__(first.weight.shape[1], sum(p.out_features for p in parts.values()), ops,
-                             bias=first.bias is not None)
+            super().__init__(
+                first.weight.shape[1], sum(p.out_features for p in parts.values()), ops, bias=first.bias is not None
+            )
         self.names = tuple(parts)
         self.sizes = [p.out_features for p in parts.values()]
         with torch.no_grad():

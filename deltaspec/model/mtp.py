@@ -24,8 +24,11 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, ops)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, first_kv_index + i, ops, is_gdn=False, mlp=make_mlp(config, config.moe is not None, ops))
-            for i in range(num_layers))
+            DecoderLayer(
+                config, first_kv_index + i, ops, is_gdn=False, mlp=make_mlp(config, config.moe is not None, ops)
+            )
+            for i in range(num_layers)
+        )
         self.norm = RMSNorm(hidden, eps, ops)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches, cos, sin):

@@ -12,27 +12,35 @@ and `A_log = log(U(0, 16))`, `dt_bias = 1`, conv weights U(±1/sqrt(K)) as trans
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from deltaspec.config import EngineConfig, ModelConfig
+from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
-from deltaspec.model.weights import load_model
 from deltaspec.ops.dispatch import OpTable
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
-ZERO_CENTRED_NORMS = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "norm.weight", "norm_embedding.weight",
-                      "norm_hidden.weight")
+ZERO_CENTRED_NORMS = (
+    "layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "norm.weight",
+    "norm_embedding.weight",
+    "norm_hidden.weight",
+)
 
 
 def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, gen: torch.Generator) -> None:
     """Fill `out` (shape `shape`) with the random init of parameter `name` (see the module docstring)."""
     if name.endswith("linear_attn.A_log"):
-        out.copy_(torch.empty(shape, dtype=torch.float32, device=out.device).uniform_(0, 16, generator=gen)
-                  .clamp_min(1e-4).log())
+        out.copy_(
+            torch.empty(shape, dtype=torch.float32, device=out.device)
+            .uniform_(0, 16, generator=gen)
+            .clamp_min(1e-4)
+            .log()
+        )
     elif name.endswith(("linear_attn.dt_bias", "linear_attn.norm_weight")):
         out.fill_(1.0)
     elif name.endswith("conv1d_weight"):
@@ -50,8 +58,15 @@ def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, 
         raise DeltaspecError(f"No random init is defined for parameter {name} {list(shape)}.")
 
 
-def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: OpTable, seed: int = 0,
-                 progress: bool = True, with_mtp: bool = True) -> HybridModel:
+def random_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: OpTable,
+    seed: int = 0,
+    progress: bool = True,
+    with_mtp: bool = True,
+) -> HybridModel:
     """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint (the
     shape's MTP head only `with_mtp`)."""
     with torch.device("meta"):
@@ -69,12 +84,3 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     weights.clear()  # the model holds the only references: fusing frees each group's parts as it goes
     model.fuse_projections()
     return model.eval()
-
-
-def build_model(config: EngineConfig, model_dir: Path | None, model_config: ModelConfig, raw: dict,
-                dtype: torch.dtype, device: torch.device, ops: OpTable, progress: bool, with_mtp: bool) -> HybridModel:
-    """The engine's model: random weights of the shape, or the checkpoint at `model_dir`; its MTP head only
-    `with_mtp` (when the MTP head drafts)."""
-    if config.random_weights:
-        return random_model(model_config, dtype, device, ops, config.seed, progress, with_mtp)
-    return load_model(model_dir, model_config, raw, dtype, device, ops, progress=progress, with_mtp=with_mtp)

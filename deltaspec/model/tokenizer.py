@@ -267,8 +267,13 @@ class BorrowedTokenizer(Tokenizer):
 
     @classmethod
     def lend(cls, lent: Tokenizer) -> "BorrowedTokenizer":
-        return cls(lent._backend, source=lent._source, special_tokens=lent._special_tokens,
-                   eos_token_ids=lent._eos_token_ids, chat_templates=lent._chat_templates)
+        return cls(
+            lent._backend,
+            source=lent._source,
+            special_tokens=lent._special_tokens,
+            eos_token_ids=lent._eos_token_ids,
+            chat_templates=lent._chat_templates,
+        )
 
     def _fold(self, token_id: int) -> int:
         return int(token_id) % self.vocab_size

@@ -27,8 +27,10 @@ from deltaspec.ops.dispatch import OpTable
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 # checkpoint spelling -> parameter name (GDN conv and gated-norm weights are plain parameters here)
-RENAMES = {".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
-           ".linear_attn.norm.weight": ".linear_attn.norm_weight"}
+RENAMES = {
+    ".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
+    ".linear_attn.norm.weight": ".linear_attn.norm_weight",
+}
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
 HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -45,8 +47,10 @@ def model_dir_for(model: str | None) -> Path:
         return resolve_model_path(model)
     path = default_model_path()
     if not (path / "config.json").is_file():
-        raise DeltaspecError("No model was given and the embedded default model is not installed; "
-                             "pass a checkpoint directory or hub id with --model / LLM(model=...).")
+        raise DeltaspecError(
+            "No model was given and the embedded default model is not installed; "
+            "pass a checkpoint directory or hub id with --model / LLM(model=...)."
+        )
     return path
 
 
@@ -58,7 +62,9 @@ def resolve_model_path(model: str) -> Path:
     if path.exists():
         raise DeltaspecError(f"{model} is a file; --model takes a checkpoint directory or a Hugging Face hub id.")
     if not HUB_ID_RE.match(model) or model.startswith((".", "/", "~")):
-        raise DeltaspecError(f"No checkpoint directory at {model}; give an existing directory or a hub id like Qwen/Qwen3.5-27B.")
+        raise DeltaspecError(
+            f"No checkpoint directory at {model}; give an existing directory or a hub id like Qwen/Qwen3.5-27B."
+        )
     from huggingface_hub import snapshot_download
 
     try:
@@ -67,7 +73,8 @@ def resolve_model_path(model: str) -> Path:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DeltaspecError(
             f"Could not fetch {model} from the Hugging Face hub ({reason}); "
-            "check the id and the network, or download it and pass the directory.") from None
+            "check the id and the network, or download it and pass the directory."
+        ) from None
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -105,10 +112,10 @@ def target_name(name: str, with_mtp: bool = True) -> str | None:
     if name.startswith(SKIPPED_PREFIXES) or (not with_mtp and name.startswith("mtp.")):
         return None
     if name.startswith("model.language_model."):
-        name = "model." + name[len("model.language_model."):]
+        name = "model." + name[len("model.language_model.") :]
     for checkpoint_suffix, param_suffix in RENAMES.items():
         if name.endswith(checkpoint_suffix):
-            return name[:-len(checkpoint_suffix)] + param_suffix
+            return name[: -len(checkpoint_suffix)] + param_suffix
     return name
 
 
@@ -116,7 +123,7 @@ def checkpoint_name(param: str) -> str:
     """The checkpoint spelling of a parameter name (inverse of `target_name`'s renames)."""
     for checkpoint_suffix, param_suffix in RENAMES.items():
         if param.endswith(param_suffix):
-            return param[:-len(param_suffix)] + checkpoint_suffix
+            return param[: -len(param_suffix)] + checkpoint_suffix
     return param
 
 
@@ -131,12 +138,16 @@ def _fit(name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         return tensor
     if tensor.dim() == len(shape) + 1 and tensor.shape[1] == 1 and tensor.squeeze(1).shape == shape:
         return tensor.squeeze(1)
-    if tensor.dim() == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")) \
-            and tensor.transpose(1, 2).shape == shape:
+    if (
+        tensor.dim() == 3
+        and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        and tensor.transpose(1, 2).shape == shape
+    ):
         return tensor.transpose(1, 2)
     raise DeltaspecError(
         f"Tensor {name} has shape {list(tensor.shape)} in the checkpoint but the config implies {list(shape)}; "
-        "config.json and the weights do not belong together.")
+        "config.json and the weights do not belong together."
+    )
 
 
 def _listing(names: list[str]) -> str:
@@ -144,13 +155,23 @@ def _listing(names: list[str]) -> str:
     return shown + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
 
 
-def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: torch.dtype, device: torch.device,
-               ops: OpTable, progress: bool = True, with_mtp: bool = True) -> HybridModel:
+def load_model(
+    model_dir: Path,
+    config: ModelConfig,
+    raw_config: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: OpTable,
+    progress: bool = True,
+    with_mtp: bool = True,
+) -> HybridModel:
     """Build the model and fill every parameter from the checkpoint at `model_dir` (the MTP head, when the
     checkpoint has one, only `with_mtp`: it is a drafter's memory)."""
     if raw_config.get("quantization_config"):
-        raise DeltaspecError(f"{model_dir} is a quantized checkpoint; deltaspec loads unquantized weights "
-                             "(bfloat16, float16 or float32) for now.")
+        raise DeltaspecError(
+            f"{model_dir} is a quantized checkpoint; deltaspec loads unquantized weights "
+            "(bfloat16, float16 or float32) for now."
+        )
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = HybridModel(config, ops, dtype, device, num_mtp_layers=count_mtp_layers(files) if with_mtp else 0)
@@ -182,11 +203,14 @@ def load_model(model_dir: Path, config: ModelConfig, raw_config: dict, dtype: to
     _check_experts(expert_parts, params)
     missing = [checkpoint_name(n) for n in params if n not in loaded]
     if unexpected:
-        raise DeltaspecError(f"The checkpoint at {model_dir} has {len(unexpected)} tensors deltaspec does not "
-                             f"know: {_listing(unexpected)}.")
+        raise DeltaspecError(
+            f"The checkpoint at {model_dir} has {len(unexpected)} tensors deltaspec does not "
+            f"know: {_listing(unexpected)}."
+        )
     if missing:
-        raise DeltaspecError(f"The checkpoint at {model_dir} lacks {len(missing)} tensors the model needs: "
-                             f"{_listing(missing)}.")
+        raise DeltaspecError(
+            f"The checkpoint at {model_dir} lacks {len(missing)} tensors the model needs: {_listing(missing)}."
+        )
     model.load_state_dict(loaded, assign=True, strict=True)
     model.fuse_projections()
     return model.eval()
@@ -202,8 +226,9 @@ def _load_expert(match: re.Match, source, params, loaded, expert_parts, dtype, d
         loaded[fused_name] = torch.empty(params[fused_name].shape, dtype=dtype, device=device)
     fused = loaded[fused_name]
     if not 0 <= expert < fused.shape[0]:
-        raise DeltaspecError(f"Tensor {match.group(0)} names expert {expert}, but config.json has "
-                             f"{fused.shape[0]} experts.")
+        raise DeltaspecError(
+            f"Tensor {match.group(0)} names expert {expert}, but config.json has {fused.shape[0]} experts."
+        )
     half = fused.shape[1] // 2
     rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None), "down_proj": slice(None)}[proj]
     dest = fused[expert, rows]

@@ -3,8 +3,9 @@
 Contract (kernels keep it): the cache of one layer is `k_cache`, `v_cache` [num_blocks,
 block_size, Hkv, D]; row t is written at flat slot `slot_mapping[t]` (block * block_size +
 offset). Sequence b (`layout`, `deltaspec.ops.layout`) has `query_lens[b]` new rows, the last
-of its `context_lens[b]` cached tokens, its pages listed in `block_tables[b]`. Row i of sequence b attends to cached positions
-0 .. context_lens[b] - query_lens[b] + i (causal within the new rows), with grouped-query heads
+of its `context_lens[b]` cached tokens, its pages listed in `block_tables[b]`. Row i of sequence b
+attends to cached positions 0 .. context_lens[b] - query_lens[b] + i (causal within the new rows),
+with grouped-query heads
 (query head h reads KV head h // (Hq / Hkv)). Softmax runs in float32 (float64 for float64).
 """
 
@@ -41,12 +42,12 @@ def paged_attention(
         pages = block_tables[b, : (ctx_len + block_size - 1) // block_size]
         keys = k_cache[pages].flatten(0, 1)[:ctx_len].to(q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = v_cache[pages].flatten(0, 1)[:ctx_len].to(q.dtype).repeat_interleave(group, dim=1)
-        rows = q[start:start + q_len]  # [L, Hq, D]
+        rows = q[start : start + q_len]  # [L, Hq, D]
         scores = torch.einsum("lhd,shd->hls", rows, keys) * scale  # [Hq, L, S]
         query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         allowed = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]  # [L, S]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=acc).to(q.dtype)
-        out[start:start + q_len] = torch.einsum("hls,shd->lhd", probs, values)
+        out[start : start + q_len] = torch.einsum("hls,shd->lhd", probs, values)
         start += q_len
     return out

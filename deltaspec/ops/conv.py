@@ -29,14 +29,14 @@ def causal_conv1d(
     start = 0
     for length, slot, n, spec in zip(layout.query_lens, layout.slots, layout.fold, layout.speculative):
         if n:
-            conv_state[slot].copy_(torch.cat((conv_state[slot], log[slot, :n].to(conv_state.dtype)))[-(kernel - 1):])
-        rows = x[start:start + length]
+            conv_state[slot].copy_(torch.cat((conv_state[slot], log[slot, :n].to(conv_state.dtype)))[-(kernel - 1) :])
+        rows = x[start : start + length]
         window = torch.cat((conv_state[slot].to(x.dtype), rows), dim=0)  # [K-1+L, C]
         taps = window.unfold(0, kernel, 1)  # [L, C, K]
-        out[start:start + length] = F.silu((taps * weight[None].to(x.dtype)).sum(-1))
+        out[start : start + length] = F.silu((taps * weight[None].to(x.dtype)).sum(-1))
         if spec:
             log[slot, :length] = rows
         else:
-            conv_state[slot].copy_(window[-(kernel - 1):])
+            conv_state[slot].copy_(window[-(kernel - 1) :])
         start += length
     return out

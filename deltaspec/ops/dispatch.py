@@ -5,8 +5,8 @@ registers implementations with the same signature and semantics under the op's n
 resolves the table once per device, so the model never looks anything up on the hot path.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -39,6 +39,7 @@ class GDNLog:
     g: torch.Tensor
     beta: torch.Tensor
 
+
 CHUNK = 64
 
 
@@ -71,8 +72,8 @@ def chunked(q, k, v, g, beta, state):
     """
     outputs = []
     for start in range(0, q.shape[0], CHUNK):
-        qc, kc, vc = (t[start:start + CHUNK].transpose(0, 1) for t in (q, k, v))  # [Hv, C, D]
-        gc, bc = (t[start:start + CHUNK].transpose(0, 1) for t in (g, beta))  # [Hv, C]
+        qc, kc, vc = (t[start : start + CHUNK].transpose(0, 1) for t in (q, k, v))  # [Hv, C, D]
+        gc, bc = (t[start : start + CHUNK].transpose(0, 1) for t in (g, beta))  # [Hv, C]
         c = gc.cumsum(-1)  # [Hv, C]
         n = c.shape[-1]
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
@@ -114,13 +115,14 @@ def gated_delta_rule(
     query_lens, slots, fold, speculative = layout.query_lens, layout.slots, layout.fold, layout.speculative
     for n, slot in zip(fold, slots):
         if n:
-            state[slot].copy_(replay(log.k[slot, :n], log.v[slot, :n], log.g[slot, :n], log.beta[slot, :n],
-                                     state[slot].to(acc)))
+            state[slot].copy_(
+                replay(log.k[slot, :n], log.v[slot, :n], log.g[slot, :n], log.beta[slot, :n], state[slot].to(acc))
+            )
     for i, slot in enumerate(slots):
         if speculative[i]:
-            rows = slice(sum(query_lens[:i]), sum(query_lens[:i + 1]))
+            rows = slice(sum(query_lens[:i]), sum(query_lens[: i + 1]))
             for name, value in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-                getattr(log, name)[slot, :query_lens[i]] = value[rows]
+                getattr(log, name)[slot, : query_lens[i]] = value[rows]
     q, k = (_expand_heads(t, num_v_heads).to(acc) for t in (q, k))
     v, g, beta = (t.to(acc) for t in (v, g, beta))
     out = torch.empty(v.shape, dtype=acc, device=v.device)

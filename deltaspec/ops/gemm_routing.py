@@ -14,8 +14,8 @@ The table is cached as JSON in `$DELTASPEC_CACHE_DIR` (default `~/.cache/deltasp
 
 A file written with other buckets or another candidate list is measured again; shapes missing from
 a file are measured and added. Tables measured on the development H200 ship in `gemm_tables/` and are
-read when the cache has no file for the same device and versions. The same timings give `pass_cost_ms` and `relative_costs`, which the
-draft-length policy reads as the device's verify-cost curve.
+read when the cache has no file for the same device and versions. The same timings give `pass_cost_ms`
+and `relative_costs`, which the draft-length policy reads as the device's verify-cost curve.
 """
 
 from __future__ import annotations
@@ -71,8 +71,13 @@ def _candidates(device: torch.device) -> dict[str, tuple[Callable, int]]:
     candidates = {TORCH_PATH: (F.linear, sys.maxsize)}
     if device.type == "cuda":
         from deltaspec.ops.triton import skinny_gemm
-        candidates.update({config.name: (functools.partial(skinny_gemm.skinny_linear, config=config), config.max_rows)
-                           for config in skinny_gemm.SKINNY_CONFIGS})
+
+        candidates.update(
+            {
+                config.name: (functools.partial(skinny_gemm.skinny_linear, config=config), config.max_rows)
+                for config in skinny_gemm.SKINNY_CONFIGS
+            }
+        )
     return candidates
 
 
@@ -81,6 +86,7 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     before each call (triton.testing.do_bench) on CUDA, the wall clock on the CPU."""
     if device.type == "cuda":
         from triton.testing import do_bench
+
         return float(do_bench(fn, warmup=10, rep=30, return_mode="median"))
     fn()
     samples = []
@@ -98,8 +104,14 @@ class GemmRouter:
     weighs `pass_cost_ms`). Construction loads the cached table, measuring (with a progress bar on
     stderr) only what the cache lacks; `measured` says whether anything was measured."""
 
-    def __init__(self, shapes: dict[Shape, int], dtype: torch.dtype, device: torch.device | str = "cuda",
-                 cache_root: str | Path | None = None, show_progress: bool = True):
+    def __init__(
+        self,
+        shapes: dict[Shape, int],
+        dtype: torch.dtype,
+        device: torch.device | str = "cuda",
+        cache_root: str | Path | None = None,
+        show_progress: bool = True,
+    ):
         self.shapes = {(int(n), int(k)): int(count) for (n, k), count in shapes.items()}
         self.dtype = dtype
         self.device = torch.device(device)
@@ -119,8 +131,13 @@ class GemmRouter:
         """`x @ weight.T` for x [..., K], weight [N, K], by the route measured for x's row count."""
         routes = self._routes.get(weight.shape)
         rows = math.prod(x.shape[:-1])
-        if (routes is None or not 0 < rows <= ROW_BUCKETS[-1] or x.dtype != self.dtype
-                or weight.dtype != self.dtype or weight.stride(-1) != 1):
+        if (
+            routes is None
+            or not 0 < rows <= ROW_BUCKETS[-1]
+            or x.dtype != self.dtype
+            or weight.dtype != self.dtype
+            or weight.stride(-1) != 1
+        ):
             return F.linear(x, weight)
         if x.dim() == 2:
             return routes[rows](x, weight)
@@ -161,15 +178,23 @@ class GemmRouter:
 
     def _measure(self, shapes: list[Shape], show_progress: bool) -> dict[Shape, dict[int, dict]]:
         measured = {}
-        with tqdm(total=len(shapes) * len(ROW_BUCKETS), desc="Measuring GEMM routes", unit="case",
-                  file=sys.stderr, disable=not show_progress) as progress:
+        with tqdm(
+            total=len(shapes) * len(ROW_BUCKETS),
+            desc="Measuring GEMM routes",
+            unit="case",
+            file=sys.stderr,
+            disable=not show_progress,
+        ) as progress:
             for n, k in shapes:
                 weight = torch.randn(n, k, device=self.device, dtype=self.dtype)  # [N, K]
                 measured[(n, k)] = {}
                 for bucket in ROW_BUCKETS:
                     x = torch.randn(bucket, k, device=self.device, dtype=self.dtype)  # [rows, K]
-                    times = {name: self._time_candidate(fn, x, weight)
-                             for name, (fn, max_rows) in self.candidates.items() if bucket <= max_rows}
+                    times = {
+                        name: self._time_candidate(fn, x, weight)
+                        for name, (fn, max_rows) in self.candidates.items()
+                        if bucket <= max_rows
+                    }
                     times = {name: ms for name, ms in times.items() if ms is not None}
                     measured[(n, k)][bucket] = {"best": min(times, key=times.get), "ms": times}
                     progress.update()
@@ -186,19 +211,29 @@ class GemmRouter:
         except Exception as error:  # any failure only removes the candidate
             if fn is F.linear:
                 raise
-            print(f"gemm routing: skipping a candidate for {tuple(x.shape)} @ {tuple(weight.shape)}.T: {error}",
-                  file=sys.stderr)
+            print(
+                f"gemm routing: skipping a candidate for {tuple(x.shape)} @ {tuple(weight.shape)}.T: {error}",
+                file=sys.stderr,
+            )
             return None
 
     def _file_name(self) -> str:
-        key = (f"gemm-routes_{_device_name(self.device)}_torch-{torch.__version__}"
-               f"_triton-{_version('triton')}_{str(self.dtype).removeprefix('torch.')}")
+        key = (
+            f"gemm-routes_{_device_name(self.device)}_torch-{torch.__version__}"
+            f"_triton-{_version('triton')}_{str(self.dtype).removeprefix('torch.')}"
+        )
         return re.sub(r"[^A-Za-z0-9_.+-]+", "-", key) + ".json"
 
     def _header(self) -> dict:
-        return {"format": FORMAT_VERSION, "device": _device_name(self.device), "torch": torch.__version__,
-                "triton": _version("triton"), "dtype": str(self.dtype).removeprefix("torch."),
-                "buckets": list(ROW_BUCKETS), "candidates": list(self.candidates)}
+        return {
+            "format": FORMAT_VERSION,
+            "device": _device_name(self.device),
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "buckets": list(ROW_BUCKETS),
+            "candidates": list(self.candidates),
+        }
 
     def _load(self) -> dict[Shape, dict[int, dict]]:
         """The cached table (the user's cache first, then the tables shipped in `SHIPPED_TABLES`), or an
@@ -221,8 +256,10 @@ class GemmRouter:
         return table
 
     def _save(self) -> None:
-        shapes = {f"{n}x{k}": {str(bucket): entry for bucket, entry in by_bucket.items()}
-                  for (n, k), by_bucket in sorted(self.table.items())}
+        shapes = {
+            f"{n}x{k}": {str(bucket): entry for bucket, entry in by_bucket.items()}
+            for (n, k), by_bucket in sorted(self.table.items())
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_suffix(".json.tmp")
         partial.write_text(json.dumps({**self._header(), "shapes": shapes}, indent=1))

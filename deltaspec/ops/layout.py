@@ -40,9 +40,16 @@ class SeqLayout:
         return len(self.query_lens)
 
     @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int], slots: list[int], device: torch.device | str,
-              fold: list[int] | None = None, speculative: list[bool] | None = None,
-              block_tables: list[list[int]] | None = None) -> SeqLayout:
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        slots: list[int],
+        device: torch.device | str,
+        fold: list[int] | None = None,
+        speculative: list[bool] | None = None,
+        block_tables: list[list[int]] | None = None,
+    ) -> SeqLayout:
         """A layout from host values; device tensors are made on `device`."""
         fold = list(fold) if fold else [0] * len(query_lens)
         speculative = [bool(s) for s in speculative] if speculative else [False] * len(query_lens)
@@ -55,10 +62,20 @@ class SeqLayout:
         def int32(values):
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        return cls(list(query_lens), list(context_lens), list(slots), fold, speculative, max(query_lens),
-                   int32(starts), int32(context_lens), torch.tensor(slots, dtype=torch.long, device=device),
-                   int32(fold), int32([int(s) for s in speculative]),
-                   int32([t + [0] * (width - len(t)) for t in tables]))
+        return cls(
+            list(query_lens),
+            list(context_lens),
+            list(slots),
+            fold,
+            speculative,
+            max(query_lens),
+            int32(starts),
+            int32(context_lens),
+            torch.tensor(slots, dtype=torch.long, device=device),
+            int32(fold),
+            int32([int(s) for s in speculative]),
+            int32([t + [0] * (width - len(t)) for t in tables]),
+        )
 
     @property
     def row_starts(self) -> list[int]:

@@ -12,7 +12,7 @@ from deltaspec.ops.norms import compute_dtype
 def inv_frequencies(rotary_dim: int, theta: float, dtype: torch.dtype, device) -> torch.Tensor:
     """`1 / theta^(2i / rotary_dim)` for i < rotary_dim / 2.  # [rotary_dim // 2]"""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(dtype) / rotary_dim
-    return 1.0 / (theta ** exponents)
+    return 1.0 / (theta**exponents)
 
 
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,8 +32,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * c + rotated_half * s, rest), dim=-1)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              eps: float) -> torch.Tensor:
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """`apply_rope(rms_norm(x, weight, eps), cos, sin)` for x [T, heads, head_dim] (q or k of gated
     attention), computed in float32 (float64 for float64 inputs) and rounded to x's dtype once, at the
     end: the rotation uses the unrounded norm. (Rounding in between makes a fused kernel's result

@@ -23,9 +23,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    )
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _require(ok: bool, field: str, rule: str, value: object) -> None:
@@ -76,9 +74,7 @@ class SamplingParams:
             "a finite number >= 0",
             self.temperature,
         )
-        _require(
-            _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p
-        )
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _require(
             _is_int(self.top_k) and self.top_k >= -1,
             "top_k",
@@ -101,22 +97,14 @@ class SamplingParams:
         stop_ok = (
             self.stop is None
             or (isinstance(self.stop, str) and self.stop != "")
-            or (
-                isinstance(self.stop, (list, tuple))
-                and all(isinstance(s, str) and s != "" for s in self.stop)
-            )
+            or (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s != "" for s in self.stop))
         )
         _require(stop_ok, "stop", "a non-empty string or a list of non-empty strings", self.stop)
         ids_ok = self.stop_token_ids is None or (
-            isinstance(self.stop_token_ids, (list, tuple))
-            and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+            isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
         )
-        _require(
-            ids_ok, "stop_token_ids", "a list of non-negative integers", self.stop_token_ids
-        )
-        _require(
-            isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos
-        )
+        _require(ids_ok, "stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
         _require(
             self.seed is None or (_is_int(self.seed) and _INT64_MIN <= self.seed <= _INT64_MAX),
             "seed",

@@ -96,9 +96,7 @@ def apply_penalties(
     Rows with neutral penalties are left alone; when no row needs anything the input is returned.
     """
     batch, vocab = logits.shape
-    _check_batch(
-        batch, prompt_ids=prompt_ids, output_ids=output_ids, params=params, eos_ids=eos_ids
-    )
+    _check_batch(batch, prompt_ids=prompt_ids, output_ids=output_ids, params=params, eos_ids=eos_ids)
     penalised = [
         i
         for i, p in enumerate(params)
@@ -142,9 +140,7 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     if any(p < 1.0 for p in top_p):
         probs = torch.softmax(sorted_x, dim=-1)  # [B, V]
         before = probs.cumsum(dim=-1) - probs  # [B, V], mass of the better tokens
-        mass = torch.tensor(
-            [float("inf") if p >= 1.0 else p for p in top_p], dtype=x.dtype, device=device
-        )  # [B]
+        mass = torch.tensor([float("inf") if p >= 1.0 else p for p in top_p], dtype=x.dtype, device=device)  # [B]
         # Keep a token while the mass before it is short of top_p: the smallest set reaching top_p.
         drop = before >= mass[:, None]  # [B, V]
         drop[:, 0] = False
@@ -176,9 +172,7 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     probs = torch.softmax(x, dim=-1)  # [B, V]
     min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
     if any(m > 0.0 for m in min_p):
-        floor = torch.tensor(min_p, dtype=x.dtype, device=device)[:, None] * probs.amax(
-            dim=-1, keepdim=True
-        )  # [B, 1]
+        floor = torch.tensor(min_p, dtype=x.dtype, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if any(greedy):

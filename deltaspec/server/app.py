@@ -75,8 +75,9 @@ def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "The API key is missing or wrong; send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "The API key is missing or wrong; send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+            )
 
     return check
 
@@ -85,9 +86,12 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
     """The OpenAI-compatible app serving `async_engine` (which the caller starts and shuts down)."""
     engine = async_engine.engine
     ctx = ServerContext(
-        engine=async_engine, config=server_config, model_name=served_model_name(engine, server_config),
+        engine=async_engine,
+        config=server_config,
+        model_name=served_model_name(engine, server_config),
         metrics=ServerMetrics(lambda: async_engine.usage),
-        request_log=RequestLog(server_config.request_log) if server_config.request_log else None)
+        request_log=RequestLog(server_config.request_log) if server_config.request_log else None,
+    )
     app = FastAPI(title="deltaspec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
 
@@ -141,7 +145,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise DeltaspecError(f"Cannot listen on {host}:{port} ({exc.strerror}); pick another --host or --port.") from None
+        raise DeltaspecError(
+            f"Cannot listen on {host}:{port} ({exc.strerror}); pick another --host or --port."
+        ) from None
     sock.listen(2048)
     return sock
 

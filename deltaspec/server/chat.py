@@ -69,8 +69,11 @@ def _part_text(message_index: int, content: list) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
-            raise APIError(400, f"messages[{message_index}].content[{j}] is a '{part.type}' part, but only text "
-                                "parts are supported.", param=f"messages[{message_index}].content")
+            raise APIError(
+                400,
+                f"messages[{message_index}].content[{j}] is a '{part.type}' part, but only text parts are supported.",
+                param=f"messages[{message_index}].content",
+            )
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -95,8 +98,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         content = message.content
         if content is None and message.role != "assistant":
             raise APIError(400, f"messages[{i}] ('{message.role}') needs a content.", param=f"messages[{i}].content")
-        item: dict = {"role": "system" if message.role == "developer" else message.role,
-                      "content": _part_text(i, content) if isinstance(content, list) else content}
+        item: dict = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _part_text(i, content) if isinstance(content, list) else content,
+        }
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(message, key) is not None:
                 item[key] = getattr(message, key)
@@ -119,8 +124,11 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
         if not tools:
-            raise APIError(400, f"tool_choice names the function '{choice.function.name}', which is not among "
-                                "the request's tools.", param="tool_choice")
+            raise APIError(
+                400,
+                f"tool_choice names the function '{choice.function.name}', which is not among the request's tools.",
+                param="tool_choice",
+            )
     return tools
 
 
@@ -133,24 +141,43 @@ class ChatFormat:
     tools: list[dict] | None  # None: tool calls are not parsed
     top_logprobs: int | None  # None: no logprobs
 
-    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None,
-               logprobs: list[dict[int, Logprob]]) -> ChatChoice:
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        logprobs: list[dict[int, Logprob]],
+    ) -> ChatChoice:
         reasoning, content = split_reasoning(text, self.started_in_thinking)
         calls = []
         if self.tools is not None:
             content, calls = parse_tool_calls(content, self.tools)
         message = AssistantMessage(
-            content=content if content or not calls else None, reasoning_content=reasoning,
-            tool_calls=[ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
-                        for c in calls])
+            content=content if content or not calls else None,
+            reasoning_content=reasoning,
+            tool_calls=[
+                ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments)) for c in calls
+            ],
+        )
         return ChatChoice(
-            index=index, message=message, finish_reason="tool_calls" if calls and finish_reason == "stop" else finish_reason,
+            index=index,
+            message=message,
+            finish_reason="tool_calls" if calls and finish_reason == "stop" else finish_reason,
             stop_reason=stop_reason,
-            logprobs=chat_logprobs(logprobs, self.top_logprobs, self.tokenizer) if self.top_logprobs is not None else None)
+            logprobs=chat_logprobs(logprobs, self.top_logprobs, self.tokenizer)
+            if self.top_logprobs is not None
+            else None,
+        )
 
     def sample_choice(self, sample: Sample, index: int | None = None) -> ChatChoice:
-        return self.choice(sample.index if index is None else index, sample.text(self.tokenizer),
-                           sample.finish_reason, sample.stop_reason, sample.logprobs)
+        return self.choice(
+            sample.index if index is None else index,
+            sample.text(self.tokenizer),
+            sample.finish_reason,
+            sample.stop_reason,
+            sample.logprobs,
+        )
 
     def stream(self, index: int, params: SamplingParams) -> ChatStream:
         return ChatStream(self, index, params)
@@ -198,8 +225,13 @@ class ChatStream:
         if finish_reason == "stop" and self.tool_calls is not None and self.tool_calls.has_calls:
             finish_reason = "tool_calls"
         ending = {"stop_reason": delta.stop_reason} if delta.finished else {}
-        return ChatChunkChoice(index=self.index, delta=DeltaMessage(**fields), logprobs=logprobs,
-                               finish_reason=finish_reason if delta.finished else None, **ending)
+        return ChatChunkChoice(
+            index=self.index,
+            delta=DeltaMessage(**fields),
+            logprobs=logprobs,
+            finish_reason=finish_reason if delta.finished else None,
+            **ending,
+        )
 
 
 @dataclass(frozen=True)
@@ -229,13 +261,17 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
     check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     kwargs = dict(req.chat_template_kwargs or {})
     if reserved := [k for k in _RESERVED_TEMPLATE_KWARGS if k in kwargs]:
-        raise APIError(400, f"chat_template_kwargs cannot set '{reserved[0]}'; use the request field instead.",
-                       param="chat_template_kwargs")
+        raise APIError(
+            400,
+            f"chat_template_kwargs cannot set '{reserved[0]}'; use the request field instead.",
+            param="chat_template_kwargs",
+        )
     tokenizer = ctx.require_tokenizer("chat messages cannot be rendered")
     tools = template_tools(req)
     try:
-        prompt = tokenizer.apply_chat_template(template_messages(req.messages), tools=tools,
-                                               add_generation_prompt=req.add_generation_prompt, **kwargs)
+        prompt = tokenizer.apply_chat_template(
+            template_messages(req.messages), tools=tools, add_generation_prompt=req.add_generation_prompt, **kwargs
+        )
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
     prompt_ids = tokenizer.encode(prompt)
@@ -268,11 +304,11 @@ class _Voting:
 
     def result(self) -> tuple[ChatChoice, VoteInfo]:
         winner = self.vote.winner
-        choice = next((c for _, c, answer in self.finished if winner is None or answer == winner),
-                      self.finished[0][1])
+        choice = next((c for _, c, answer in self.finished if winner is None or answer == winner), self.finished[0][1])
         aborted = sum(s.finish_reason == "abort" for s in self.samples)
-        return choice, VoteInfo(winner=winner, counts=self.vote.counts, samples_finished=len(self.finished),
-                                samples_aborted=aborted)
+        return choice, VoteInfo(
+            winner=winner, counts=self.vote.counts, samples_finished=len(self.finished), samples_aborted=aborted
+        )
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request) -> Response:
@@ -297,12 +333,20 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             raise error
         if voting is not None:
             choice, vote_info = voting.result()
-            body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=[choice],
-                                          usage=usage_of(len(plan.prompt_ids), samples), vote=vote_info)
+            body = ChatCompletionResponse(
+                id=request_id,
+                model=ctx.model_name,
+                choices=[choice],
+                usage=usage_of(len(plan.prompt_ids), samples),
+                vote=vote_info,
+            )
         else:
-            body = ChatCompletionResponse(id=request_id, model=ctx.model_name,
-                                          choices=[plan.format.sample_choice(s) for s in samples],
-                                          usage=usage_of(len(plan.prompt_ids), samples))
+            body = ChatCompletionResponse(
+                id=request_id,
+                model=ctx.model_name,
+                choices=[plan.format.sample_choice(s) for s in samples],
+                usage=usage_of(len(plan.prompt_ids), samples),
+            )
         finish_reason = body.choices[0].finish_reason or "stop"
         return JSONResponse(body.model_dump(exclude={"vote"} if body.vote is None else None))
     except ClientDisconnected:
@@ -313,21 +357,35 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         ctx.record(ENDPOINT, request_id, arrival, samples, len(plan.prompt_ids), finish_reason, req.n)
 
 
-async def _stream_chat(ctx: ServerContext, plan: ChatPlan, request_id: str, samples: list[Sample],
-                       outcome: dict) -> AsyncIterator[str]:
+async def _stream_chat(
+    ctx: ServerContext, plan: ChatPlan, request_id: str, samples: list[Sample], outcome: dict
+) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-        fields = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                  "choices": choices}
+        fields = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             fields["usage"] = usage
         return sse(ChatCompletionChunk(**fields))
 
     streams = {s.index: plan.format.stream(s.index, s.params) for s in samples}
     for sample in samples:
-        yield chunk([ChatChunkChoice(index=sample.index, delta=DeltaMessage(role="assistant", content=""),
-                                     logprobs=None, finish_reason=None)])
+        yield chunk(
+            [
+                ChatChunkChoice(
+                    index=sample.index,
+                    delta=DeltaMessage(role="assistant", content=""),
+                    logprobs=None,
+                    finish_reason=None,
+                )
+            ]
+        )
     finish_reasons: dict[int, str | None] = {}
     async with aclosing(merged(samples)) as deltas:
         async for sample, delta in deltas:

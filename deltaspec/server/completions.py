@@ -64,8 +64,12 @@ def _choice(ctx: ServerContext, sample: Sample, logprobs: int | None) -> Complet
     tokenizer = ctx.tokenizer
     text = sample.text(tokenizer) if tokenizer is not None else ""
     return CompletionChoice(
-        index=sample.index, text=text, finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-        logprobs=completion_logprobs(sample.logprobs, logprobs, tokenizer) if logprobs is not None else None)
+        index=sample.index,
+        text=text,
+        finish_reason=sample.finish_reason,
+        stop_reason=sample.stop_reason,
+        logprobs=completion_logprobs(sample.logprobs, logprobs, tokenizer) if logprobs is not None else None,
+    )
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
@@ -82,7 +86,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
     samples: list[Sample] = []
     try:
         for p, prompt in enumerate(prompts):
-            max_tokens = req.max_tokens if req.max_tokens is not None else max(ctx.max_model_len - len(prompt.token_ids), 1)
+            max_tokens = (
+                req.max_tokens if req.max_tokens is not None else max(ctx.max_model_len - len(prompt.token_ids), 1)
+            )
             params = sampling_params(req, max_tokens, req.logprobs)
             samples += submit(ctx.engine, request_id, prompt.text, prompt.token_ids, params, req.n, p * req.n)
     except APIError:
@@ -103,9 +109,12 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
         await collect(samples, request)
         if error := engine_error(samples):
             raise error
-        body = CompletionResponse(id=request_id, model=ctx.model_name,
-                                  choices=[_choice(ctx, s, req.logprobs) for s in samples],
-                                  usage=usage_of(sum(len(p.token_ids) for p in prompts), samples))
+        body = CompletionResponse(
+            id=request_id,
+            model=ctx.model_name,
+            choices=[_choice(ctx, s, req.logprobs) for s in samples],
+            usage=usage_of(sum(len(p.token_ids) for p in prompts), samples),
+        )
         finish_reason = body.choices[0].finish_reason or "stop"
         return JSONResponse(body.model_dump())
     except ClientDisconnected:
@@ -116,20 +125,34 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
         ctx.record(ENDPOINT, request_id, arrival, samples, prompt_tokens, finish_reason, req.n)
 
 
-async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, prompts: list[Prompt],
-                  samples: list[Sample], outcome: dict) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServerContext,
+    req: CompletionRequest,
+    request_id: str,
+    prompts: list[Prompt],
+    samples: list[Sample],
+    outcome: dict,
+) -> AsyncIterator[str]:
     created = int(time.time())
     tokenizer = ctx.tokenizer
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-        fields = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
-                  "choices": choices}
+        fields = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             fields["usage"] = usage
         return sse(CompletionResponse(**fields))
 
-    detokenizers = {s.index: IncrementalDetokenizer(tokenizer, s.params.skip_special_tokens, s.params.stop)
-                    for s in samples} if tokenizer is not None else {}
+    detokenizers = (
+        {s.index: IncrementalDetokenizer(tokenizer, s.params.skip_special_tokens, s.params.stop) for s in samples}
+        if tokenizer is not None
+        else {}
+    )
     offsets = dict.fromkeys(detokenizers, 0)
     finish_reasons: dict[int, str | None] = {}
     async with aclosing(merged(samples)) as deltas:
@@ -155,8 +178,17 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
             ending = {"stop_reason": delta.stop_reason} if delta.finished else {}
             if delta.finished:
                 finish_reasons[sample.index] = delta.finish_reason
-            yield chunk([CompletionChoice(index=sample.index, text=text, logprobs=logprobs,
-                                          finish_reason=delta.finish_reason if delta.finished else None, **ending)])
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=sample.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason if delta.finished else None,
+                        **ending,
+                    )
+                ]
+            )
     outcome["finish_reason"] = finish_reasons.get(samples[0].index) or "stop"
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], usage=usage_of(sum(len(p.token_ids) for p in prompts), samples))

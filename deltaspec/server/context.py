@@ -33,16 +33,28 @@ class ServerContext:
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is this server's model name (a missing model field is accepted)."""
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
 
     def require_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
             raise APIError(400, f"The model has no tokenizer, so {what}; send token-id prompts to /v1/completions.")
         return self.tokenizer
 
-    def record(self, endpoint: str, request_id: str, arrival: float, samples: list[Sample],
-               prompt_tokens: int, finish_reason: str, n: int) -> None:
+    def record(
+        self,
+        endpoint: str,
+        request_id: str,
+        arrival: float,
+        samples: list[Sample],
+        prompt_tokens: int,
+        finish_reason: str,
+        n: int,
+    ) -> None:
         """Count a finished request in the metrics and write its request-log line."""
         metrics = self.metrics
         generated = sum(len(s.token_ids) for s in samples)
@@ -50,8 +62,9 @@ class ServerContext:
         metrics.prompt_tokens.inc(prompt_tokens)
         metrics.generation_tokens.inc(generated)
         ttfts = [s.metrics["time_to_first_token"] for s in samples if s.metrics.get("time_to_first_token") is not None]
-        tpots = [s.metrics["time_per_output_token"] for s in samples
-                 if s.metrics.get("time_per_output_token") is not None]
+        tpots = [
+            s.metrics["time_per_output_token"] for s in samples if s.metrics.get("time_per_output_token") is not None
+        ]
         for value in ttfts:
             metrics.ttft.observe(value)
         for value in tpots:
@@ -61,16 +74,26 @@ class ServerContext:
         metrics.spec_rounds.inc(rounds)
         metrics.spec_accepted.inc(accepted)
         for sample in samples:
-            for position, (hit, tried) in enumerate(zip(sample.metrics.get("accepted_at", []),
-                                                        sample.metrics.get("drafted_at", [])), start=1):
+            for position, (hit, tried) in enumerate(
+                zip(sample.metrics.get("accepted_at", []), sample.metrics.get("drafted_at", [])), start=1
+            ):
                 metrics.spec_accepted_at.labels(position=str(position)).inc(hit)
                 metrics.spec_drafted_at.labels(position=str(position)).inc(tried)
         if self.request_log is not None:
-            self.request_log.write({
-                "arrival_time": arrival, "request_id": request_id, "endpoint": endpoint,
-                "ttft_s": min(ttfts) if ttfts else None, "tpot_s": sum(tpots) / len(tpots) if tpots else None,
-                "prompt_tokens": prompt_tokens,
-                "cached_tokens": max((s.metrics.get("num_cached_tokens", 0) for s in samples), default=0),
-                "generated_tokens": generated,
-                "finish_reason": finish_reason, "n": n, "spec_rounds": rounds, "spec_accepted_tokens": accepted,
-                "acceptance_length": accepted / rounds if rounds else None})
+            self.request_log.write(
+                {
+                    "arrival_time": arrival,
+                    "request_id": request_id,
+                    "endpoint": endpoint,
+                    "ttft_s": min(ttfts) if ttfts else None,
+                    "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+                    "prompt_tokens": prompt_tokens,
+                    "cached_tokens": max((s.metrics.get("num_cached_tokens", 0) for s in samples), default=0),
+                    "generated_tokens": generated,
+                    "finish_reason": finish_reason,
+                    "n": n,
+                    "spec_rounds": rounds,
+                    "spec_accepted_tokens": accepted,
+                    "acceptance_length": accepted / rounds if rounds else None,
+                }
+            )

@@ -41,10 +41,10 @@ class IncrementalDetokenizer:
 
     def _resolve(self, final: bool) -> None:
         """Move new tokens into `text` unless they end inside a UTF-8 character (or `final`)."""
-        context = self.tokenizer.decode(self.token_ids[self.prefix:self.read], self.skip_special_tokens)
-        extended = self.tokenizer.decode(self.token_ids[self.prefix:], self.skip_special_tokens)
+        context = self.tokenizer.decode(self.token_ids[self.prefix : self.read], self.skip_special_tokens)
+        extended = self.tokenizer.decode(self.token_ids[self.prefix :], self.skip_special_tokens)
         if final or (len(extended) > len(context) and not extended.endswith(REPLACEMENT)):
-            self.text += extended[len(context):]
+            self.text += extended[len(context) :]
             self.prefix, self.read = self.read, len(self.token_ids)
 
     def add(self, new_token_ids: list[int]) -> str:
@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
         end = stop_hold_start(self.text, self.stop, self.emitted)
         if end <= self.emitted:
             return ""
-        delta, self.emitted = self.text[self.emitted:end], end
+        delta, self.emitted = self.text[self.emitted : end], end
         return delta
 
     def finish(self, new_token_ids: list[int], stop_text: str | None = None) -> str:
@@ -65,6 +65,6 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_token_ids)
         self._resolve(final=True)
         text = stop_text if stop_text is not None else self.text
-        delta = text[self.emitted:]
+        delta = text[self.emitted :]
         self.emitted = max(self.emitted, len(text))
         return delta

@@ -11,8 +11,7 @@ from pydantic import ValidationError
 
 from deltaspec.server.protocol import ErrorInfo, ErrorResponse
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          500: "server_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 500: "server_error"}
 
 
 class APIError(Exception):
@@ -26,8 +25,12 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict:
-        info = ErrorInfo(message=self.message, type=_TYPES.get(self.status, "invalid_request_error"),
-                         param=self.param, code=self.code if self.code is not None else self.status)
+        info = ErrorInfo(
+            message=self.message,
+            type=_TYPES.get(self.status, "invalid_request_error"),
+            param=self.param,
+            code=self.code if self.code is not None else self.status,
+        )
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:

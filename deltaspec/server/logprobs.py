@@ -34,15 +34,23 @@ def chat_logprobs(entries: list[dict[int, Logprob]], top_k: int, tokenizer: Toke
     for entry in entries:
         token_id, chosen = next(iter(entry.items()))
         text = _text(token_id, chosen, tokenizer)
-        top = [TopLogprob(token=(t := _text(tid, lp, tokenizer)), logprob=_finite(lp.logprob),
-                          bytes=list(t.encode("utf-8"))) for tid, lp in _top(entry, top_k)]
-        content.append(ChatTokenLogprob(token=text, logprob=_finite(chosen.logprob),
-                                        bytes=list(text.encode("utf-8")), top_logprobs=top))
+        top = [
+            TopLogprob(
+                token=(t := _text(tid, lp, tokenizer)), logprob=_finite(lp.logprob), bytes=list(t.encode("utf-8"))
+            )
+            for tid, lp in _top(entry, top_k)
+        ]
+        content.append(
+            ChatTokenLogprob(
+                token=text, logprob=_finite(chosen.logprob), bytes=list(text.encode("utf-8")), top_logprobs=top
+            )
+        )
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], top_k: int, tokenizer: Tokenizer,
-                        offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(
+    entries: list[dict[int, Logprob]], top_k: int, tokenizer: Tokenizer, offset: int = 0
+) -> CompletionLogprobs:
     """`choices[].logprobs` of a completion; `offset` is the text offset of the first token."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for entry in entries:
@@ -53,5 +61,6 @@ def completion_logprobs(entries: list[dict[int, Logprob]], top_k: int, tokenizer
         top_logprobs.append({_text(t, lp, tokenizer): _finite(lp.logprob) for t, lp in _top(entry, top_k)})
         text_offset.append(offset)
         offset += len(text)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
-                              text_offset=text_offset)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset
+    )

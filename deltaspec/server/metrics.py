@@ -47,8 +47,11 @@ class _EngineCollector(Collector):
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=usage[key])
         total = usage["kv_blocks_total"]
-        yield GaugeMetricFamily("deltaspec_kv_cache_usage_ratio", "Fraction of attention KV pages in use.",
-                                value=usage["kv_blocks_used"] / total if total else 0.0)
+        yield GaugeMetricFamily(
+            "deltaspec_kv_cache_usage_ratio",
+            "Fraction of attention KV pages in use.",
+            value=usage["kv_blocks_used"] / total if total else 0.0,
+        )
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=usage[key])
 
@@ -56,27 +59,48 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     def __init__(self, usage: Callable[[], dict]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("deltaspec_requests", "Finished requests by endpoint and finish reason.",
-                                ["endpoint", "finish_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("deltaspec_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=self.registry)
-        self.generation_tokens = Counter("deltaspec_generation_tokens", "Tokens generated, all samples.",
-                                         registry=self.registry)
-        self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Time to first token per sample.",
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("deltaspec_time_per_output_token_seconds",
-                              "Decode time per output token after the first, per sample.",
-                              buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.spec_rounds = Counter("deltaspec_spec_verify_rounds", "Verify passes with draft tokens, all samples.",
-                                   registry=self.registry)
-        self.spec_accepted = Counter("deltaspec_spec_accepted_tokens", "Draft tokens accepted, all samples.",
-                                     registry=self.registry)
-        self.spec_accepted_at = Counter("deltaspec_spec_accepted_at_position",
-                                        "Draft tokens accepted, by position in the draft (1 = first).",
-                                        ["position"], registry=self.registry)
-        self.spec_drafted_at = Counter("deltaspec_spec_drafted_at_position",
-                                       "Draft tokens verified, by position in the draft (1 = first).",
-                                       ["position"], registry=self.registry)
+        self.requests = Counter(
+            "deltaspec_requests",
+            "Finished requests by endpoint and finish reason.",
+            ["endpoint", "finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "deltaspec_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "deltaspec_generation_tokens", "Tokens generated, all samples.", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "deltaspec_time_to_first_token_seconds",
+            "Time to first token per sample.",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "deltaspec_time_per_output_token_seconds",
+            "Decode time per output token after the first, per sample.",
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.spec_rounds = Counter(
+            "deltaspec_spec_verify_rounds", "Verify passes with draft tokens, all samples.", registry=self.registry
+        )
+        self.spec_accepted = Counter(
+            "deltaspec_spec_accepted_tokens", "Draft tokens accepted, all samples.", registry=self.registry
+        )
+        self.spec_accepted_at = Counter(
+            "deltaspec_spec_accepted_at_position",
+            "Draft tokens accepted, by position in the draft (1 = first).",
+            ["position"],
+            registry=self.registry,
+        )
+        self.spec_drafted_at = Counter(
+            "deltaspec_spec_drafted_at_position",
+            "Draft tokens verified, by position in the draft (1 = first).",
+            ["position"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(usage))
 
     def render(self) -> bytes:

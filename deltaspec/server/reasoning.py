@@ -48,7 +48,7 @@ def _may_become_end(tail: str) -> bool:
     """Whether `tail` (no complete end marker in it) could grow into one."""
     if THINK_END.startswith(tail) or _TOOL_CALL.startswith(tail):
         return True
-    return tail.startswith(_TOOL_CALL) and _FUNCTION.startswith(tail[len(_TOOL_CALL):].lstrip())
+    return tail.startswith(_TOOL_CALL) and _FUNCTION.startswith(tail[len(_TOOL_CALL) :].lstrip())
 
 
 def _hold_from(text: str) -> int:
@@ -63,14 +63,14 @@ def split_reasoning(text: str, started_in_thinking: bool) -> tuple[str | None, s
     """(reasoning, content) of a whole completion; reasoning is None when it did not think."""
     thinking = started_in_thinking
     if text.startswith(THINK_START):
-        text = text[len(THINK_START):]
+        text = text[len(THINK_START) :]
         thinking = True
     if not thinking:
         return None, text
     found = _reasoning_end(text)
     if found is None:
         return text.strip("\n"), ""
-    return text[:found[0]].strip("\n"), text[found[1]:].lstrip("\n")
+    return text[: found[0]].strip("\n"), text[found[1] :].lstrip("\n")
 
 
 class _Phase(enum.Enum):
@@ -109,13 +109,13 @@ class ReasoningStream:
             if not final and len(self._buf) < len(THINK_START) and THINK_START.startswith(self._buf):
                 return "", ""
             if self._buf.startswith(THINK_START):
-                self._buf = self._buf[len(THINK_START):]
+                self._buf = self._buf[len(THINK_START) :]
                 self._thinking = True
             self._phase = _Phase.REASONING if self._thinking else _Phase.CONTENT
         if self._phase is _Phase.REASONING:
             found = _reasoning_end(self._buf)
             if found is not None:
-                reasoning, self._buf = self._buf[:found[0]], self._buf[found[1]:]
+                reasoning, self._buf = self._buf[: found[0]], self._buf[found[1] :]
                 self._phase = _Phase.CONTENT
                 self._after_end = True
             else:
@@ -138,7 +138,7 @@ class ReasoningStream:
             text = text.lstrip("\n")
         text = self._held_newlines + text
         body = text.rstrip("\n")
-        self._held_newlines = text[len(body):]
+        self._held_newlines = text[len(body) :]
         if body:
             self._reasoning_started = True
         return body

@@ -33,11 +33,24 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
     """The engine parameters of one sample (n = 1); a bad value is a 400 naming the field."""
     try:
         return SamplingParams(
-            n=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs, repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
+            n=1,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+            logprobs=logprobs,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
 
@@ -88,8 +101,15 @@ class Sample:
         return tokenizer.decode(self.token_ids, self.params.skip_special_tokens)
 
 
-def submit(engine: AsyncEngine, request_id: str, prompt: str | None, prompt_ids: list[int],
-           params: SamplingParams, n: int, first_index: int = 0) -> list[Sample]:
+def submit(
+    engine: AsyncEngine,
+    request_id: str,
+    prompt: str | None,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    n: int,
+    first_index: int = 0,
+) -> list[Sample]:
     """Queue `n` samples of one prompt; choice indices start at `first_index`. DeltaspecError -> 400."""
     samples: list[Sample] = []
     try:
@@ -130,8 +150,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def collect(samples: list[Sample], request: Request | None,
-                  on_finished: Callable[[Sample], None] | None = None) -> None:
+async def collect(
+    samples: list[Sample], request: Request | None, on_finished: Callable[[Sample], None] | None = None
+) -> None:
     """Wait until every sample has finished, calling `on_finished` in finishing order.
 
     Raises ClientDisconnected when `request`'s client goes away first; the caller aborts.
@@ -180,5 +201,9 @@ def usage_of(prompt_tokens: int, samples: list[Sample]) -> UsageInfo:
     and the tokens of all its samples."""
     completion = sum(len(s.token_ids) for s in samples)
     cached = max((s.metrics.get("num_cached_tokens", 0) for s in samples), default=0)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

@@ -55,8 +55,7 @@ class ToolCall:
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI `tool_calls` entry of a chat completion message."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def _new_call_id(rng: random.Random) -> str:
@@ -136,18 +135,18 @@ def _parse_json(body: str) -> tuple[str, dict[str, Any]] | None:
 
 def _parse_xml(body: str, tools: list[dict] | None) -> tuple[str, dict[str, Any]] | None:
     name_end = body.find(">")
-    name = body[len(_FUNCTION_OPEN):name_end]
+    name = body[len(_FUNCTION_OPEN) : name_end]
     if name_end < 0 or not _valid_name(name):
         return None
-    params = body[name_end + 1:]
+    params = body[name_end + 1 :]
     if params.endswith(_FUNCTION_CLOSE):
-        params = params[:-len(_FUNCTION_CLOSE)]
+        params = params[: -len(_FUNCTION_CLOSE)]
     properties = _properties(tools, name)
     arguments: dict[str, Any] = {}
     pos = 0
     for match in _PARAMETER.finditer(params):
         param = match.group(1)
-        if params[pos:match.start()].strip() or not _valid_name(param):
+        if params[pos : match.start()].strip() or not _valid_name(param):
             return None
         value = match.group(2)
         value = value[1:] if value.startswith("\n") else value
@@ -176,8 +175,9 @@ def _parse_block(inner: str, tools: list[dict] | None) -> tuple[str, str] | None
         return None
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None = None,
-                     rng: random.Random | None = None) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, tools: list[dict] | None = None, rng: random.Random | None = None
+) -> tuple[str, list[ToolCall]]:
     """(content without the parsed tool-call blocks, stripped; the calls in order).
 
     `tools` is the request's OpenAI `tools` list (types XML parameters); `rng` draws call ids.
@@ -190,7 +190,7 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None,
         parsed = _parse_block(match.group(1), tools)
         if parsed is None:
             continue
-        pieces.append(text[pos:match.start()])
+        pieces.append(text[pos : match.start()])
         pos = match.end()
         calls.append(ToolCall(_new_call_id(rng), *parsed))
     pieces.append(text[pos:])
@@ -248,7 +248,7 @@ class ToolCallStream:
                         content.append(TOOL_CALL_START + self._buf)
                         self._buf = ""
                     break
-                inner, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_END):]
+                inner, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_END) :]
                 self._in_block = False
                 parsed = _parse_block(inner, self._tools)
                 if parsed is None:
@@ -261,7 +261,7 @@ class ToolCallStream:
                 start = self._buf.find(TOOL_CALL_START)
                 if start >= 0:
                     content.append(self._buf[:start])
-                    self._buf = self._buf[start + len(TOOL_CALL_START):]
+                    self._buf = self._buf[start + len(TOOL_CALL_START) :]
                     self._in_block = True
                     continue
                 cut = len(self._buf) - (0 if final else _partial_tag_len(self._buf, TOOL_CALL_START))
@@ -276,7 +276,7 @@ class ToolCallStream:
             text = text.lstrip()
         text = self._held_space + text
         body = text.rstrip()
-        self._held_space = "" if final else text[len(body):]
+        self._held_space = "" if final else text[len(body) :]
         if body:
             self._content_started = True
         return body

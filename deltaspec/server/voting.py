@@ -24,7 +24,7 @@ def _last_boxed(text: str) -> str | None:
             elif text[i] == "}":
                 depth -= 1
                 if depth == 0:
-                    return text[start + len(_BOXED):i]
+                    return text[start + len(_BOXED) : i]
         start = text.rfind(_BOXED, 0, start)
     return None
 
@@ -34,7 +34,7 @@ def _after_last_marker(text: str) -> str | None:
     markers = list(_MARKER.finditer(text))
     if not markers:
         return None
-    rest = text[markers[-1].end():].lstrip(" \t:")
+    rest = text[markers[-1].end() :].lstrip(" \t:")
     return next((line for line in rest.splitlines() if line.strip()), None)
 
 

@@ -30,8 +30,13 @@ class CombinedDrafter:
 
         def full_match(req: DraftRequest, draft: Draft) -> bool:
             greedy = req.params is None or req.params.greedy  # sampled requests need the model's q
-            return greedy and req.max_tokens > 0 and len(draft.tokens) == req.max_tokens and \
-                draft.confidence is not None and min(draft.confidence) >= 1.0
+            return (
+                greedy
+                and req.max_tokens > 0
+                and len(draft.tokens) == req.max_tokens
+                and draft.confidence is not None
+                and min(draft.confidence) >= 1.0
+            )
 
         use_ngram = [full_match(req, draft) for req, draft in zip(requests, lookup)]
         neural = iter(self.neural.propose([r for r, n in zip(requests, use_ngram) if not n]))

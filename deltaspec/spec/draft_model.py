@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from deltaspec.cache.manager import CacheManager
+from deltaspec.errors import DeltaspecError
 from deltaspec.execution.batch import Scheduled, build_batch
 from deltaspec.execution.sequence import Sequence
-from deltaspec.errors import DeltaspecError
 from deltaspec.model.hf_config import parse_model_config, read_config_json
 from deltaspec.model.weights import load_model
 from deltaspec.ops.dispatch import ops_for
@@ -34,15 +34,28 @@ GREEDY = SamplingParams(temperature=0.0)
 DRAFT_SEED_SALT = 0x5EED_D2AF  # the draft stream of a seeded request differs from the target's own stream
 
 
-def pick_drafts(reqs: list[DraftRequest], logits: torch.Tensor, generators: dict[str, torch.Generator], seed: int,
-                device: torch.device) -> tuple[list[int], torch.Tensor]:
+def pick_drafts(
+    reqs: list[DraftRequest],
+    logits: torch.Tensor,
+    generators: dict[str, torch.Generator],
+    seed: int,
+    device: torch.device,
+) -> tuple[list[int], torch.Tensor]:
     """One draft token per request from its logits [len(reqs), V]: greedy for greedy requests, else drawn from
     the processed distribution q with a per-sequence generator seeded from the request's seed. Returns the
     tokens and q [len(reqs), V]."""
     params = [r.params or GREEDY for r in reqs]
-    gens = [None if p.greedy else generators.setdefault(r.seq_id, make_generator(
-        DRAFT_SEED_SALT ^ (p.seed if p.seed is not None else zlib.crc32(r.seq_id.encode()) ^ seed), device))
-        for r, p in zip(reqs, params)]
+    gens = [
+        None
+        if p.greedy
+        else generators.setdefault(
+            r.seq_id,
+            make_generator(
+                DRAFT_SEED_SALT ^ (p.seed if p.seed is not None else zlib.crc32(r.seq_id.encode()) ^ seed), device
+            ),
+        )
+        for r, p in zip(reqs, params)
+    ]
     return sample(logits, params, gens).tolist(), processed_probs(logits, params)
 
 
@@ -60,20 +73,34 @@ class DraftModelDrafter:
     name = "draft"
     needs_hidden = False
 
-    def __init__(self, model_dir: Path, target_vocab: int, dtype: torch.dtype, state_dtype: torch.dtype,
-                 device: torch.device, max_seqs: int, max_model_len: int, block_size: int, seed: int):
+    def __init__(
+        self,
+        model_dir: Path,
+        target_vocab: int,
+        dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        device: torch.device,
+        max_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        seed: int,
+    ):
         raw = read_config_json(model_dir)
         self.config = parse_model_config(raw)
         if self.config.vocab_size != target_vocab:
-            raise DeltaspecError(f"The draft model at {model_dir} has a vocabulary of {self.config.vocab_size} "
-                                 f"tokens but the target has {target_vocab}; a draft model must share its tokenizer.")
+            raise DeltaspecError(
+                f"The draft model at {model_dir} has a vocabulary of {self.config.vocab_size} "
+                f"tokens but the target has {target_vocab}; a draft model must share its tokenizer."
+            )
         self.device = device
-        self.model = load_model(model_dir, self.config, raw, dtype, device, ops_for(device), progress=False,
-                                with_mtp=False)
+        self.model = load_model(
+            model_dir, self.config, raw, dtype, device, ops_for(device), progress=False, with_mtp=False
+        )
         self.block_size = block_size
         blocks = max_seqs * -(-max_model_len // block_size)
-        self.cache = CacheManager(self.config, self.model.num_kv_layers, max_seqs, blocks, block_size, dtype,
-                                  state_dtype, device)
+        self.cache = CacheManager(
+            self.config, self.model.num_kv_layers, max_seqs, blocks, block_size, dtype, state_dtype, device
+        )
         self.seqs: dict[str, Sequence] = {}
         self.snapshots: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -96,7 +123,9 @@ class DraftModelDrafter:
         """One pass of the draft model; logits of each item's last row [len(items), V]."""
         for item in items:
             if not self.cache.reserve(item.seq, item.seq.num_computed + item.num_rows):
-                raise DeltaspecError("The draft model's KV cache is full; lower --draft-tokens or the number of streams.")
+                raise DeltaspecError(
+                    "The draft model's KV cache is full; lower --draft-tokens or the number of streams."
+                )
         batch = build_batch(items, self.block_size, self.device)
         with torch.inference_mode():
             hidden = self.model(batch, self.cache.caches)
@@ -116,8 +145,10 @@ class DraftModelDrafter:
             logits = self._forward([Scheduled(s, len(s.prompt_ids) - s.num_computed) for s in seqs])
             for seq in seqs:  # the committed point: restored on commit
                 slot = seq.state_slot
-                self.snapshots[seq.request_id] = (seq.num_computed, [
-                    (st[slot].clone(), cv[slot].clone()) for st, cv in zip(self.cache.gdn.state, self.cache.gdn.conv)])
+                self.snapshots[seq.request_id] = (
+                    seq.num_computed,
+                    [(st[slot].clone(), cv[slot].clone()) for st, cv in zip(self.cache.gdn.state, self.cache.gdn.conv)],
+                )
             active = list(range(len(live)))
             while active:
                 reqs = [live[i] for i in active]

@@ -3,8 +3,8 @@ the device memory it will hold, for the memory planner."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -42,13 +42,15 @@ def default_draft_model(target_dir: Path | None) -> Path | None:
 def draft_model_dir(config: EngineConfig, target_dir: Path | None) -> Path:
     path = resolve_model_path(config.draft_model) if config.draft_model else default_draft_model(target_dir)
     if path is None:
-        raise DeltaspecError("speculative='draft' needs --draft-model PATH (only the embedded default model "
-                             "ships its own draft model).")
+        raise DeltaspecError(
+            "speculative='draft' needs --draft-model PATH (only the embedded default model ships its own draft model)."
+        )
     return path
 
 
-def drafter_memory(config: EngineConfig, target_dir: Path | None, model_config: ModelConfig,
-                   mtp_weights: int) -> DrafterMemory:
+def drafter_memory(
+    config: EngineConfig, target_dir: Path | None, model_config: ModelConfig, mtp_weights: int
+) -> DrafterMemory:
     """Device memory of the drafter of a resolved `config`: the MTP head's weights (`mtp_weights` bytes) and
     KV, or a draft model's weights, KV pages and state slots (a slot and its snapshot per stream). The n-gram
     drafter's index lives in host memory (a few hundred bytes per context token) and is not counted."""
@@ -62,17 +64,32 @@ def drafter_memory(config: EngineConfig, target_dir: Path | None, model_config: 
         path = draft_model_dir(config, target_dir)
         draft_config = parse_model_config(read_config_json(path))
         files = checkpoint_files(path)
-        plan = plan_memory(draft_config, len(draft_config.attention_layer_ids),
-                           weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None),
-                           dtype, state_dtype, streams=1, ctx=config.block_size, block_size=config.block_size,
-                           batch_rows=1, prefill_chunk=1, device=torch.device(config.device), available=0)
-        return DrafterMemory(config.speculative, weights=plan.weights, kv_per_token=plan.kv_per_token,
-                             state_per_stream=2 * plan.state_per_stream)
+        plan = plan_memory(
+            draft_config,
+            len(draft_config.attention_layer_ids),
+            weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None),
+            dtype,
+            state_dtype,
+            streams=1,
+            ctx=config.block_size,
+            block_size=config.block_size,
+            batch_rows=1,
+            prefill_chunk=1,
+            device=torch.device(config.device),
+            available=0,
+        )
+        return DrafterMemory(
+            config.speculative,
+            weights=plan.weights,
+            kv_per_token=plan.kv_per_token,
+            state_per_stream=2 * plan.state_per_stream,
+        )
     return DrafterMemory(config.speculative)
 
 
-def make_drafter(config: EngineConfig, target_dir: Path | None, target_vocab: int,
-                 mtp: Callable[[], Drafter]) -> Drafter | None:
+def make_drafter(
+    config: EngineConfig, target_dir: Path | None, target_vocab: int, mtp: Callable[[], Drafter]
+) -> Drafter | None:
     """None for "none"; a clear error for an unknown drafter, a missing draft model or MTP head.
     `mtp` builds the MTP drafter (it lives on the engine's own model and caches)."""
     check_choice(config.speculative)
@@ -82,9 +99,19 @@ def make_drafter(config: EngineConfig, target_dir: Path | None, target_vocab: in
     if uses(config.speculative, "mtp"):
         drafters.append(mtp())
     if uses(config.speculative, "draft"):
-        drafters.append(DraftModelDrafter(draft_model_dir(config, target_dir), target_vocab, parse_dtype(config.dtype),
-                                          parse_dtype(config.state_dtype), torch.device(config.device),
-                                          config.max_num_seqs, config.max_model_len, config.block_size, config.seed))
+        drafters.append(
+            DraftModelDrafter(
+                draft_model_dir(config, target_dir),
+                target_vocab,
+                parse_dtype(config.dtype),
+                parse_dtype(config.state_dtype),
+                torch.device(config.device),
+                config.max_num_seqs,
+                config.max_model_len,
+                config.block_size,
+                config.seed,
+            )
+        )
     if uses(config.speculative, "ngram"):
         drafters.append(NgramDrafter())
     return drafters[0] if len(drafters) == 1 else CombinedDrafter(drafters[0], drafters[1])

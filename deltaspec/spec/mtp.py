@@ -12,15 +12,16 @@ past the committed length and are overwritten by the next catch-up, so rollback 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from deltaspec.cache.manager import CacheManager
+from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence
 from deltaspec.model.forward_batch import ForwardBatch
-from deltaspec.ops.layout import SeqLayout
 from deltaspec.model.hybrid import HybridModel
+from deltaspec.ops.layout import SeqLayout
 from deltaspec.spec.draft_model import as_drafts, pick_drafts
 from deltaspec.spec.drafter import Draft, DraftRequest
 
@@ -29,8 +30,18 @@ class MTPDrafter:
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, model: HybridModel, cache: CacheManager, lookup: Callable[[str], Sequence],
-                 device: torch.device, seed: int):
+    def __init__(
+        self,
+        model: HybridModel,
+        cache: CacheManager,
+        lookup: Callable[[str], Sequence],
+        device: torch.device,
+        seed: int,
+    ):
+        if model.mtp is None:
+            raise DeltaspecError(
+                "The checkpoint has no MTP head (mtp.* tensors); use speculative='ngram' or 'draft' instead."
+            )
         self.model, self.cache, self.lookup, self.device, self.seed = model, cache, lookup, device, seed
         self.hidden: dict[str, dict[int, torch.Tensor]] = {}  # committed target hidden states by position
         self.done: dict[str, int] = {}  # MTP rows run (and committed) per sequence: positions 0..done-1
@@ -80,24 +91,33 @@ class MTPDrafter:
                 continue
             start, seen = self.done.get(req.seq_id, 0), self.hidden.get(req.seq_id, {})
             positions = list(range(start, n))
-            batch.append((req, seq, [req.token_ids[p + 1] for p in positions], positions,
-                          torch.stack([seen[p] for p in positions])))
+            batch.append(
+                (
+                    req,
+                    seq,
+                    [req.token_ids[p + 1] for p in positions],
+                    positions,
+                    torch.stack([seen[p] for p in positions]),
+                )
+            )
             self.done[req.seq_id] = n
             self.hidden[req.seq_id] = {}
         active = [(req, seq, pos[-1]) for req, seq, _, pos, _ in batch]
         mtp_hidden = self._run([(seq, toks, pos, h) for _, seq, toks, pos, h in batch]) if batch else None
         while active:
             reqs = [req for req, _, _ in active]
-            tokens, probs = pick_drafts(reqs, self.model.compute_logits(mtp_hidden), self.generators, self.seed,
-                                        self.device)
+            tokens, probs = pick_drafts(
+                reqs, self.model.compute_logits(mtp_hidden), self.generators, self.seed, self.device
+            )
             for j, req in enumerate(reqs):
                 drafts[req.seq_id][0].append(tokens[j])
                 drafts[req.seq_id][1].append(probs[j])
             keep = [j for j, req in enumerate(reqs) if len(drafts[req.seq_id][0]) < req.max_tokens]
             active = [(active[j][0], active[j][1], active[j][2] + 1) for j in keep]
             if active:
-                mtp_hidden = self._run([(seq, [tokens[j]], [last], mtp_hidden[j:j + 1])
-                                        for j, (_, seq, last) in zip(keep, active)])
+                mtp_hidden = self._run(
+                    [(seq, [tokens[j]], [last], mtp_hidden[j : j + 1]) for j, (_, seq, last) in zip(keep, active)]
+                )
         return as_drafts(requests, drafts)
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:

@@ -100,14 +100,14 @@ class NgramDrafter:
         for n, d in enumerate(st.maps, self.min_n):
             if n >= L:  # an earlier occurrence needs a start p with 0 <= p < L - n
                 break
-            p = d.get(tuple(t[L - n:]))
+            p = d.get(tuple(t[L - n :]))
             if p is None:
                 break  # no longer suffix can recur either
             best_n, best_p = n, p
         if best_n < 0:
             return Draft(tokens=[], probs=None, confidence=[])
         start = best_p + best_n
-        tokens = list(t[start:start + req.max_tokens])
+        tokens = list(t[start : start + req.max_tokens])
         return Draft(tokens=tokens, probs=None, confidence=[best_n / self.max_n] * len(tokens))
 
     def _sync(self, seq_id: str, t: list[int]) -> _SeqIndex:
@@ -124,7 +124,7 @@ class NgramDrafter:
         if len(t) < m:
             return False
         w = m if self.check_window is None else min(m, self.check_window)
-        return w == 0 or t[m - w:m] == old[m - w:]
+        return w == 0 or t[m - w : m] == old[m - w :]
 
     def _index(self, st: _SeqIndex, t: list[int]) -> None:
         """Index the n-grams of `t[:L-1]` not yet indexed (those ending after `len(st.tokens) - 1`)."""

@@ -52,8 +52,9 @@ def parse_profile(text: str) -> list[float]:
     try:
         profile = [float(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise DeltaspecError(f"An acceptance profile is comma-separated probabilities like 0.9,0.8,0.7; got {text!r}.") \
-            from None
+        raise DeltaspecError(
+            f"An acceptance profile is comma-separated probabilities like 0.9,0.8,0.7; got {text!r}."
+        ) from None
     if not profile or any(not 0 <= p <= 1 for p in profile):
         raise DeltaspecError(f"An acceptance profile needs one to many probabilities in [0, 1]; got {text!r}.")
     return profile
@@ -79,8 +80,9 @@ class OracleDrafter:
         self.expected: dict[str, Expectation] = {}
         self.diverged: set[str] = set()
 
-    def expect(self, seq_id: str, prompt_len: int, continuation: list[int], profile: list[float],
-               keep_length: bool = False) -> None:
+    def expect(
+        self, seq_id: str, prompt_len: int, continuation: list[int], profile: list[float], keep_length: bool = False
+    ) -> None:
         """Draft for sequence `seq_id` (its prompt has `prompt_len` tokens, the target's greedy continuation is
         `continuation`) at the acceptance `profile`."""
         self.expected[seq_id] = Expectation(prompt_len, list(continuation), list(profile), keep_length)
@@ -95,13 +97,13 @@ class OracleDrafter:
         if expected is None or (request.seq_id in self.diverged and not expected.keep_length):
             return Draft([])
         ref = expected.reference
-        generated = request.token_ids[expected.prompt_len:]
-        if generated != ref[:len(generated)]:
+        generated = request.token_ids[expected.prompt_len :]
+        if generated != ref[: len(generated)]:
             self.diverged.add(request.seq_id)
             if not expected.keep_length:
                 return Draft([])
         start = len(generated)
-        rng = random.Random(f"{self.seed}:{hash(tuple(request.token_ids[:expected.prompt_len]))}:{start}")
+        rng = random.Random(f"{self.seed}:{hash(tuple(request.token_ids[: expected.prompt_len]))}:{start}")
         tokens, right = [], True
         for i in range(min(request.max_tokens, len(expected.profile))):
             truth = ref[min(start + i, len(ref) - 1)]

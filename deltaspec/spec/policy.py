@@ -30,8 +30,11 @@ class VerifyCostTable:
 
     def allowed(self, max_k: int) -> list[int]:
         """Draft lengths 0..max_k whose pass is not slower than the pass of some longer allowed draft."""
-        return [k for k in range(max_k + 1)
-                if all(self.cost(k + 1) < self.cost(longer + 1) for longer in range(k + 1, max_k + 1))]
+        return [
+            k
+            for k in range(max_k + 1)
+            if all(self.cost(k + 1) < self.cost(longer + 1) for longer in range(k + 1, max_k + 1))
+        ]
 
 
 @dataclass

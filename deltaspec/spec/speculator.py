@@ -13,7 +13,8 @@ ends.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -41,15 +42,22 @@ class DraftLength(Protocol):
 def can_draft(seq: Sequence) -> bool:
     """A decoding sequence whose verify rows need no per-row penalty state: no penalties, min_tokens met."""
     params = seq.params
-    return seq.decoding and len(seq.output_ids) >= params.min_tokens and params.repetition_penalty == 1.0 \
-        and not params.presence_penalty and not params.frequency_penalty
+    return (
+        seq.decoding
+        and len(seq.output_ids) >= params.min_tokens
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+    )
 
 
 class Speculator:
     def __init__(self, drafter: Drafter, policy: DraftLength, cache: CacheManager, max_model_len: int):
         if not isinstance(drafter, Drafter):
-            raise DeltaspecError(f"{type(drafter).__name__} is not a Drafter: it needs name, needs_hidden, propose, "
-                                 "observe, on_commit, on_finish and state_bytes (deltaspec.spec.drafter).")
+            raise DeltaspecError(
+                f"{type(drafter).__name__} is not a Drafter: it needs name, needs_hidden, propose, "
+                "observe, on_commit, on_finish and state_bytes (deltaspec.spec.drafter)."
+            )
         self.drafter, self.policy, self.cache, self.max_model_len = drafter, policy, cache, max_model_len
 
     @property
@@ -82,8 +90,11 @@ class Speculator:
             self.policy.update(seq.request_id, drafted, accepted)
             logprobs = [None] * len(tokens)
             if seq.params.logprobs is not None:
-                logprobs = gather_logprobs(out.logits[:len(tokens)], torch.tensor(tokens, device=out.logits.device),
-                                           [seq.params.logprobs] * len(tokens))
+                logprobs = gather_logprobs(
+                    out.logits[: len(tokens)],
+                    torch.tensor(tokens, device=out.logits.device),
+                    [seq.params.logprobs] * len(tokens),
+                )
             append(seq, tokens, logprobs)
             if not seq.finished:
                 self.drafter.on_commit(seq.request_id, accepted, seq.num_tokens)
@@ -95,11 +106,17 @@ class Speculator:
         sampled = [out for out in outputs if out.logits is not None]
         by_argmax = verify_greedy_tokens([out.argmax for out in greedy], [out.seq.draft for out in greedy])
         by_sampling = verify_sampling(
-            [out.logits for out in sampled], [out.seq.draft for out in sampled],
-            [None if out.seq.draft_probs is None else out.seq.draft_probs[:len(out.seq.draft)] for out in sampled],
-            [out.seq.params for out in sampled], [out.seq.generator for out in sampled])
-        found = {id(out): (tokens, accepted) for group, result in ((greedy, by_argmax), (sampled, by_sampling))
-                 for out, tokens, accepted in zip(group, result.tokens, result.accepted)}
+            [out.logits for out in sampled],
+            [out.seq.draft for out in sampled],
+            [None if out.seq.draft_probs is None else out.seq.draft_probs[: len(out.seq.draft)] for out in sampled],
+            [out.seq.params for out in sampled],
+            [out.seq.generator for out in sampled],
+        )
+        found = {
+            id(out): (tokens, accepted)
+            for group, result in ((greedy, by_argmax), (sampled, by_sampling))
+            for out, tokens, accepted in zip(group, result.tokens, result.accepted)
+        }
         ordered = [found[id(out)] for out in outputs]
         return VerifyResult([tokens for tokens, _ in ordered], [accepted for _, accepted in ordered])
 

@@ -76,13 +76,9 @@ class _Layout:
     starts: list[int]  # offsets as Python ints
 
 
-def _layout(
-    target_logits: list[torch.Tensor], drafts: list[list[int]], device: torch.device
-) -> _Layout:
+def _layout(target_logits: list[torch.Tensor], drafts: list[list[int]], device: torch.device) -> _Layout:
     if len(drafts) != len(target_logits):
-        raise ValueError(
-            f"drafts has {len(drafts)} entries for {len(target_logits)} sequences of logits."
-        )
+        raise ValueError(f"drafts has {len(drafts)} entries for {len(target_logits)} sequences of logits.")
     vocab = target_logits[0].shape[-1]
     starts: list[int] = []
     segment: list[int] = []
@@ -94,8 +90,7 @@ def _layout(
         k = len(draft)
         if logits.dim() != 2 or logits.shape[0] != k + 1 or logits.shape[1] != vocab:
             raise ValueError(
-                f"target_logits[{b}] has shape {tuple(logits.shape)}, expected ({k + 1}, {vocab}) "
-                f"for {k} drafts."
+                f"target_logits[{b}] has shape {tuple(logits.shape)}, expected ({k + 1}, {vocab}) for {k} drafts."
             )
         if any(not 0 <= t < vocab for t in draft):
             raise ValueError(f"drafts[{b}] has a token outside [0, {vocab}): {draft}.")
@@ -133,9 +128,7 @@ def _leading_accepted(accept: torch.Tensor, layout: _Layout) -> torch.Tensor:
     return first.scatter_reduce(0, layout.segment, stop_at, reduce="amin")
 
 
-def _result(
-    drafts: list[list[int]], accepted: torch.Tensor, final: torch.Tensor
-) -> VerifyResult:
+def _result(drafts: list[list[int]], accepted: torch.Tensor, final: torch.Tensor) -> VerifyResult:
     counts, finals = torch.stack([accepted, final]).tolist()  # the one device-to-host transfer
     tokens = [list(d[:n]) + [t] for d, n, t in zip(drafts, counts, finals)]
     return VerifyResult(tokens=tokens, accepted=counts)
@@ -146,7 +139,7 @@ def verify_greedy_tokens(target_argmax: list[list[int]], drafts: list[list[int]]
     tokens, accepted = [], []
     for argmax, draft in zip(target_argmax, drafts):
         n = next((i for i, (t, d) in enumerate(zip(argmax, draft)) if t != d), len(draft))
-        tokens.append(list(argmax[:n + 1]))
+        tokens.append(list(argmax[: n + 1]))
         accepted.append(n)
     return VerifyResult(tokens, accepted)
 
@@ -175,8 +168,12 @@ def verify_sampling(
     """Lossless speculative sampling (see the module docstring for the rule and the order in which
     randomness is drawn). Greedy rows give exactly `verify_greedy`'s tokens and draw nothing."""
     batch = len(target_logits)
-    for name, values in (("drafts", drafts), ("draft_probs", draft_probs), ("params", params),
-                         ("generators", generators)):
+    for name, values in (
+        ("drafts", drafts),
+        ("draft_probs", draft_probs),
+        ("params", params),
+        ("generators", generators),
+    ):
         if len(values) != batch:
             raise ValueError(f"{name} has {len(values)} entries for {batch} sequences.")
     if batch == 0:
@@ -204,9 +201,7 @@ def verify_sampling(
             one_hot_rows.extend(range(start, start + k))
             continue
         if tuple(probs.shape) != (k, vocab):
-            raise ValueError(
-                f"draft_probs[{b}] has shape {tuple(probs.shape)}, expected ({k}, {vocab})."
-            )
+            raise ValueError(f"draft_probs[{b}] has shape {tuple(probs.shape)}, expected ({k}, {vocab}).")
         q[start : start + k] = probs.to(device=device, dtype=dtype)
     if one_hot_rows:
         index = torch.tensor(one_hot_rows, dtype=torch.long, device=device)
@@ -225,9 +220,7 @@ def verify_sampling(
             shared_seqs.append(b)
             continue
         if k:
-            uniform[start : start + k] = torch.rand(
-                k, generator=generator, dtype=dtype, device=device
-            )
+            uniform[start : start + k] = torch.rand(k, generator=generator, dtype=dtype, device=device)
         noise[b].exponential_(generator=generator)
     if shared_seqs:
         if shared_rows:

@@ -17,8 +17,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, stride_in, stride_out, BLOCK: 
     gate = tl.load(row_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row_in + inter + cols, mask=mask, other=0.0).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, (activated * up).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, (activated * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -28,6 +27,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     rows_out = out.view(-1, inter)  # [rows, I]
     grid = (rows_in.shape[0], triton.cdiv(inter, BLOCK_COLS))
-    _silu_mul_kernel[grid](rows_in, rows_out, inter, rows_in.stride(0), rows_out.stride(0), BLOCK=BLOCK_COLS,
-                           num_warps=4)
+    _silu_mul_kernel[grid](
+        rows_in, rows_out, inter, rows_in.stride(0), rows_out.stride(0), BLOCK=BLOCK_COLS, num_warps=4
+    )
     return out

@@ -19,16 +19,17 @@ flat index over (row, query head) pairs of one sequence:
 Split-KV (flash decoding): when the grid has too few programs to fill the device, each (row block, sequence, head)
 program is split `kv_splits(...)` ways over the KV positions. The count depends on host constants only (the number
 of sequences, `max_query_len`, head counts, the block table width, the SM count), never on context lengths, so a
-captured CUDA graph stays valid while contexts grow (as long as its block table keeps its width): each split takes its share of `context_lens_t[b]` in-kernel
-(a multiple of BLOCK_N), writes a normalised partial output and its log2-sum-exp, and `_combine_splits_kernel`
-(grid (T, Hq)) merges them. With one split the attention kernel writes the output directly.
+captured CUDA graph stays valid while contexts grow (as long as its block table keeps its width): each split takes
+its share of `context_lens_t[b]` in-kernel (a multiple of BLOCK_N), writes a normalised partial output and its
+log2-sum-exp, and `_combine_splits_kernel` (grid (T, Hq)) merges them. With one split the attention kernel writes
+the output directly.
 
 Everything per sequence (row starts, context lengths, pages) is read from the layout's device tensors; the wrappers
-make no host syncs and no data-dependent allocations. Limits: q in fp16 / bf16 / fp32 (fp32 dots in IEEE precision);
-head_dim any size up to 256 (padded to a power of two in registers; tested 64 to 256); Hq a multiple of Hkv. Output rows that belong
-to no sequence (padding past `query_start[num_seqs]`) are left unwritten, as in the reference. BLOCK_N is 64 for
-head_dim <= 128 and 32 above, num_warps 4 or 8 by tile size; these constants are first guesses, to be tuned on the
-H200.
+make no host syncs and no data-dependent allocations. Limits: q in fp16 / bf16 / fp32 (fp32 dots in IEEE
+precision); head_dim any size up to 256 (padded to a power of two in registers; tested 64 to 256); Hq a multiple of
+Hkv. Output rows that belong to no sequence (padding past `query_start[num_seqs]`) are left unwritten, as in the
+reference. BLOCK_N is 64 for head_dim <= 128 and 32 above, num_warps 4 or 8 by tile size; these constants are first
+guesses, to be tuned on the H200.
 """
 
 import functools
@@ -49,12 +50,28 @@ H200_SM_COUNT = 132  # used off CUDA (Triton's interpreter), so tests there take
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -84,22 +101,50 @@ def write_kv(
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=k_cache.shape[1],
         num_warps=1 if head_dim <= 256 else 2,  # one 16-byte vector of a bf16 row per thread
     )
 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, start_n, kv_end, allowed_end,
-    k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    acc,
+    m_i,
+    l_i,
+    q,
+    start_n,
+    kv_end,
+    allowed_end,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    kv_head,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """One BLOCK_N-wide KV tile folded into the online softmax of the BLOCK_M query rows in `q`. MASKED tiles
     mask positions >= kv_end and, per row, positions >= allowed_end (causal); unmasked tiles lie wholly inside."""
@@ -139,17 +184,41 @@ def _attend_tile(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    query_start_ptr, context_lens_ptr, block_tables_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     stride_table,
-    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     row_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -190,14 +259,62 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(split_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start_n, kv_hi, allowed_end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-            stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, MASKED=False)
+            acc,
+            m_i,
+            l_i,
+            q,
+            start_n,
+            kv_hi,
+            allowed_end,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            kv_head,
+            stride_kcb,
+            stride_kcs,
+            stride_kch,
+            stride_kcd,
+            stride_vcb,
+            stride_vcs,
+            stride_vch,
+            stride_vcd,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            PAGE_SIZE,
+            DOT_PRECISION,
+            MASKED=False,
+        )
     for start_n in range(full_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start_n, kv_hi, allowed_end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-            stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, MASKED=True)
+            acc,
+            m_i,
+            l_i,
+            q,
+            start_n,
+            kv_hi,
+            allowed_end,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            kv_head,
+            stride_kcb,
+            stride_kcs,
+            stride_kch,
+            stride_kcd,
+            stride_vcb,
+            stride_vcs,
+            stride_vch,
+            stride_vcd,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            PAGE_SIZE,
+            DOT_PRECISION,
+            MASKED=True,
+        )
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_D]
@@ -214,10 +331,17 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_ot, stride_oh, stride_od,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Merge the NUM_SPLITS partial outputs of one (row, head): weights exp2(lse_s - max lse)."""
     token = tl.program_id(0).to(tl.int64)
@@ -235,8 +359,11 @@ def _combine_splits_kernel(
         partial = tl.load(part_out_ptr + (part_row + split) * HEAD_DIM + offs_d, mask=d_valid, other=0.0)
         acc += weight * partial
     out = acc / total
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d_valid)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
 
 
 @functools.cache
@@ -296,22 +423,49 @@ def paged_attention(
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
-    grid = (triton.cdiv(layout.max_query_len * heads_per_program, block_m), layout.num_seqs,
-            (num_heads // heads_per_program) * num_splits)
+    grid = (
+        triton.cdiv(layout.max_query_len * heads_per_program, block_m),
+        layout.num_seqs,
+        (num_heads // heads_per_program) * num_splits,
+    )
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_lse,
-        layout.query_start, layout.context_lens_t, layout.block_tables,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        layout.query_start,
+        layout.context_lens_t,
+        layout.block_tables,
         scale * math.log2(math.e),
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), layout.block_tables.stride(0),
-        GROUP=group, HEADS_PER_PROGRAM=heads_per_program, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=block_size,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        layout.block_tables.stride(0),
+        GROUP=group,
+        HEADS_PER_PROGRAM=heads_per_program,
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PAGE_SIZE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 q is not rounded to tf32
         num_warps=num_warps,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, *out.stride(),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            part_out,
+            part_lse,
+            out,
+            *out.stride(),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
         )
     return out

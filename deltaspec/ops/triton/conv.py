@@ -22,45 +22,112 @@ TILE_ELEMENTS = 1024  # rows x channels per program
 
 
 @triton.jit
-def _window_rows(positions, position_mask, channels, channel_mask, slot, num_fold,
-                 conv_state_ptr, log_ptr, state_stride_slot, state_stride_row, log_stride_slot, log_stride_row,
-                 K: tl.constexpr, HAS_LOG: tl.constexpr):
+def _window_rows(
+    positions,
+    position_mask,
+    channels,
+    channel_mask,
+    slot,
+    num_fold,
+    conv_state_ptr,
+    log_ptr,
+    state_stride_slot,
+    state_stride_row,
+    log_stride_slot,
+    log_stride_row,
+    K: tl.constexpr,
+    HAS_LOG: tl.constexpr,
+):
     """The folded window at positions -(K-1)..-1 ([N] int, masked), in conv_state's dtype: [N, BC]."""
     stacked = num_fold + (K - 1) + positions  # [N] index into cat(window, log rows)
     from_window = stacked < K - 1
-    window = tl.load(conv_state_ptr + slot * state_stride_slot + stacked[:, None] * state_stride_row
-                     + channels[None, :], mask=(position_mask & from_window)[:, None] & channel_mask[None, :],
-                     other=0.0)
+    window = tl.load(
+        conv_state_ptr + slot * state_stride_slot + stacked[:, None] * state_stride_row + channels[None, :],
+        mask=(position_mask & from_window)[:, None] & channel_mask[None, :],
+        other=0.0,
+    )
     if HAS_LOG:
-        logged = tl.load(log_ptr + slot * log_stride_slot + (stacked - (K - 1))[:, None] * log_stride_row
-                         + channels[None, :], mask=(position_mask & ~from_window)[:, None] & channel_mask[None, :],
-                         other=0.0)
+        logged = tl.load(
+            log_ptr + slot * log_stride_slot + (stacked - (K - 1))[:, None] * log_stride_row + channels[None, :],
+            mask=(position_mask & ~from_window)[:, None] & channel_mask[None, :],
+            other=0.0,
+        )
         window = tl.where(from_window[:, None], window, logged.to(conv_state_ptr.dtype.element_ty))
     return window
 
 
 @triton.jit
-def _pre_conv_rows(positions, position_mask, channels, channel_mask, first_row, slot, num_fold,
-                   x_ptr, conv_state_ptr, log_ptr, x_stride_t, state_stride_slot, state_stride_row,
-                   log_stride_slot, log_stride_row, K: tl.constexpr, HAS_LOG: tl.constexpr):
+def _pre_conv_rows(
+    positions,
+    position_mask,
+    channels,
+    channel_mask,
+    first_row,
+    slot,
+    num_fold,
+    x_ptr,
+    conv_state_ptr,
+    log_ptr,
+    x_stride_t,
+    state_stride_slot,
+    state_stride_row,
+    log_stride_slot,
+    log_stride_row,
+    K: tl.constexpr,
+    HAS_LOG: tl.constexpr,
+):
     """Pre-conv rows at sequence positions `positions` ([N]; negative ones from the folded window),
     rounded to x's dtype like the reference's window, as float32: [N, BC]."""
     in_sequence = positions >= 0
-    rows = tl.load(x_ptr + (first_row + positions)[:, None] * x_stride_t + channels[None, :],
-                   mask=(position_mask & in_sequence)[:, None] & channel_mask[None, :], other=0.0)
-    window = _window_rows(positions, position_mask & ~in_sequence, channels, channel_mask, slot, num_fold,
-                          conv_state_ptr, log_ptr, state_stride_slot, state_stride_row, log_stride_slot,
-                          log_stride_row, K, HAS_LOG)
+    rows = tl.load(
+        x_ptr + (first_row + positions)[:, None] * x_stride_t + channels[None, :],
+        mask=(position_mask & in_sequence)[:, None] & channel_mask[None, :],
+        other=0.0,
+    )
+    window = _window_rows(
+        positions,
+        position_mask & ~in_sequence,
+        channels,
+        channel_mask,
+        slot,
+        num_fold,
+        conv_state_ptr,
+        log_ptr,
+        state_stride_slot,
+        state_stride_row,
+        log_stride_slot,
+        log_stride_row,
+        K,
+        HAS_LOG,
+    )
     return tl.where(in_sequence[:, None], rows, window.to(x_ptr.dtype.element_ty)).to(tl.float32)
 
 
 @triton.jit
 def _conv_kernel(
-    x_ptr, weight_ptr, out_ptr, conv_state_ptr, log_ptr,
-    query_start_ptr, slots_ptr, fold_ptr, speculative_ptr,
-    x_stride_t, weight_stride_c, out_stride_t, state_stride_slot, state_stride_row, log_stride_slot, log_stride_row,
-    num_channels, log_rows,
-    K: tl.constexpr, WINDOW_BLOCK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_LOG: tl.constexpr,
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    conv_state_ptr,
+    log_ptr,
+    query_start_ptr,
+    slots_ptr,
+    fold_ptr,
+    speculative_ptr,
+    x_stride_t,
+    weight_stride_c,
+    out_stride_t,
+    state_stride_slot,
+    state_stride_row,
+    log_stride_slot,
+    log_stride_row,
+    num_channels,
+    log_rows,
+    K: tl.constexpr,
+    WINDOW_BLOCK: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_LOG: tl.constexpr,
 ):
     row_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -78,39 +145,93 @@ def _conv_kernel(
     for tap in tl.static_range(K):
         weight = tl.load(weight_ptr + channels * weight_stride_c + tap, mask=channel_mask, other=0.0)
         weight = weight.to(x_ptr.dtype.element_ty).to(tl.float32)  # [BC]
-        rows = _pre_conv_rows(positions + (tap - (K - 1)), row_mask, channels, channel_mask, first_row, slot,
-                              num_fold, x_ptr, conv_state_ptr, log_ptr, x_stride_t, state_stride_slot,
-                              state_stride_row, log_stride_slot, log_stride_row, K, HAS_LOG)  # [BT, BC]
+        rows = _pre_conv_rows(
+            positions + (tap - (K - 1)),
+            row_mask,
+            channels,
+            channel_mask,
+            first_row,
+            slot,
+            num_fold,
+            x_ptr,
+            conv_state_ptr,
+            log_ptr,
+            x_stride_t,
+            state_stride_slot,
+            state_stride_row,
+            log_stride_slot,
+            log_stride_row,
+            K,
+            HAS_LOG,
+        )  # [BT, BC]
         acc += rows * weight[None, :]
     out = acc * tl.sigmoid(acc)
 
     # The new window, written (with the log) only by the program holding the sequence's first rows.
     window_index = tl.arange(0, WINDOW_BLOCK)
     writes_window = (window_index < K - 1) & (row_block == 0) & ((speculative == 0) | (num_fold > 0))  # [W]
-    last_rows = _pre_conv_rows(num_rows - (K - 1) + window_index, writes_window & (speculative == 0), channels,
-                               channel_mask, first_row, slot, num_fold, x_ptr, conv_state_ptr, log_ptr, x_stride_t,
-                               state_stride_slot, state_stride_row, log_stride_slot, log_stride_row,
-                               K, HAS_LOG)  # [W, BC]
-    folded = _window_rows(window_index - (K - 1), writes_window & speculative, channels, channel_mask, slot, num_fold,
-                          conv_state_ptr, log_ptr, state_stride_slot, state_stride_row, log_stride_slot,
-                          log_stride_row, K, HAS_LOG)  # [W, BC]
+    last_rows = _pre_conv_rows(
+        num_rows - (K - 1) + window_index,
+        writes_window & (speculative == 0),
+        channels,
+        channel_mask,
+        first_row,
+        slot,
+        num_fold,
+        x_ptr,
+        conv_state_ptr,
+        log_ptr,
+        x_stride_t,
+        state_stride_slot,
+        state_stride_row,
+        log_stride_slot,
+        log_stride_row,
+        K,
+        HAS_LOG,
+    )  # [W, BC]
+    folded = _window_rows(
+        window_index - (K - 1),
+        writes_window & speculative,
+        channels,
+        channel_mask,
+        slot,
+        num_fold,
+        conv_state_ptr,
+        log_ptr,
+        state_stride_slot,
+        state_stride_row,
+        log_stride_slot,
+        log_stride_row,
+        K,
+        HAS_LOG,
+    )  # [W, BC]
     new_window = tl.where(speculative, folded, last_rows.to(conv_state_ptr.dtype.element_ty))  # [W, BC]
     tl.debug_barrier()  # every read of this slot's window and log rows comes before the writes below
 
-    tl.store(out_ptr + (first_row + positions)[:, None] * out_stride_t + channels[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & channel_mask[None, :])
-    tl.store(conv_state_ptr + slot * state_stride_slot + window_index[:, None] * state_stride_row
-             + channels[None, :], new_window, mask=writes_window[:, None] & channel_mask[None, :])
+    tl.store(
+        out_ptr + (first_row + positions)[:, None] * out_stride_t + channels[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & channel_mask[None, :],
+    )
+    tl.store(
+        conv_state_ptr + slot * state_stride_slot + window_index[:, None] * state_stride_row + channels[None, :],
+        new_window,
+        mask=writes_window[:, None] & channel_mask[None, :],
+    )
     if HAS_LOG:
         logged_rows = tl.where((row_block == 0) & speculative, tl.minimum(num_rows, log_rows), 0)
         log_row = tl.zeros((), dtype=tl.int64)
         while log_row < logged_rows:
             block_rows = log_row + tl.arange(0, BT)  # [BT]
             block_mask = (block_rows < logged_rows)[:, None] & channel_mask[None, :]
-            logged = tl.load(x_ptr + (first_row + block_rows)[:, None] * x_stride_t + channels[None, :],
-                             mask=block_mask, other=0.0)  # [BT, BC]
-            tl.store(log_ptr + slot * log_stride_slot + block_rows[:, None] * log_stride_row + channels[None, :],
-                     logged.to(log_ptr.dtype.element_ty), mask=block_mask)
+            logged = tl.load(
+                x_ptr + (first_row + block_rows)[:, None] * x_stride_t + channels[None, :], mask=block_mask, other=0.0
+            )  # [BT, BC]
+            tl.store(
+                log_ptr + slot * log_stride_slot + block_rows[:, None] * log_stride_row + channels[None, :],
+                logged.to(log_ptr.dtype.element_ty),
+                mask=block_mask,
+            )
             log_row += BT
 
 
@@ -136,11 +257,27 @@ def causal_conv1d(
     channel_block = min(max(16, TILE_ELEMENTS // row_block), triton.next_power_of_2(num_channels))
     grid = (triton.cdiv(layout.max_query_len, row_block), layout.num_seqs, triton.cdiv(num_channels, channel_block))
     _conv_kernel[grid](
-        x, weight, out, conv_state, log_tensor,
-        layout.query_start, layout.slots_t, layout.fold_t, layout.speculative_t,
-        x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), *log_strides,
-        num_channels, log_tensor.shape[1],
-        K=kernel_size, WINDOW_BLOCK=triton.next_power_of_2(kernel_size - 1), BT=row_block, BC=channel_block,
+        x,
+        weight,
+        out,
+        conv_state,
+        log_tensor,
+        layout.query_start,
+        layout.slots_t,
+        layout.fold_t,
+        layout.speculative_t,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        *log_strides,
+        num_channels,
+        log_tensor.shape[1],
+        K=kernel_size,
+        WINDOW_BLOCK=triton.next_power_of_2(kernel_size - 1),
+        BT=row_block,
+        BC=channel_block,
         HAS_LOG=has_log,
     )
     return out

@@ -42,14 +42,49 @@ def _delta_step(state, key, value, decay, beta):
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
-    log_k_ptr, log_v_ptr, log_g_ptr, log_beta_ptr,
-    query_start_ptr, slots_ptr, fold_ptr, speculative_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, beta_stride_t,
-    out_stride_t, out_stride_h, state_stride_slot, state_stride_h, state_stride_k,
-    log_k_stride_slot, log_k_stride_row, log_k_stride_h, log_v_stride_slot, log_v_stride_row, log_v_stride_h,
-    log_g_stride_slot, log_g_stride_row, log_beta_stride_slot, log_beta_stride_row,
-    HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    out_ptr,
+    state_ptr,
+    log_k_ptr,
+    log_v_ptr,
+    log_g_ptr,
+    log_beta_ptr,
+    query_start_ptr,
+    slots_ptr,
+    fold_ptr,
+    speculative_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    g_stride_t,
+    beta_stride_t,
+    out_stride_t,
+    out_stride_h,
+    state_stride_slot,
+    state_stride_h,
+    state_stride_k,
+    log_k_stride_slot,
+    log_k_stride_row,
+    log_k_stride_h,
+    log_v_stride_slot,
+    log_v_stride_row,
+    log_v_stride_h,
+    log_g_stride_slot,
+    log_g_stride_row,
+    log_beta_stride_slot,
+    log_beta_stride_row,
+    HEAD_RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
     HAS_LOG: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -66,20 +101,36 @@ def _recurrent_kernel(
     dv_offsets = tl.program_id(2) * BV + tl.arange(0, BV)
     dv_mask = dv_offsets < DV
     block_mask = dk_mask[:, None] & dv_mask[None, :]  # [BK, BV]
-    state_ptrs = (state_ptr + slot * state_stride_slot + head * state_stride_h
-                  + dk_offsets[:, None] * state_stride_k + dv_offsets[None, :])  # [BK, BV]
+    state_ptrs = (
+        state_ptr
+        + slot * state_stride_slot
+        + head * state_stride_h
+        + dk_offsets[:, None] * state_stride_k
+        + dv_offsets[None, :]
+    )  # [BK, BV]
     state = tl.load(state_ptrs, mask=block_mask, other=0.0).to(tl.float32)  # [BK, BV]
 
     if HAS_LOG:
         log_row = tl.zeros((), dtype=tl.int32)
         while log_row < num_fold:
-            key = tl.load(log_k_ptr + slot * log_k_stride_slot + log_row * log_k_stride_row
-                          + key_head * log_k_stride_h + dk_offsets, mask=dk_mask, other=0.0).to(tl.float32)
-            value = tl.load(log_v_ptr + slot * log_v_stride_slot + log_row * log_v_stride_row
-                            + head * log_v_stride_h + dv_offsets, mask=dv_mask, other=0.0).to(tl.float32)
+            key = tl.load(
+                log_k_ptr
+                + slot * log_k_stride_slot
+                + log_row * log_k_stride_row
+                + key_head * log_k_stride_h
+                + dk_offsets,
+                mask=dk_mask,
+                other=0.0,
+            ).to(tl.float32)
+            value = tl.load(
+                log_v_ptr + slot * log_v_stride_slot + log_row * log_v_stride_row + head * log_v_stride_h + dv_offsets,
+                mask=dv_mask,
+                other=0.0,
+            ).to(tl.float32)
             decay = tl.load(log_g_ptr + slot * log_g_stride_slot + log_row * log_g_stride_row + head).to(tl.float32)
-            beta = tl.load(log_beta_ptr + slot * log_beta_stride_slot + log_row * log_beta_stride_row
-                           + head).to(tl.float32)
+            beta = tl.load(log_beta_ptr + slot * log_beta_stride_slot + log_row * log_beta_stride_row + head).to(
+                tl.float32
+            )
             state = _delta_step(state, key, value, decay, beta)
             log_row += 1
     # The reference writes the folded state, then reads it back: round it to the storage dtype.
@@ -88,30 +139,62 @@ def _recurrent_kernel(
 
     row = first_row
     while row < end_row:
-        query = tl.load(q_ptr + row * q_stride_t + key_head * q_stride_h + dk_offsets,
-                        mask=dk_mask, other=0.0).to(tl.float32)  # [BK]
-        key = tl.load(k_ptr + row * k_stride_t + key_head * k_stride_h + dk_offsets,
-                      mask=dk_mask, other=0.0).to(tl.float32)  # [BK]
-        value = tl.load(v_ptr + row * v_stride_t + head * v_stride_h + dv_offsets,
-                        mask=dv_mask, other=0.0).to(tl.float32)  # [BV]
+        query = tl.load(q_ptr + row * q_stride_t + key_head * q_stride_h + dk_offsets, mask=dk_mask, other=0.0).to(
+            tl.float32
+        )  # [BK]
+        key = tl.load(k_ptr + row * k_stride_t + key_head * k_stride_h + dk_offsets, mask=dk_mask, other=0.0).to(
+            tl.float32
+        )  # [BK]
+        value = tl.load(v_ptr + row * v_stride_t + head * v_stride_h + dv_offsets, mask=dv_mask, other=0.0).to(
+            tl.float32
+        )  # [BV]
         decay = tl.load(g_ptr + row * g_stride_t + head).to(tl.float32)
         beta = tl.load(beta_ptr + row * beta_stride_t + head).to(tl.float32)
         state = _delta_step(state, key, value, decay, beta)
         output = tl.sum(state * query[:, None], axis=0)  # [BV]
-        tl.store(out_ptr + row * out_stride_t + head * out_stride_h + dv_offsets,
-                 output.to(out_ptr.dtype.element_ty), mask=dv_mask)
+        tl.store(
+            out_ptr + row * out_stride_t + head * out_stride_h + dv_offsets,
+            output.to(out_ptr.dtype.element_ty),
+            mask=dv_mask,
+        )
         row += 1
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=block_mask & (speculative == 0))
 
 
 @triton.jit
 def _log_rows_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, log_k_ptr, log_v_ptr, log_g_ptr, log_beta_ptr,
-    query_start_ptr, slots_ptr, speculative_ptr,
-    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, beta_stride_t,
-    log_k_stride_slot, log_k_stride_row, log_k_stride_h, log_v_stride_slot, log_v_stride_row, log_v_stride_h,
-    log_g_stride_slot, log_g_stride_row, log_beta_stride_slot, log_beta_stride_row,
-    HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    log_k_ptr,
+    log_v_ptr,
+    log_g_ptr,
+    log_beta_ptr,
+    query_start_ptr,
+    slots_ptr,
+    speculative_ptr,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    g_stride_t,
+    beta_stride_t,
+    log_k_stride_slot,
+    log_k_stride_row,
+    log_k_stride_h,
+    log_v_stride_slot,
+    log_v_stride_row,
+    log_v_stride_h,
+    log_g_stride_slot,
+    log_g_stride_row,
+    log_beta_stride_slot,
+    log_beta_stride_row,
+    HEAD_RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
     """Row `i` of speculative sequence `seq`, value head `head`: its v, g, beta (and, for the first value
     head of a group, its key head's k) go to log[slot, i]."""
@@ -127,28 +210,45 @@ def _log_rows_kernel(
     dv_offsets = tl.arange(0, BV)
     dv_mask = (dv_offsets < DV) & active
     value = tl.load(v_ptr + row * v_stride_t + head * v_stride_h + dv_offsets, mask=dv_mask, other=0.0)
-    tl.store(log_v_ptr + slot * log_v_stride_slot + log_row * log_v_stride_row + head * log_v_stride_h + dv_offsets,
-             value.to(log_v_ptr.dtype.element_ty), mask=dv_mask)
+    tl.store(
+        log_v_ptr + slot * log_v_stride_slot + log_row * log_v_stride_row + head * log_v_stride_h + dv_offsets,
+        value.to(log_v_ptr.dtype.element_ty),
+        mask=dv_mask,
+    )
     decay = tl.load(g_ptr + row * g_stride_t + head, mask=active, other=0.0)
-    tl.store(log_g_ptr + slot * log_g_stride_slot + log_row * log_g_stride_row + head,
-             decay.to(log_g_ptr.dtype.element_ty), mask=active)
+    tl.store(
+        log_g_ptr + slot * log_g_stride_slot + log_row * log_g_stride_row + head,
+        decay.to(log_g_ptr.dtype.element_ty),
+        mask=active,
+    )
     beta = tl.load(beta_ptr + row * beta_stride_t + head, mask=active, other=0.0)
-    tl.store(log_beta_ptr + slot * log_beta_stride_slot + log_row * log_beta_stride_row + head,
-             beta.to(log_beta_ptr.dtype.element_ty), mask=active)
+    tl.store(
+        log_beta_ptr + slot * log_beta_stride_slot + log_row * log_beta_stride_row + head,
+        beta.to(log_beta_ptr.dtype.element_ty),
+        mask=active,
+    )
 
     key_head = head // HEAD_RATIO
     dk_offsets = tl.arange(0, BK)
     dk_mask = (dk_offsets < DK) & active & (head % HEAD_RATIO == 0)
     key = tl.load(k_ptr + row * k_stride_t + key_head * k_stride_h + dk_offsets, mask=dk_mask, other=0.0)
-    tl.store(log_k_ptr + slot * log_k_stride_slot + log_row * log_k_stride_row + key_head * log_k_stride_h
-             + dk_offsets, key.to(log_k_ptr.dtype.element_ty), mask=dk_mask)
+    tl.store(
+        log_k_ptr + slot * log_k_stride_slot + log_row * log_k_stride_row + key_head * log_k_stride_h + dk_offsets,
+        key.to(log_k_ptr.dtype.element_ty),
+        mask=dk_mask,
+    )
 
 
 def _is_plain_prefill(layout: SeqLayout, device: torch.device, dtype: torch.dtype) -> bool:
     """A 16-bit prefill pass (never captured, so host lists may be read) with nothing to log or fold, on CUDA.
     float32 models keep the recurrent kernel: fla's chunk kernel multiplies in TF32."""
-    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and layout.max_query_len > PREFILL_MIN_QUERY_LEN and not any(layout.speculative) and not any(layout.fold))
+    return (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and layout.max_query_len > PREFILL_MIN_QUERY_LEN
+        and not any(layout.speculative)
+        and not any(layout.fold)
+    )
 
 
 def _chunked_prefill(q, k, v, g, beta, state, layout: SeqLayout) -> torch.Tensor:
@@ -159,9 +259,17 @@ def _chunked_prefill(q, k, v, g, beta, state, layout: SeqLayout) -> torch.Tensor
     initial = state.index_select(0, slots).float()  # [B, Hv, Dk, Dv]
     cu_seqlens_cpu = torch.tensor(layout.row_starts + [q.shape[0]], dtype=torch.long)
     out, final = chunk_gated_delta_rule(
-        q.to(v.dtype)[None], k.to(v.dtype)[None], v[None], g.float()[None], beta.to(v.dtype)[None],
-        scale=1.0, initial_state=initial, output_final_state=True,
-        cu_seqlens=layout.query_start.long(), cu_seqlens_cpu=cu_seqlens_cpu)  # out [1, T, Hv, Dv]
+        q.to(v.dtype)[None],
+        k.to(v.dtype)[None],
+        v[None],
+        g.float()[None],
+        beta.to(v.dtype)[None],
+        scale=1.0,
+        initial_state=initial,
+        output_final_state=True,
+        cu_seqlens=layout.query_start.long(),
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )  # out [1, T, Hv, Dv]
     state.index_copy_(0, slots, final.to(state.dtype))
     return out[0]
 
@@ -199,19 +307,63 @@ def gated_delta_rule(
     value_block = min(VALUE_BLOCK, triton.next_power_of_2(value_dim))
     grid = (layout.num_seqs, num_value_heads, triton.cdiv(value_dim, value_block))
     _recurrent_kernel[grid](
-        q, k, v, g, beta, out, state, *log_tensors,
-        layout.query_start, layout.slots_t, layout.fold_t, layout.speculative_t,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), *log_strides,
-        HEAD_RATIO=head_ratio, DK=key_dim, DV=value_dim, BK=key_block, BV=value_block, HAS_LOG=has_log,
-        num_warps=RECURRENT_WARPS, num_stages=RECURRENT_STAGES,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out,
+        state,
+        *log_tensors,
+        layout.query_start,
+        layout.slots_t,
+        layout.fold_t,
+        layout.speculative_t,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        out.stride(0),
+        out.stride(1),
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        *log_strides,
+        HEAD_RATIO=head_ratio,
+        DK=key_dim,
+        DV=value_dim,
+        BK=key_block,
+        BV=value_block,
+        HAS_LOG=has_log,
+        num_warps=RECURRENT_WARPS,
+        num_stages=RECURRENT_STAGES,
     )
     if has_log:
         log_rows = min(layout.max_query_len, log.k.shape[1])
         _log_rows_kernel[(log_rows, layout.num_seqs, num_value_heads)](
-            k, v, g, beta, *log_tensors, layout.query_start, layout.slots_t, layout.speculative_t,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), *log_strides,
-            HEAD_RATIO=head_ratio, DK=key_dim, DV=value_dim, BK=key_block,
+            k,
+            v,
+            g,
+            beta,
+            *log_tensors,
+            layout.query_start,
+            layout.slots_t,
+            layout.speculative_t,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            g.stride(0),
+            beta.stride(0),
+            *log_strides,
+            HEAD_RATIO=head_ratio,
+            DK=key_dim,
+            DV=value_dim,
+            BK=key_block,
             BV=triton.next_power_of_2(value_dim),
         )
     return out

@@ -33,10 +33,29 @@ def _softplus(x):
 
 @triton.jit
 def _gates_kernel(
-    q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, q_out_ptr, k_out_ptr, g_out_ptr, beta_out_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, a_stride_t, b_stride_t,
-    HK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr,
-    BHK: tl.constexpr, BDK: tl.constexpr, BHV: tl.constexpr, SCALE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    a_ptr,
+    b_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    g_out_ptr,
+    beta_out_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    a_stride_t,
+    b_stride_t,
+    HK: tl.constexpr,
+    DK: tl.constexpr,
+    HV: tl.constexpr,
+    BHK: tl.constexpr,
+    BDK: tl.constexpr,
+    BHV: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     key_heads = tl.arange(0, BHK)
@@ -78,10 +97,28 @@ def gdn_gates(
     beta = torch.empty((num_tokens, num_value_heads), dtype=b.dtype, device=q.device)
     if num_tokens:
         _gates_kernel[(num_tokens,)](
-            q, k, a, b, A_log, dt_bias, q_out, k_out, g, beta,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
-            HK=num_key_heads, DK=key_dim, HV=num_value_heads,
-            BHK=triton.next_power_of_2(num_key_heads), BDK=triton.next_power_of_2(key_dim),
-            BHV=triton.next_power_of_2(num_value_heads), SCALE=key_dim ** -0.5,
+            q,
+            k,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            q_out,
+            k_out,
+            g,
+            beta,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            a.stride(0),
+            b.stride(0),
+            HK=num_key_heads,
+            DK=key_dim,
+            HV=num_value_heads,
+            BHK=triton.next_power_of_2(num_key_heads),
+            BDK=triton.next_power_of_2(key_dim),
+            BHV=triton.next_power_of_2(num_value_heads),
+            SCALE=key_dim**-0.5,
         )
     return q_out, k_out, g, beta

@@ -14,8 +14,9 @@ TILE_ELEMENTS = 4096  # elements per program when rows are short (head norms): s
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, n_rows, dim, stride_x, stride_out, eps,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, weight_ptr, out_ptr, n_rows, dim, stride_x, stride_out, eps, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)  # [BLOCK_ROWS, BLOCK_D]
@@ -27,15 +28,29 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, n_rows, dim, stride_x, stride_o
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, n_rows, dim,
-                         stride_x, stride_residual, stride_out, stride_total, eps,
-                         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    total_ptr,
+    n_rows,
+    dim,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_total,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)  # [BLOCK_ROWS, BLOCK_D]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    residual = tl.load(residual_ptr + rows[:, None] * stride_residual + cols[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + rows[:, None] * stride_residual + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
     total = (residual + x).to(total_ptr.dtype.element_ty)  # the sum rounds to x's dtype, as in torch
     tl.store(total_ptr + rows[:, None] * stride_total + cols[None, :], total, mask=mask)
     total = total.to(tl.float32)
@@ -46,8 +61,21 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, n_
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, n_rows, dim, stride_x, stride_gate, stride_out,
-                           eps, ROUND_PRODUCT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gated_rms_norm_kernel(
+    x_ptr,
+    gate_ptr,
+    weight_ptr,
+    out_ptr,
+    n_rows,
+    dim,
+    stride_x,
+    stride_gate,
+    stride_out,
+    eps,
+    ROUND_PRODUCT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)  # [BLOCK_ROWS, BLOCK_D]
@@ -85,13 +113,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows_out = out.view(-1, x.shape[-1])  # [rows, D]
     n_rows, dim = rows_in.shape
     grid, block_rows, block_d, num_warps = _launch_shape(n_rows, dim)
-    _rms_norm_kernel[grid](rows_in, weight, rows_out, n_rows, dim, rows_in.stride(0), rows_out.stride(0), eps,
-                           BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps)
+    _rms_norm_kernel[grid](
+        rows_in,
+        weight,
+        rows_out,
+        n_rows,
+        dim,
+        rows_in.stride(0),
+        rows_out.stride(0),
+        eps,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`s = residual + x` (rounded to x's dtype); returns (rms_norm(s), s). Reads x and residual once."""
     x_rows = _as_rows(x)  # [rows, D]
     residual_rows = _as_rows(residual)  # [rows, D]
@@ -100,9 +140,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out_rows, total_rows = out.view(-1, x.shape[-1]), total.view(-1, x.shape[-1])  # [rows, D] each
     n_rows, dim = x_rows.shape
     grid, block_rows, block_d, num_warps = _launch_shape(n_rows, dim)
-    _add_rms_norm_kernel[grid](x_rows, residual_rows, weight, out_rows, total_rows, n_rows, dim,
-                               x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), total_rows.stride(0),
-                               eps, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps)
+    _add_rms_norm_kernel[grid](
+        x_rows,
+        residual_rows,
+        weight,
+        out_rows,
+        total_rows,
+        n_rows,
+        dim,
+        x_rows.stride(0),
+        residual_rows.stride(0),
+        out_rows.stride(0),
+        total_rows.stride(0),
+        eps,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
     return out, total
 
 
@@ -115,7 +169,20 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     n_rows, dim = x_rows.shape
     round_product = torch.promote_types(weight.dtype, x.dtype).itemsize == 2
     grid, block_rows, block_d, num_warps = _launch_shape(n_rows, dim)
-    _gated_rms_norm_kernel[grid](x_rows, gate_rows, weight, out_rows, n_rows, dim, x_rows.stride(0),
-                                 gate_rows.stride(0), out_rows.stride(0), eps, ROUND_PRODUCT=round_product,
-                                 BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps)
+    _gated_rms_norm_kernel[grid](
+        x_rows,
+        gate_rows,
+        weight,
+        out_rows,
+        n_rows,
+        dim,
+        x_rows.stride(0),
+        gate_rows.stride(0),
+        out_rows.stride(0),
+        eps,
+        ROUND_PRODUCT=round_product,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
     return out

@@ -12,8 +12,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, dim, rotary, stride_xt, stride_xh,
-                      stride_ot, stride_oh, eps, BLOCK_D: tl.constexpr):
+def _norm_rope_kernel(
+    x_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    dim,
+    rotary,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    eps,
+    BLOCK_D: tl.constexpr,
+):
     token, head = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     inside = cols < dim
@@ -35,14 +48,26 @@ def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, dim, rotary,
     tl.store(out_ptr + token * stride_ot + head * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              eps: float) -> torch.Tensor:
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, heads, head_dim] (last dim contiguous) -> RMSNorm (zero-centred weight) then RoPE on the first
     cos.shape[-1] dims, [T, heads, head_dim] in x's dtype."""
     assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
     if tokens:
-        _norm_rope_kernel[(tokens, heads)](x, weight, cos, sin, out, dim, cos.shape[-1], x.stride(0), x.stride(1),
-                                           out.stride(0), out.stride(1), eps, BLOCK_D=triton.next_power_of_2(dim))
+        _norm_rope_kernel[(tokens, heads)](
+            x,
+            weight,
+            cos,
+            sin,
+            out,
+            dim,
+            cos.shape[-1],
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            eps,
+            BLOCK_D=triton.next_power_of_2(dim),
+        )
     return out

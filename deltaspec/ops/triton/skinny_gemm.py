@@ -70,9 +70,23 @@ def configs_for(rows: int) -> tuple[SkinnyConfig, ...]:
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_split,
-                   K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_DOT: tl.constexpr):
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_split,
+    K_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -127,13 +141,30 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = 
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     k_tiles_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    target = out if config.split_k == 1 else torch.empty((config.split_k, rows, n), dtype=torch.float32,
-                                                         device=x.device)
-    _skinny_kernel[grid](x, weight, target, rows, n, k, x.stride(0), weight.stride(0), n, rows * n,
-                         K_TILES=k_tiles_per_split, BLOCK_M=config.block_m(rows), BLOCK_N=config.block_n,
-                         BLOCK_K=config.block_k, USE_DOT=config.use_dot, num_warps=config.num_warps,
-                         num_stages=config.num_stages)
+    target = (
+        out if config.split_k == 1 else torch.empty((config.split_k, rows, n), dtype=torch.float32, device=x.device)
+    )
+    _skinny_kernel[grid](
+        x,
+        weight,
+        target,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        n,
+        rows * n,
+        K_TILES=k_tiles_per_split,
+        BLOCK_M=config.block_m(rows),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        USE_DOT=config.use_dot,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     if config.split_k > 1:
-        _split_k_reduce_kernel[(triton.cdiv(rows * n, REDUCE_BLOCK),)](target, out, rows * n, SPLIT_K=config.split_k,
-                                                                       BLOCK=REDUCE_BLOCK, num_warps=4)
+        _split_k_reduce_kernel[(triton.cdiv(rows * n, REDUCE_BLOCK),)](
+            target, out, rows * n, SPLIT_K=config.split_k, BLOCK=REDUCE_BLOCK, num_warps=4
+        )
     return out
