@@ -286,3 +286,30 @@ def test_mtp_without_an_mtp_head_is_a_clear_error(checkpoints):
 
     with pytest.raises(DeltaspecError, match="has no MTP head"):
         LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", speculative="mtp")
+
+
+def test_an_injected_drafter_must_implement_the_whole_protocol(checkpoints):
+    from deltaspec import DeltaspecError
+
+    class ProposesOnly:
+        name, needs_hidden = "partial", False
+
+        def propose(self, requests):
+            return [Draft(tokens=[]) for _ in requests]
+
+    with pytest.raises(DeltaspecError, match="is not a Drafter: it needs name, needs_hidden, propose, observe"):
+        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", drafter=ProposesOnly())
+
+
+def test_acceptance_statistics_and_the_policy_forget_finished_sequences(checkpoints):
+    """The Speculator records every round per position and drops a finished sequence's policy state."""
+    llm = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu", speculative="ngram", draft_tokens=4)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    drafted = [out.metrics for out in outs if out.metrics.get("spec_rounds")]
+    assert drafted
+    for m in drafted:
+        assert m["drafted_at"][0] == m["spec_rounds"] and sum(m["accepted_at"]) == m["spec_accepted_tokens"]
+    assert llm.engine.speculator.policy.ema == {}
+    assert llm.engine.speculator.state_bytes() == 0
