@@ -66,27 +66,22 @@ class Runner:
         starts = [0]
         for item in schedule:
             starts.append(starts[-1] + item.num_rows)
-        picks = torch.tensor(
-            [start + r for item, start in zip(schedule, starts) for r in token_rows(item)],
-            dtype=torch.long,
-            device=self.device,
-        )  # [token rows of the pass]
         key = self.graphs.bucket_for(schedule) if self.graphs is not None else None
         if key is not None:
             replay = self.graphs.run(schedule, key)
-            argmax = replay.greedy.index_select(0, replay.rows[picks]).tolist()
+            picks = self._token_rows_at([b * key[1] for b in range(len(schedule))], schedule)  # bucket rows
             return self._outputs(
                 schedule,
                 starts,
                 replay.hidden,
-                argmax,
+                replay.greedy.index_select(0, picks).tolist(),
                 key[1] > 1,
-                lambda lo, hi: replay.logits.index_select(0, replay.rows[picks[lo:hi]]),
+                lambda lo, hi: replay.logits.index_select(0, picks[lo:hi]),
                 lambda lo, hi: replay.logits.index_select(0, replay.rows[lo:hi]),
             )
         batch = build_batch(schedule, self.block_size, self.device)
         hidden = self.model(batch, self.caches)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[picks])  # [token rows, vocab]
+        logits = self.model.compute_logits(hidden[self._token_rows_at(starts, schedule)])  # [token rows, vocab]
         return self._outputs(
             schedule,
             starts,
@@ -96,6 +91,11 @@ class Runner:
             lambda lo, hi: logits[lo:hi],
             lambda lo, hi: self.model.compute_logits(hidden[lo:hi]),
         )
+
+    def _token_rows_at(self, firsts: list[int], schedule: list[Scheduled]) -> torch.Tensor:
+        """[token rows of the pass] long: where each token row lies, sequence i's rows starting at `firsts[i]`."""
+        rows = [first + r for item, first in zip(schedule, firsts) for r in token_rows(item)]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _outputs(
         self,
