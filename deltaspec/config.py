@@ -280,6 +280,13 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     ):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
+    pool = cfg.num_kv_blocks * cfg.block_size
+    if cfg.num_kv_blocks and pool < cfg.max_model_len:
+        raise DeltaspecError(
+            f"The KV pool of {cfg.num_kv_blocks} pages x {cfg.block_size} tokens ({pool} tokens) cannot hold one full "
+            f"context of {cfg.max_model_len} tokens; use --num-kv-blocks {-(-cfg.max_model_len // cfg.block_size)} or "
+            f"more, or --max-model-len {pool} or less."
+        )
     checkpoints = (
         (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * cfg.max_num_seqs) if cfg.enable_prefix_caching else 0
     )

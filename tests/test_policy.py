@@ -31,3 +31,20 @@ def test_ema_moves_towards_observed_acceptance():
     assert p[0] > 0.5 and p[1] > 0.5 and p[2] < 0.5 and len(p) == 3  # position 4 was never reached
     policy.forget("s")
     assert "s" not in policy.ema
+
+
+def test_a_sequence_that_stopped_drafting_probes_again_and_recovers():
+    policy = DraftLengthPolicy(max_k=4, probe_every=5)
+    for _ in range(20):
+        policy.update("s", drafted=policy.choose("s", 4) or 1, accepted=0)
+    assert policy.choose("s", 4) == 0  # not worth drafting any more...
+    rounds = [policy.choose("s", 4) for _ in range(10)]
+    probes = [i for i, k in enumerate(rounds) if k]
+    assert len(probes) == 2 and probes[1] - probes[0] == 5  # ...but every 5th round probes
+    for _ in range(10):  # the text turned repetitive: probes are accepted, and drafting comes back
+        k = policy.choose("s", 4)
+        if k:
+            policy.update("s", drafted=k, accepted=k)
+    assert policy.choose("s", 4) > 0
+    policy.forget("s")
+    assert "s" not in policy.idle

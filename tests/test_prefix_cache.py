@@ -70,7 +70,7 @@ def test_eviction_under_memory_pressure_never_corrupts_a_running_sequence(path):
     """Three documents leave their checkpoints; then their follow-ups resume from them (sharing the
     checkpoints' pages) while three fresh long prompts need pages, so checkpoints are evicted under the
     running follow-ups. Every output equals the uncached one."""
-    options = {"max_num_seqs": 3, "prefix_checkpoints": 3, "num_kv_blocks": 70, "block_size": 16}
+    options = {"max_num_seqs": 3, "prefix_checkpoints": 3, "num_kv_blocks": 70, "block_size": 16, "max_model_len": 1120}
     cached, plain = engine(path, **options), engine(path, enable_prefix_caching=False, **options)
     docs = [DOC, DOC[150:] + DOC[:150], DOC[::-1]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

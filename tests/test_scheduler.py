@@ -59,7 +59,14 @@ def test_running_out_of_kv_pages_preempts_and_recomputes_exactly(checkpoints, nu
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     roomy = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu")
     expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    tight = LLM(str(checkpoints["qwen3_5_r2"]), dtype="float64", device="cpu", num_kv_blocks=num_blocks, block_size=4)
+    tight = LLM(
+        str(checkpoints["qwen3_5_r2"]),
+        dtype="float64",
+        device="cpu",
+        num_kv_blocks=num_blocks,
+        block_size=4,
+        max_model_len=32,
+    )
     got = [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == expected
     usage = tight.engine.usage()

@@ -313,3 +313,19 @@ def test_acceptance_statistics_and_the_policy_forget_finished_sequences(checkpoi
         assert m["drafted_at"][0] == m["spec_rounds"] and sum(m["accepted_at"]) == m["spec_accepted_tokens"]
     assert llm.engine.speculator.policy.ema == {}
     assert llm.engine.speculator.state_bytes() == 0
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft", "mtp+ngram"])
+def test_penalties_and_min_tokens_draft_and_stay_exact(speculative):
+    """Requests with repetition / presence / frequency penalties or an unmet min_tokens draft too: each verify row
+    is penalised with the counts of the output and the earlier draft rows of its pass, so greedy output equals
+    plain decoding's in float64."""
+    prompts = ['def is_prime(n):\n    """Return True if n is a prime number."""\n', "class Stack:\n"]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.15),
+        SamplingParams(max_tokens=40, temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3, min_tokens=30),
+    ]
+    plain = LLM(dtype="float64", device="cpu").generate(prompts, params)
+    spec = LLM(dtype="float64", device="cpu", speculative=speculative, draft_tokens=5).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert all(o.metrics.get("spec_rounds", 0) > 0 for o in spec)

@@ -29,6 +29,7 @@ class CacheManager:
         offload_bytes: int = 0,
     ):
         self.block_size = block_size
+        self.num_slots = num_slots
         self.kv = PagedKVCache(
             num_kv_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype, device
         )
@@ -49,6 +50,21 @@ class CacheManager:
         )
         self.caches = ModelCaches(kv=self.kv, gdn=self.gdn)
         self.prefix = PrefixCache(self.kv, self.gdn, offload_bytes) if checkpoint_slots else None
+
+    def usage(self) -> dict:
+        """KV pages and GDN state slots in use, and what prefix checkpoints hold (their pages count as cached, not
+        used: eviction frees them)."""
+        kv, prefix = self.kv.allocator, self.prefix
+        cached = prefix.pages_held_only_here() if prefix is not None else 0
+        return {
+            "kv_blocks_used": kv.num_blocks - kv.num_free - cached,
+            "kv_blocks_cached": cached,
+            "kv_blocks_total": kv.num_blocks,
+            "prefix_checkpoints": len(prefix.checkpoints) if prefix is not None else 0,
+            "prefix_hits": prefix.hits if prefix is not None else 0,
+            "state_slots_used": self.num_slots - self.gdn.num_free,
+            "state_slots_total": self.num_slots,
+        }
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -86,6 +102,10 @@ class CacheManager:
     def keep_verified(seq, kept: int) -> None:
         """Of the rows the last pass logged for `seq`, the first `kept` stand; the rest never happened."""
         seq.num_computed -= seq.replay.keep(kept)
+
+    def fits_without_eviction(self, seq, num_tokens: int) -> bool:
+        """Whether `seq`'s pages can cover `num_tokens` tokens from free pages alone."""
+        return self.blocks_needed(num_tokens) - len(seq.blocks) <= self.kv.allocator.num_free
 
     def reserve(self, seq, num_tokens: int) -> bool:
         """Make `seq`'s pages cover `num_tokens` tokens, evicting prefix checkpoints if pages run short;

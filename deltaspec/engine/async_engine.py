@@ -2,8 +2,13 @@
 
 The loop thread owns the `Engine`: requests and aborts reach it through a command queue and are
 applied between passes, so the engine is never touched from two threads. After every pass each
-sequence that got tokens pushes a `RequestDelta` to its request's asyncio queue. An exception in
-a pass fails the sequences of that pass (finish reason "error") and the loop goes on.
+sequence that got tokens pushes a `RequestDelta` to its request's asyncio queue. The engine keeps a
+failure to the request at fault; should a step itself raise (a defect in the engine), the requests
+in the engine fail (finish reason "error") and the loop goes on.
+
+Shutting down (`drain`): no new request is admitted (`EngineStopping`), the requests in flight get up
+to a bounded time to finish, and those still running then end with `SHUTDOWN_ERROR`, so every client
+gets a complete response or a clear error.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 
 from deltaspec.engine.engine import Engine
+from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence
 from deltaspec.sample.params import SamplingParams
 
@@ -58,6 +64,13 @@ class RequestStream:
         return delta
 
 
+SHUTDOWN_ERROR = "The server is shutting down and ended this request; send it again."
+
+
+class EngineStopping(DeltaspecError):
+    """A request arrived after shutdown began."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -66,6 +79,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[RequestStream, Sequence]] = {}
         self._sent: dict[str, int] = {}
         self._stop = False
+        self.accepting = True
         self._thread = threading.Thread(target=self._run, name="deltaspec-engine", daemon=True)
         self.usage = engine.usage()
 
@@ -80,7 +94,10 @@ class AsyncEngine:
     def add_request(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
     ) -> RequestStream:
-        """Validate (DeltaspecError on bad input) and queue a request; call from the event loop."""
+        """Validate (DeltaspecError on bad input, EngineStopping once shutdown began) and queue a request; call
+        from the event loop."""
+        if not self.accepting:
+            raise EngineStopping("The server is shutting down and takes no new requests; send it to another one.")
         seq = self.engine.new_sequence(request_id, prompt, prompt_ids, params)
         stream = RequestStream(request_id)
         self._commands.put(("add", seq, stream))
@@ -92,6 +109,26 @@ class AsyncEngine:
         self._commands.put(("abort", request_id, None))
         self._wake.set()
 
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running (read from any thread)."""
+        return len(self._streams) + self._commands.qsize()
+
+    async def drain(self, timeout: float) -> None:
+        """Admit no new request; give those in flight up to `timeout` seconds, then end the rest with
+        `SHUTDOWN_ERROR`; return once every request has had its last delta."""
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning("ending %d request(s) still running after %.1f s of shutdown", self.in_flight, timeout)
+            self._commands.put(("fail_all", SHUTDOWN_ERROR, None))
+            self._wake.set()
+        while self.in_flight:
+            await asyncio.sleep(0.01)
+
     def _apply_commands(self) -> None:
         while True:
             try:
@@ -102,6 +139,11 @@ class AsyncEngine:
                 self._streams[item.request_id] = (stream, item)
                 self._sent[item.request_id] = 0
                 self.engine.scheduler.add(item)
+            elif kind == "fail_all":
+                seqs = [seq for _, seq in self._streams.values()]
+                self.engine.fail(seqs, item)
+                for seq in seqs:
+                    self._publish(seq)
             elif item in self._streams:
                 seq = self._streams[item][1]
                 self.engine.abort(seq)

@@ -8,12 +8,15 @@ that samples one, and appends tokens until a stop condition.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from functools import partial
 
 import torch
 
 from deltaspec.cache.memory_plan import require_fit
 from deltaspec.config import EngineConfig, parse_dtype
+from deltaspec.engine.isolation import each_or_alone, error_text, guarded
 from deltaspec.engine.logprob_text import LogprobText
 from deltaspec.engine.next_tokens import next_tokens
 from deltaspec.engine.planning import plan_for
@@ -31,6 +34,12 @@ from deltaspec.spec.factory import make_drafter
 from deltaspec.spec.mtp import MTPDrafter
 from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
 from deltaspec.spec.speculator import DraftLength, Speculator
+
+log = logging.getLogger("deltaspec.engine")
+UNFIT = (
+    "This request needs more KV cache pages than the whole pool holds, even alone; shorten the prompt or lower "
+    "max_tokens (or start the server with more --num-kv-blocks)."
+)
 
 
 class Engine:
@@ -78,7 +87,7 @@ class Engine:
         if drafter is None:
             return None
         policy = policy or DraftLengthPolicy(max_k=self.config.draft_tokens, table=costs)
-        return Speculator(drafter, policy, self.cache, self.max_model_len)
+        return Speculator(drafter, policy, self.cache, self.max_model_len, self.model_config.vocab_size)
 
     def _running(self, seq_id: str) -> Sequence:
         return next(s for s in self.scheduler.running if s.request_id == seq_id)
@@ -141,33 +150,30 @@ class Engine:
                 self._finish(seq)
 
     def usage(self) -> dict:
-        """Running and waiting sequences, KV pages and GDN state slots in use, and what prefix checkpoints hold
-        (their pages count as cached, not used: eviction frees them)."""
-        kv, gdn, prefix = self.cache.kv.allocator, self.cache.gdn, self.cache.prefix
-        cached = prefix.pages_held_only_here() if prefix is not None else 0
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "kv_blocks_used": kv.num_blocks - kv.num_free - cached,
-            "kv_blocks_cached": cached,
-            "kv_blocks_total": kv.num_blocks,
-            "prefix_checkpoints": len(prefix.checkpoints) if prefix is not None else 0,
-            "prefix_hits": prefix.hits if prefix is not None else 0,
-            "state_slots_used": self.config.max_num_seqs - gdn.num_free,
-            "state_slots_total": self.config.max_num_seqs,
-            "preemptions": self.scheduler.num_preemptions,
-            "steps": self.scheduler.step_count,
-        }
+        """Running and waiting sequences, passes and preemptions, and what the caches hold (`CacheManager.usage`)."""
+        return {**self.scheduler.usage(), **self.cache.usage()}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """One forward pass over every runnable sequence; returns the sequences that got new tokens
-        (those that finished have `finished` set)."""
+        """One forward pass over every runnable sequence; returns the sequences that got new tokens or ended
+        (those that finished have `finished` set). A failure ends only the request at fault."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        return self._update(self.runner.execute(self.scheduler.schedule()))
+        schedule = self.scheduler.schedule()
+        ended = [self._fail_one(seq, UNFIT) for seq in self.scheduler.unfit]
+        if not schedule:
+            return ended
+        try:
+            outputs = self.runner.execute(schedule)
+        except Exception as exc:  # noqa: BLE001 - the scheduler finds the sequence at fault
+            log.exception("a pass of %d sequences failed", len(schedule))
+            if len(schedule) > 1:
+                self.scheduler.quarantine(schedule)
+                return ended
+            return ended + [self._fail_one(schedule[0].seq, error_text(exc))]
+        return ended + self._update(outputs)
 
     def _update(self, outputs: list[SeqOutput]) -> list[Sequence]:
         for out in outputs:
@@ -175,11 +181,21 @@ class Engine:
         verifying = [out for out in outputs if out.verifying]
         sampling = [out for out in outputs if out.argmax and not out.verifying]
         if self.speculator is not None:
-            self.speculator.commit(verifying, self._append)
+            for out, verdict in zip(verifying, each_or_alone(verifying, self.speculator.verify, self._fail_output)):
+                if verdict is not None:
+                    guarded(out, partial(self.speculator.commit, out, verdict, self._append), self._fail_output)
             self.speculator.observe(outputs)
-        for out, (token, logprobs) in zip(sampling, next_tokens(sampling)):
-            self._append(out.seq, [token], [logprobs])
+        for out, pick in zip(sampling, each_or_alone(sampling, next_tokens, self._fail_output)):
+            if pick is not None:
+                guarded(out, partial(self._append, out.seq, [pick[0]], [pick[1]]), self._fail_output)
         return [out.seq for out in verifying + sampling]
+
+    def _fail_output(self, out: SeqOutput, exc: BaseException) -> None:
+        self._fail_one(out.seq, error_text(exc))
+
+    def _fail_one(self, seq: Sequence, error: str) -> Sequence:
+        self.fail([seq], error)
+        return seq
 
     def _advance(self, out: SeqOutput) -> None:
         """The pass computed `out.rows` rows of the sequence: record prompt logprobs, advance it, and leave a
@@ -188,6 +204,8 @@ class Engine:
         if out.prompt_logits is not None:
             self.logprob_text.record_prompt(seq, out.first_position, out.prompt_logits)
         self.cache.after_pass(seq, out.rows, out.logged)
+        if seq.isolated_until and seq.num_computed >= seq.isolated_until:
+            seq.isolated_until = 0  # past the failed pass: it runs with the others again
         if seq.checkpoint_at and seq.checkpoint_at[0] == seq.num_computed and not out.verifying:
             seq.checkpoint_at.pop(0)
             self.cache.checkpoint(seq)

@@ -3,20 +3,26 @@
 Every pass carries all runnable sequences together (DESIGN §3), within a budget of
 `max_num_batched_tokens` rows:
 
-1. one decode row for every running sequence whose prompt is done, plus its draft tokens to verify;
-2. prompt chunks, at most `prefill_chunk` rows per sequence per pass, so a long prompt delays the
+1. one decode row for every running sequence whose prompt is done (those that waited longest first,
+   should the budget not reach them all), preempting others for pages when needed;
+2. then the draft tokens of those sequences, within the rows left and the pages at hand: a draft is
+   shortened or dropped to fit, never the reason for a preemption or for another sequence's row;
+3. prompt chunks, at most `prefill_chunk` rows per sequence per pass, so a long prompt delays the
    others by at most one chunk. Prefills already running and waiting sequences are ordered
    together by remaining prompt (for a waiting sequence, what its prefix checkpoint would leave),
    shortest first, with aging: a sequence's remaining work counts
    half as much for every `aging_steps` passes it has been in the engine, so long prompts are
    not starved;
-3. a waiting sequence is admitted when a GDN state slot and its pages are free; with prefix
+4. a waiting sequence is admitted when a GDN state slot and its pages are free; with prefix
    caching it may resume from a checkpoint, and a long prompt's chunks end exactly at the
    positions where it leaves checkpoints of its own (512 and 64 tokens before its end).
 
 When the KV pages run out for a running sequence, the most recently admitted other sequence is
 preempted: its caches are freed and it is recomputed later from its tokens (a GDN state cannot be
-truncated, so recompute is the only way back).
+truncated, so recompute is the only way back). After a pass fails, its sequences are recomputed the
+same way, each alone in its passes until it is past the point of the failure (`quarantine`), so the
+one at fault fails alone and the others go on. A sequence that cannot get pages even alone is
+returned in `unfit` for the engine to fail, never stopping the others.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from __future__ import annotations
 from collections import deque
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.errors import DeltaspecError
 from deltaspec.execution.batch import Scheduled
 from deltaspec.execution.sequence import Sequence, Status
 
@@ -49,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step_count = 0
         self.num_preemptions = 0
+        self.unfit: list[Sequence] = []  # sequences the last `schedule` could not give pages even alone
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.step_count
@@ -56,6 +62,14 @@ class Scheduler:
             found = self.cache.prefix.lookup(seq.all_ids, touch=False)
             seq.expected_cached = len(found.tokens) if found is not None else 0
         self.waiting.append(seq)
+
+    def usage(self) -> dict:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.num_preemptions,
+            "steps": self.step_count,
+        }
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -70,16 +84,29 @@ class Scheduler:
         victims = [s for s in self.running if s is not needy]
         if not victims:
             return False
-        victim = max(victims, key=lambda s: s.admitted_step)
-        self.running.remove(victim)
-        self.cache.release(victim)
-        victim.num_computed = 0
-        victim.draft.clear()
-        victim.status = Status.WAITING
-        victim.enqueued_step = self.step_count
-        self.waiting.appendleft(victim)
+        self._requeue(max(victims, key=lambda s: s.admitted_step))
         self.num_preemptions += 1
         return True
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free a running sequence's caches and put it first in the queue, to recompute from its tokens."""
+        self.running.remove(seq)
+        self.cache.release(seq)
+        seq.num_computed = 0
+        seq.draft.clear()
+        seq.draft_probs = None
+        seq.status = Status.WAITING
+        seq.enqueued_step = self.step_count
+        self.waiting.appendleft(seq)
+
+    def quarantine(self, schedule: list[Scheduled]) -> None:
+        """The pass of `schedule` failed: its sequences' states are unknown. Each recomputes, alone in its passes
+        until it is past the rows of the failed pass."""
+        for item in reversed(schedule):
+            seq = item.seq
+            if seq in self.running:
+                seq.isolated_until = max(1, min(seq.num_computed + item.num_rows, seq.num_tokens))
+                self._requeue(seq)
 
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
         """Where a long prompt leaves prefix checkpoints: 512 and 64 tokens before its end, past what is computed."""
@@ -104,19 +131,78 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         self.step_count += 1
-        budget = self.budget
-        batch: list[Scheduled] = []
-        for seq in [s for s in self.running if s.remaining_prompt == 0 and s.num_computed < s.num_tokens]:
-            if budget == 0:
-                break
-            del seq.draft[budget - 1 :]  # a draft never takes more rows than the pass has left
-            rows = 1 + len(seq.draft)
-            if seq in self.running and self._reserve(seq, seq.num_computed + rows):
-                batch.append(Scheduled(seq, rows))
-                budget -= rows
+        self.unfit = []
+        suspect = next((s for s in [*self.running, *self.waiting] if s.isolated_until), None)
+        if suspect is not None:
+            return self._alone(suspect)
+        batch = self._decode_rows()
+        budget = self.budget - sum(item.num_rows for item in batch)
         scheduled = {id(item.seq) for item in batch}
         prefills = [s for s in self.running if id(s) not in scheduled and s.num_computed < s.num_tokens]
-        candidates = sorted([*prefills, *self.waiting], key=self._priority)
+        batch += self._admit_and_chunk(sorted([*prefills, *self.waiting], key=self._priority), budget)
+        batch = [item for item in batch if item.seq in self.running]
+        for item in batch:
+            item.seq.scheduled_step = self.step_count
+        return batch
+
+    def _decode_rows(self) -> list[Scheduled]:
+        """One row for each decoding sequence, then its draft rows as far as the budget and free pages allow."""
+        decoding = [s for s in self.running if s.remaining_prompt == 0 and s.num_computed < s.num_tokens]
+        batch: list[Scheduled] = []
+        for seq in sorted(decoding, key=lambda s: s.scheduled_step):
+            if len(batch) < self.budget and seq in self.running and self._reserve(seq, seq.num_computed + 1):
+                batch.append(Scheduled(seq, 1))
+        budget = self.budget - len(batch)
+        chosen = {id(item.seq) for item in batch}
+        for seq in decoding:
+            if id(seq) not in chosen:
+                seq.draft.clear()  # not in this pass: its draft is for a pass that does not happen
+                seq.draft_probs = None
+        for item in batch:
+            seq = item.seq
+            k = min(len(seq.draft), budget)
+            while k and not self.cache.fits_without_eviction(seq, seq.num_computed + 1 + k):
+                k -= 1
+            self.cache.reserve(seq, seq.num_computed + 1 + k)
+            del seq.draft[k:]
+            if seq.draft_probs is not None:
+                seq.draft_probs = seq.draft_probs[:k] if k else None
+            item.num_rows = 1 + k
+            budget -= k
+        return batch
+
+    def _alone(self, seq: Sequence) -> list[Scheduled]:
+        """A pass of `seq` alone (a suspect of a failed pass): its next chunk, or one decode row without drafts;
+        others give up their slot or pages when it needs them."""
+        if seq.status is Status.WAITING:
+            while not self.cache.can_admit() and self._preempt_for(seq):
+                pass
+            if not self.cache.can_admit():
+                self.unfit.append(seq)
+                return []
+            self.cache.admit(seq)
+            seq.checkpoint_at = self._checkpoint_positions(seq)
+            self._start(seq)
+        seq.draft.clear()
+        seq.draft_probs = None
+        rows = self._chunk(seq, self.budget)
+        if not self._reserve(seq, seq.num_computed + rows):
+            self.unfit.append(seq)
+            return []
+        seq.scheduled_step = self.step_count
+        return [Scheduled(seq, rows)]
+
+    def _start(self, seq: Sequence) -> None:
+        """A waiting sequence that has its caches runs from now on."""
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        seq.admitted_step = self.step_count
+        self.running.append(seq)
+
+    def _admit_and_chunk(self, candidates: list[Sequence], budget: int) -> list[Scheduled]:
+        """Prompt chunks for `candidates` in order, admitting waiting ones, within `budget` rows. A candidate
+        that gets no pages while nothing else runs goes to `unfit`."""
+        batch: list[Scheduled] = []
         for seq in candidates:
             if budget == 0:
                 break
@@ -129,23 +215,18 @@ class Scheduler:
                 if not self.cache.reserve(seq, seq.num_computed + rows):
                     self.cache.release(seq)
                     seq.num_computed = seq.num_cached_tokens = 0
+                    if not self.running and not batch:
+                        self.unfit.append(seq)
                     continue
-                self.waiting.remove(seq)
-                seq.status = Status.RUNNING
-                seq.admitted_step = self.step_count
-                self.running.append(seq)
+                self._start(seq)
             else:
                 rows = self._chunk(seq, budget)
                 if seq not in self.running or not self._reserve(seq, seq.num_computed + rows):
+                    if seq in self.running and len(self.running) == 1:
+                        self.unfit.append(seq)
                     continue
             batch.append(Scheduled(seq, rows))
             budget -= rows
-        batch = [item for item in batch if item.seq in self.running]
-        if not batch and self.has_unfinished():
-            raise DeltaspecError(
-                "The KV cache is too small for even one sequence's next chunk; "
-                "raise --num-kv-blocks or lower --max-model-len."
-            )
         return batch
 
     def finish(self, seq: Sequence) -> None:

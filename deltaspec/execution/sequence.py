@@ -77,6 +77,8 @@ class Sequence:
     arrival_wall_time: float = field(default_factory=time.time)
     enqueued_step: int = 0  # scheduler pass at which it last entered the waiting queue
     admitted_step: int = 0  # scheduler pass at which it last got its caches
+    scheduled_step: int = 0  # scheduler pass that last gave it rows
+    isolated_until: int = 0  # after a failed pass: run alone until this many tokens are computed (0: no)
     error: str | None = None  # why it failed, when finish_reason is "error"
     draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next pass
     draft_probs: torch.Tensor | None = None  # [len(draft), V] drafter distributions (None: deterministic)

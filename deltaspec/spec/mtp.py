@@ -7,7 +7,9 @@ sequence whose last committed position is n-1 (the target's row n-1 produced the
 t_n), the drafter first runs the MTP rows it has not run yet, up to (t_n, h_{n-1}); the last one
 gives draft 1. Draft j+1 comes from the row (draft j, MTP hidden of draft j) at position n-1+j: the
 head is chained on its own output. Those chained rows are never committed: their KV entries sit
-past the committed length and are overwritten by the next catch-up, so rollback costs nothing.
+past the committed length and are overwritten by the next catch-up, so rollback costs nothing. A
+sequence that ran no rows since its last proposal (the pass had no room for it) drafts again from the
+MTP hidden state of its last committed row, which the drafter keeps.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class MTPDrafter:
         self.model, self.cache, self.lookup, self.device, self.seed = model, cache, lookup, device, seed
         self.hidden: dict[str, dict[int, torch.Tensor]] = {}  # committed target hidden states by position
         self.done: dict[str, int] = {}  # MTP rows run (and committed) per sequence: positions 0..done-1
+        self.heads: dict[str, torch.Tensor] = {}  # [1, H] MTP hidden of each sequence's last committed row
         self.generators: dict[str, torch.Generator] = {}
 
     def observe(self, seq_id: str, first_position: int, hidden: torch.Tensor) -> None:
@@ -83,27 +86,31 @@ class MTPDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         live = [r for r in requests if r.max_tokens > 0]
         drafts: dict[str, tuple[list[int], list[torch.Tensor]]] = {r.seq_id: ([], []) for r in live}
-        batch = []
+        catch_up, starts = [], []  # starts: (request, sequence, position of its last MTP row, that row's hidden)
         for req in live:
             seq, n = self.lookup(req.seq_id), len(req.token_ids) - 1
-            if not self.cache.reserve(seq, n + req.max_tokens + 1):
-                drafts.pop(req.seq_id)
-                continue
             start, seen = self.done.get(req.seq_id, 0), self.hidden.get(req.seq_id, {})
             positions = list(range(start, n))
-            batch.append(
-                (
-                    req,
-                    seq,
-                    [req.token_ids[p + 1] for p in positions],
-                    positions,
-                    torch.stack([seen[p] for p in positions]),
-                )
-            )
-            self.done[req.seq_id] = n
-            self.hidden[req.seq_id] = {}
-        active = [(req, seq, pos[-1]) for req, seq, _, pos, _ in batch]
-        mtp_hidden = self._run([(seq, toks, pos, h) for _, seq, toks, pos, h in batch]) if batch else None
+            unseen = any(p not in seen for p in positions)
+            if (
+                unseen
+                or (not positions and req.seq_id not in self.heads)
+                or not self.cache.reserve(seq, n + req.max_tokens + 1)
+            ):
+                drafts.pop(req.seq_id)  # hidden states it was never shown (after a reset), or no pages: no draft
+            elif positions:
+                tokens = [req.token_ids[p + 1] for p in positions]
+                catch_up.append((req, seq, tokens, positions, torch.stack([seen[p] for p in positions])))
+                self.done[req.seq_id], self.hidden[req.seq_id] = n, {}
+            else:  # it ran no rows since its last proposal: draft again from the same row
+                starts.append((req, seq, n - 1, self.heads[req.seq_id]))
+        if catch_up:
+            heads = self._run([(seq, tokens, pos, h) for _, seq, tokens, pos, h in catch_up])
+            for j, (req, seq, _, pos, _) in enumerate(catch_up):
+                self.heads[req.seq_id] = heads[j : j + 1]
+                starts.append((req, seq, pos[-1], self.heads[req.seq_id]))
+        active = [(req, seq, last) for req, seq, last, _ in starts]
+        mtp_hidden = torch.cat([head for *_, head in starts]) if starts else None
         while active:
             reqs = [req for req, _, _ in active]
             tokens, probs = pick_drafts(
@@ -126,7 +133,9 @@ class MTPDrafter:
     def on_finish(self, seq_id: str) -> None:
         self.hidden.pop(seq_id, None)
         self.done.pop(seq_id, None)
+        self.heads.pop(seq_id, None)
         self.generators.pop(seq_id, None)
 
     def state_bytes(self) -> int:
-        return sum(h.numel() * h.element_size() for rows in self.hidden.values() for h in rows.values())
+        held = [h for rows in self.hidden.values() for h in rows.values()] + list(self.heads.values())
+        return sum(h.numel() * h.element_size() for h in held)

@@ -6,6 +6,10 @@ E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i tokens per verify pass of k + 1 rows, and 
 the k that maximises E(k) / cost(k + 1), where `cost` is the verify-cost table of the device
 (time of a pass with that many rows per sequence, relative to one row). Row counts that the
 table says are slower than some longer one are never chosen (drafting more would be free).
+
+A sequence whose acceptance made drafting not worth it is probed again: after `probe_every` rounds
+without a draft it drafts once at the best positive length (the one its estimates rate highest), so
+acceptance that recovers (the text turns repetitive, say) is noticed.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ class DraftLengthPolicy:
     table: VerifyCostTable = field(default_factory=VerifyCostTable)
     decay: float = 0.7  # weight of the past in the moving average
     prior: float = 0.8  # acceptance assumed before a position has been observed
+    probe_every: int = 16  # rounds without a draft after which a sequence drafts once anyway
     ema: dict[str, list[float]] = field(default_factory=dict)
+    idle: dict[str, int] = field(default_factory=dict)  # rounds since the sequence last drafted
 
     def choose(self, seq_id: str, budget: int) -> int:
         """Draft length for this round, at most `budget` (and `max_k`)."""
@@ -52,6 +58,7 @@ class DraftLengthPolicy:
             return 0
         p = self.ema.get(seq_id, [])
         best_k, best_rate, expected, reach = 0, 1.0 / self.table.cost(1), 1.0, 1.0
+        probe_k, probe_rate = 0, 0.0
         allowed = set(self.table.allowed(limit))
         for k in range(1, limit + 1):
             reach *= p[k - 1] if k <= len(p) else self.prior
@@ -59,6 +66,14 @@ class DraftLengthPolicy:
             rate = expected / self.table.cost(k + 1)
             if k in allowed and rate > best_rate:
                 best_k, best_rate = k, rate
+            if k in allowed and rate > probe_rate:
+                probe_k, probe_rate = k, rate
+        if best_k == 0:
+            self.idle[seq_id] = self.idle.get(seq_id, 0) + 1
+            if self.idle[seq_id] < self.probe_every:
+                return 0
+            best_k = probe_k
+        self.idle[seq_id] = 0
         return best_k
 
     def update(self, seq_id: str, drafted: int, accepted: int) -> None:
@@ -71,6 +86,7 @@ class DraftLengthPolicy:
 
     def forget(self, seq_id: str) -> None:
         self.ema.pop(seq_id, None)
+        self.idle.pop(seq_id, None)
 
 
 @dataclass

@@ -1,19 +1,27 @@
 """Speculator (DESIGN §3, §5): everything speculative about a step, on behalf of the engine.
 
 It owns the drafter (one drafter, or a neural one with n-gram behind `CombinedDrafter`), the draft-length
-policy, verification (greedy from the pass's argmax, lossless rejection sampling from logits), the rollback
-of rejected rows (through the cache manager, which alone moves the replay-log cursor), acceptance
-statistics, and the drafter's notices (hidden states, commits, finishes).
+policy, verification (greedy from the pass's argmax, lossless rejection sampling from logits, penalties and
+min_tokens applied per verify row), the rollback of rejected rows (through the cache manager, which alone
+moves the replay-log cursor), acceptance statistics, and the drafter's notices (hidden states, commits,
+finishes).
 
-Per step the engine calls `propose(running)` before scheduling; after the pass, `commit(outputs, append)`
-with the outputs of the sequences that verified drafts (it verifies, rolls back, records, appends through
-`append`, and tells the drafter), then `observe(outputs)` with every output. `finish(seq)` when a sequence
-ends.
+Per step the engine calls `propose(running)` before scheduling; after the pass, `verify(outputs)` for the
+sequences that verified drafts (it changes nothing: the tokens to append and the accepted count of each),
+`commit(out, verdict, append)` for each of them (roll back, record, append through `append`, tell the
+drafter), then `observe(outputs)` with every output; `finish(seq)` when a sequence ends.
+
+A drafter that raises costs its sequences their drafts, not their requests: a failed batch proposal is
+retried one sequence at a time, a sequence whose own proposal fails (or is no valid draft: too long, or
+token ids outside the vocabulary) decodes without a draft that step, and a failed notice makes the drafter
+forget the sequence (it starts over from its next proposal).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,8 +31,11 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.execution.runner import SeqOutput
 from deltaspec.execution.sequence import Sequence
 from deltaspec.sample.logprobs import gather_logprobs
-from deltaspec.spec.drafter import Drafter, DraftRequest
-from deltaspec.spec.verify import VerifyResult, verify_greedy_tokens, verify_sampling
+from deltaspec.sample.sampler import apply_penalties
+from deltaspec.spec.drafter import Draft, Drafter, DraftRequest
+from deltaspec.spec.verify import verify_greedy_tokens, verify_sampling
+
+log = logging.getLogger("deltaspec.spec")
 
 Append = Callable[[Sequence, list[int], list], None]  # (sequence, tokens, logprobs per token)
 
@@ -39,86 +50,107 @@ class DraftLength(Protocol):
     def forget(self, seq_id: str) -> None: ...
 
 
-def can_draft(seq: Sequence) -> bool:
-    """A decoding sequence whose verify rows need no per-row penalty state: no penalties, min_tokens met."""
-    params = seq.params
-    return (
-        seq.decoding
-        and len(seq.output_ids) >= params.min_tokens
-        and params.repetition_penalty == 1.0
-        and not params.presence_penalty
-        and not params.frequency_penalty
-    )
+@dataclass
+class Verdict:
+    """What verification decided for one sequence: the accepted drafts and the target's own token after them."""
+
+    tokens: list[int]
+    accepted: int
+    logprobs: list  # per token: its logprobs, or None when the request asked for none
+
+
+def row_logits(out: SeqOutput) -> torch.Tensor:
+    """The verify rows' logits [1 + k, V] with the request's penalties and min_tokens mask applied per row: row i
+    continues the output with the first i drafts, so its counts include the earlier draft rows of the pass."""
+    seq, rows = out.seq, out.logits.shape[0]
+    outputs = [seq.output_ids + seq.draft[:i] for i in range(rows)]
+    return apply_penalties(out.logits, [seq.prompt_ids] * rows, outputs, [seq.params] * rows, [seq.eos_ids] * rows)
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: DraftLength, cache: CacheManager, max_model_len: int):
+    def __init__(self, drafter: Drafter, policy: DraftLength, cache: CacheManager, max_model_len: int, vocab_size: int):
         if not isinstance(drafter, Drafter):
             raise DeltaspecError(
                 f"{type(drafter).__name__} is not a Drafter: it needs name, needs_hidden, propose, "
                 "observe, on_commit, on_finish and state_bytes (deltaspec.spec.drafter)."
             )
         self.drafter, self.policy, self.cache, self.max_model_len = drafter, policy, cache, max_model_len
+        self.vocab_size = vocab_size
 
     @property
     def name(self) -> str:
         return self.drafter.name
 
     def propose(self, running: list[Sequence]) -> None:
-        """Drafts for every running sequence that can use them, within its policy's length and its budget."""
+        """Drafts for every decoding sequence, within its policy's length and its budget."""
         requests, seqs = [], []
-        for seq in filter(can_draft, running):
+        for seq in running:
+            if not seq.decoding:
+                continue
             budget = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
             k = self.policy.choose(seq.request_id, budget)
             if k > 0:
                 requests.append(DraftRequest(seq.request_id, seq.all_ids, k, seq.params))
                 seqs.append(seq)
-        for seq, draft in zip(seqs, self.drafter.propose(requests) if requests else []):
+        if not requests:
+            return
+        try:
+            drafts = self.drafter.propose(requests)
+        except Exception:  # noqa: BLE001 - one sequence's drafter failure must not cost the others their drafts
+            log.exception("the %s drafter failed on a batch of %d; proposing one at a time", self.name, len(requests))
+            drafts = [self._propose_alone(request) for request in requests]
+        for seq, request, draft in zip(seqs, requests, drafts):
+            if len(draft.tokens) > request.max_tokens or any(not 0 <= t < self.vocab_size for t in draft.tokens):
+                log.error("the %s drafter proposed an invalid draft for %s; dropped", self.name, seq.request_id)
+                continue
             seq.draft, seq.draft_probs = list(draft.tokens), draft.probs
 
-    def commit(self, outputs: list[SeqOutput], append: Append) -> None:
-        """Verify the drafts of `outputs` (sequences that verified drafts this pass), keep each one's accepted
-        rows, append the accepted drafts and the target's own token, and tell the drafter."""
-        if not outputs:
-            return
-        verdicts = self._verify(outputs)
-        for out, tokens, accepted in zip(outputs, verdicts.tokens, verdicts.accepted):
-            seq, drafted = out.seq, len(out.seq.draft)
-            self.cache.keep_verified(seq, 1 + accepted)  # the last sampled token's row and the accepted drafts
-            seq.draft, seq.draft_probs = [], None
-            seq.acceptance.record(drafted, accepted)
-            self.policy.update(seq.request_id, drafted, accepted)
-            logprobs = [None] * len(tokens)
-            if seq.params.logprobs is not None:
-                logprobs = gather_logprobs(
-                    out.logits[: len(tokens)],
-                    torch.tensor(tokens, device=out.logits.device),
-                    [seq.params.logprobs] * len(tokens),
-                )
-            append(seq, tokens, logprobs)
-            if not seq.finished:
-                self.drafter.on_commit(seq.request_id, accepted, seq.num_tokens)
+    def _propose_alone(self, request: DraftRequest) -> Draft:
+        try:
+            return self.drafter.propose([request])[0]
+        except Exception:  # noqa: BLE001 - this sequence decodes without a draft this step
+            log.exception("the %s drafter failed on request %s; it decodes without a draft", self.name, request.seq_id)
+            self._notify(self.drafter.on_finish, request.seq_id)
+            return Draft([])
 
-    def _verify(self, outputs: list[SeqOutput]) -> VerifyResult:
-        """Greedy verification from the argmax for plain-greedy sequences, rejection sampling from the logits for
-        the others; results in the order of `outputs`."""
+    def verify(self, outputs: list[SeqOutput]) -> list[Verdict]:
+        """Verdicts for `outputs` (sequences that verified drafts), in order: greedy verification from the argmax
+        for plain-greedy sequences, rejection sampling (greedy for greedy requests) from the per-row processed
+        logits for the others. Changes nothing but the sampling generators."""
         greedy = [out for out in outputs if out.logits is None]
         sampled = [out for out in outputs if out.logits is not None]
         by_argmax = verify_greedy_tokens([out.argmax for out in greedy], [out.seq.draft for out in greedy])
         by_sampling = verify_sampling(
-            [out.logits for out in sampled],
+            [row_logits(out) for out in sampled],
             [out.seq.draft for out in sampled],
             [None if out.seq.draft_probs is None else out.seq.draft_probs[: len(out.seq.draft)] for out in sampled],
             [out.seq.params for out in sampled],
             [out.seq.generator for out in sampled],
         )
-        found = {
-            id(out): (tokens, accepted)
-            for group, result in ((greedy, by_argmax), (sampled, by_sampling))
-            for out, tokens, accepted in zip(group, result.tokens, result.accepted)
-        }
-        ordered = [found[id(out)] for out in outputs]
-        return VerifyResult([tokens for tokens, _ in ordered], [accepted for _, accepted in ordered])
+        found = {}
+        for group, result in ((greedy, by_argmax), (sampled, by_sampling)):
+            for out, tokens, accepted in zip(group, result.tokens, result.accepted):
+                found[id(out)] = Verdict(tokens, accepted, self._logprobs(out, tokens))
+        return [found[id(out)] for out in outputs]
+
+    @staticmethod
+    def _logprobs(out: SeqOutput, tokens: list[int]) -> list:
+        wanted = out.seq.params.logprobs
+        if wanted is None:
+            return [None] * len(tokens)
+        chosen = torch.tensor(tokens, device=out.logits.device)
+        return gather_logprobs(out.logits[: len(tokens)], chosen, [wanted] * len(tokens))
+
+    def commit(self, out: SeqOutput, verdict: Verdict, append: Append) -> None:
+        """Keep the accepted rows of `out`'s sequence, record the round, append the tokens, tell the drafter."""
+        seq, drafted = out.seq, len(out.seq.draft)
+        self.cache.keep_verified(seq, 1 + verdict.accepted)  # the last sampled token's row and the accepted drafts
+        seq.draft, seq.draft_probs = [], None
+        seq.acceptance.record(drafted, verdict.accepted)
+        self.policy.update(seq.request_id, drafted, verdict.accepted)
+        append(seq, verdict.tokens, verdict.logprobs)
+        if not seq.finished:
+            self._notify(self.drafter.on_commit, seq.request_id, verdict.accepted, seq.num_tokens)
 
     def observe(self, outputs: list[SeqOutput]) -> None:
         """Hand a drafter that reads the target's hidden states those of every committed row."""
@@ -127,10 +159,19 @@ class Speculator:
         for out in outputs:
             committed = out.seq.num_computed - out.first_position
             if not out.seq.finished and committed > 0:
-                self.drafter.observe(out.seq.request_id, out.first_position, out.hidden[:committed])
+                self._notify(self.drafter.observe, out.seq.request_id, out.first_position, out.hidden[:committed])
+
+    def _notify(self, notice: Callable, seq_id: str, *args) -> None:
+        """Give the drafter a notice; if it raises, it forgets the sequence and drafts for it from scratch."""
+        try:
+            notice(seq_id, *args)
+        except Exception:  # noqa: BLE001 - a drafter's failure must not fail the request
+            log.exception("the %s drafter failed on a notice for %s; it forgets that sequence", self.name, seq_id)
+            if notice != self.drafter.on_finish:
+                self._notify(self.drafter.on_finish, seq_id)
 
     def finish(self, seq: Sequence) -> None:
-        self.drafter.on_finish(seq.request_id)
+        self._notify(self.drafter.on_finish, seq.request_id)
         self.policy.forget(seq.request_id)
 
     def state_bytes(self) -> int:
