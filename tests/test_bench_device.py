@@ -88,6 +88,7 @@ def _with_small_shape(init):
 def test_bench_verify_reports_each_row_count_and_its_ratio(tmp_path, capsys):
     r = bench(["verify", "--context", "4", "--rows", "1,3", "--rounds", "1", "--runs", "1"], tmp_path, capsys)
     assert [row["rows"] for row in r["rows"]] == [1, 3]
+    assert r["draft_tokens"] == 2  # the oracle drafter that ran, as the engine resolved it
     assert r["rows"][0]["ratio_to_1_row"] == 1.0
     for row in r["rows"]:
         assert row["step_ms"] > 0 and row["passes"] >= 1
@@ -99,6 +100,7 @@ def test_bench_concurrency_reports_aggregate_by_the_tpot_definition(tmp_path, ca
         ["concurrency", "--context", "6", "--max-tokens", "3", "--concurrency", "1,2", "--runs", "1"], tmp_path, capsys
     )
     assert [level["concurrency"] for level in r["levels"]] == [1, 2]
+    assert r["speculative"] == "none" and r["draft_tokens"] is None
     for level in r["levels"]:
         run = level["per_run"][0]
         assert run["aggregate_tok_s"] == pytest.approx(level["concurrency"] * 1000 / run["tpot_ms_mean"])

@@ -47,6 +47,5 @@ def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max
         context=context,
         max_tokens=max_tokens,
         runs=runs,
-        speculative=engine.config.speculative,
         levels=rows,
     )

@@ -110,7 +110,8 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Seque
 
 
 def identity(engine: Engine, benchmark: str, **extra) -> dict:
-    """The fields every report starts with: benchmark, device, dtype, model or shape, commit."""
+    """The fields every report starts with, read from what ran: benchmark, device, dtype, model or shape, the
+    drafter (the engine's resolved `speculative`: an injected drafter's name) and its draft length, commit."""
     cfg = engine.config
     source = {"shape": cfg.shape, "random_weights": True} if cfg.random_weights else {"model": str(engine.model_dir)}
     return {
@@ -119,6 +120,8 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         "dtype": cfg.dtype,
         "state_dtype": cfg.state_dtype,
         **source,
+        "speculative": cfg.speculative,
+        "draft_tokens": cfg.draft_tokens if cfg.speculative != "none" else None,
         "commit": commit(),
         **extra,
     }

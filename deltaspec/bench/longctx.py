@@ -86,7 +86,6 @@ def bench_longctx(config: EngineConfig, doc_tokens: int, question_tokens: int, m
         runs=runs,
         prefix_caching=cfg.enable_prefix_caching,
         prefix_checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt,
-        speculative=cfg.speculative,
         max_model_len=cfg.max_model_len,
         follow_up_prompt_tokens=per_run[0]["follow_up_prompt_tokens"],
         **{key: statistics.median(r[key] for r in per_run) for key in MEDIANS},
