@@ -233,6 +233,19 @@ class ServerConfig:
         default=None, metadata={"help": "model name clients must use (default: the checkpoint directory's name)"}
     )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
+    max_sequences_per_request: int = field(
+        default=64, metadata={"help": "most sequences one request may start: its prompts times n"}
+    )
+    max_request_bytes: int = field(
+        default=8 << 20, metadata={"help": "largest request body in bytes; a larger one gets 413"}
+    )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds the requests in flight get to finish after SIGTERM or Ctrl-C; the rest then end with "
+            "an error"
+        },
+    )
     request_log: str | None = field(
         default=None, metadata={"help": "append one JSON line per finished request to this file"}
     )

@@ -8,13 +8,17 @@ import json
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
+from deltaspec.bench.stats import commit
+from deltaspec.cli import main
 from deltaspec.config import EngineConfig, ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine, RequestDelta, RequestStream
 from deltaspec.engine.engine import Engine
@@ -64,10 +68,15 @@ class Live:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
     def request(
-        self, method: str, path: str, body: bytes | dict | None = None, key: str | None = KEY
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict | None = None,
+        key: str | None = KEY,
+        content_type: str | None = "application/json",
     ) -> tuple[int, dict | str]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": content_type} if content_type is not None else {}
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
         data = json.dumps(body).encode() if isinstance(body, dict) else body
@@ -93,15 +102,17 @@ class Live:
         return [json.loads(line) for line in self.log.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory) -> Live:
-    log = tmp_path_factory.mktemp("server") / "requests.jsonl"
+@contextmanager
+def serving(log: Path, engine_config: EngineConfig | None = None, **server_config) -> Iterator[Live]:
+    """A live server on a free port: of the embedded model (CTX tokens, MAX_SEQS streams) unless `engine_config`
+    says otherwise."""
     engine = Engine(
-        EngineConfig(dtype="float32", device="cpu", max_num_seqs=MAX_SEQS, max_model_len=CTX), progress=False
+        engine_config or EngineConfig(dtype="float32", device="cpu", max_num_seqs=MAX_SEQS, max_model_len=CTX),
+        progress=False,
     )
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    app = build_app(async_engine, ServerConfig(api_key=KEY, served_model_name=MODEL, max_n=8, request_log=str(log)))
+    app = build_app(async_engine, ServerConfig(request_log=str(log), **server_config))
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = make_server(app)
@@ -119,6 +130,13 @@ def live(tmp_path_factory) -> Live:
     assert not thread.is_alive()
 
 
+@pytest.fixture(scope="module")
+def live(tmp_path_factory) -> Iterator[Live]:
+    log = tmp_path_factory.mktemp("server") / "requests.jsonl"
+    with serving(log, api_key=KEY, served_model_name=MODEL, max_n=8) as server:
+        yield server
+
+
 def chat(live: Live, messages=USER, **kwargs):
     kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("temperature", 0.0)
@@ -133,7 +151,7 @@ def chat(live: Live, messages=USER, **kwargs):
 def complete(live: Live, prompt, **kwargs):
     kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("temperature", 0.0)
-    extra = {k: kwargs.pop(k) for k in ("stop_token_ids", "ignore_eos", "repetition_penalty") if k in kwargs}
+    extra = {k: kwargs.pop(k) for k in ("stop_token_ids", "ignore_eos", "repetition_penalty", "vote") if k in kwargs}
     return live.client().completions.create(model=MODEL, prompt=prompt, extra_body=extra or None, **kwargs)
 
 
@@ -296,6 +314,25 @@ def test_vote_stops_sampling_once_decided(live):
     assert vote["samples_aborted"] >= 1 and vote["samples_finished"] + vote["samples_aborted"] == n
     assert vote["samples_finished"] >= 3
     assert "vote" not in live.request("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2})[1]
+
+
+def test_completion_vote_stops_sampling_once_decided(live):
+    prompt = "def add(a, b):"
+    n = MAX_SEQS + 2
+    status, body = live.request(
+        "POST", "/v1/completions", {"prompt": prompt, "n": n, "vote": True, "temperature": 0, "max_tokens": 40}
+    )
+    assert status == 200, body
+    [choice] = body["choices"]
+    greedy = complete(live, prompt, max_tokens=40).choices[0].text
+    assert choice["index"] == 0 and choice["text"] == greedy
+    vote = body["vote"]
+    assert vote["winner"] is not None and vote["counts"] == {vote["winner"]: vote["samples_finished"]}
+    assert vote["samples_aborted"] >= 1 and vote["samples_finished"] + vote["samples_aborted"] == n
+    assert vote["samples_finished"] >= 3
+    assert "vote" not in live.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})[1]
+    voted = complete(live, prompt, max_tokens=8, n=3, vote=True)  # the openai client, through extra_body
+    assert len(voted.choices) == 1 and voted.model_extra["vote"]["samples_finished"] >= 2
 
 
 def test_logprobs(live):
@@ -584,3 +621,26 @@ def test_metrics_and_request_log(live):
     assert record["cached_tokens"] == 0
     assert 0 < record["ttft_s"] < 30 and 0 < record["tpot_s"] < 30
     assert abs(record["arrival_time"] - time.time()) < 120
+
+
+def test_bench_agents_names_the_shape_and_drafter_the_server_ran(tmp_path, capsys):
+    shape = (("num_hidden_layers", 4), ("hidden_size", 64), ("intermediate_size", 128), ("vocab_size", 8192))
+    config = EngineConfig(
+        random_weights=True,
+        shape="qwen3.5-27b",
+        shape_overrides=shape,
+        speculative="ngram",
+        draft_tokens=2,
+        dtype="float32",
+        device="cpu",
+        max_model_len=1024,
+        max_num_seqs=2,
+    )
+    out = tmp_path / "agents.json"
+    with serving(tmp_path / "requests.jsonl", config) as server:
+        flags = ["--agents", "1", "--doc-chars", "300", "--stagger", "0", "--max-tokens", "2", "--runs", "1"]
+        assert main(["bench", "agents", "--url", server.url, *flags, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["model"], report["shape"]) == ("qwen3.5-27b-random", "qwen3.5-27b")
+    assert (report["speculative"], report["draft_tokens"], report["max_model_len"]) == ("ngram", 2, 1024)
+    assert report["commit"] == commit() and report["benchmark"] == "agents"

@@ -15,11 +15,12 @@ from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.model.weights import default_model_path
 from deltaspec.sample.logprobs import Logprob
 from deltaspec.sample.params import SamplingParams
-from deltaspec.server.chat import ChatFormat, _Voting
+from deltaspec.server.chat import ChatFormat, voted_choice
 from deltaspec.server.detokenizer import IncrementalDetokenizer, stop_hold_start
 from deltaspec.server.errors import validation_error
 from deltaspec.server.logprobs import chat_logprobs, completion_logprobs
 from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest
+from deltaspec.server.respond import Submitted
 from deltaspec.server.samples import Sample
 
 TOOLS = [
@@ -245,7 +246,7 @@ def test_vote_returns_the_first_finished_winner_and_aborts_once_decided(tokenize
     ctx = FakeContext()
     fmt = ChatFormat(tokenizer, started_in_thinking=False, tools=None, top_logprobs=None)
     samples = [Sample(i, f"r-{i}", None, SamplingParams(), 3) for i in range(5)]
-    voting = _Voting(ctx, fmt, samples)
+    voting = Submitted(ctx, "chat", "r", 0.0, samples, 3, 5).stop_once_decided(voted_choice(fmt))
     answers = {0: "The answer is 7.", 1: "so the answer is 12", 2: "Answer: 12.0", 3: "#### 12"}
     for i in (1, 0, 2):
         samples[i].apply(RequestDelta(f"r-{i}", tokenizer.encode(answers[i]), None, 3, True, "stop"))
@@ -288,6 +289,13 @@ def test_serve_flags_build_both_configs():
     server = config_from_args(args, ServerConfig)
     assert (engine.max_model_len, engine.max_num_seqs, engine.dtype) == (512, 3, "float32")
     assert server == ServerConfig(port=9001, api_key="k", served_model_name="m", request_log="log.jsonl", max_n=4)
+
+
+def test_serve_limit_flags_and_their_defaults():
+    args = build_parser().parse_args(["serve", "--max-sequences-per-request", "32", "--max-request-bytes", "4096"])
+    server = config_from_args(args, ServerConfig)
+    assert (server.max_sequences_per_request, server.max_request_bytes) == (32, 4096)
+    assert (ServerConfig().max_sequences_per_request, ServerConfig().max_request_bytes) == (64, 8 << 20)
 
 
 def test_serve_on_a_busy_port_is_one_error_line(capsys):

@@ -12,7 +12,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from deltaspec.bench.agents import bench_agents
+from deltaspec.bench.agents import bench_agents, served_identity
 from deltaspec.bench.client import Client
 from deltaspec.bench.plot import line_chart
 from deltaspec.bench.serve import bench_serve
@@ -35,13 +35,19 @@ def target(args: argparse.Namespace, engine_config):
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "requests.jsonl"
         with local_server(engine_config, log) as (url, engine):
+            cfg = engine.config
             identity = {
-                "model": str(engine.model_dir),
+                **(
+                    {"shape": cfg.shape, "random_weights": True}
+                    if cfg.random_weights
+                    else {"model": str(engine.model_dir)}
+                ),
                 "device": str(engine.device),
-                "dtype": engine.config.dtype,
-                "max_model_len": engine.config.max_model_len,
-                "max_num_seqs": engine.config.max_num_seqs,
-                "speculative": "none",
+                "dtype": cfg.dtype,
+                "max_model_len": cfg.max_model_len,
+                "max_num_seqs": cfg.max_num_seqs,
+                "speculative": cfg.speculative,
+                "draft_tokens": cfg.draft_tokens if cfg.speculative != "none" else None,
             }
             yield Client(url), identity, log
 
@@ -87,6 +93,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
 
 def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
     with target(args, engine_config) as (client, identity, _):
+        identity = {**identity, **served_identity(client)}
         runs = [
             bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, run, progress=say)
             for run in range(args.runs)

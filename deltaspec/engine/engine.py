@@ -109,15 +109,15 @@ class Engine:
         """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError."""
         if not prompt_ids:
             raise DeltaspecError("The prompt is empty; give at least one token.")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise DeltaspecError(f"Prompt token ids must lie in [0, {vocab}); got one outside it.")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise DeltaspecError(
                 f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context of {self.max_model_len} tokens; shorten the prompt, lower max_tokens, or raise "
                 "--max-model-len."
             )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise DeltaspecError(f"Prompt token ids must lie in [0, {vocab}); got one outside it.")
         seed = params.seed if params.seed is not None else next(self._seed_counter)
         return Sequence(
             request_id,

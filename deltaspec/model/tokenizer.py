@@ -173,8 +173,10 @@ class Tokenizer:
         return bool(self._chat_templates)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are encoded as single ids."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; special tokens written in the text are encoded as single ids. Goes through the
+        batch entry point of `tokenizers`, which releases the GIL while it runs (plain `encode` holds it), so a
+        long text tokenizing on a worker thread leaves the server's event loop free."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; `skip_special_tokens` drops special tokens such as `<|im_end|>` (not `<think>`)."""

@@ -1,19 +1,22 @@
 """The FastAPI app of `deltaspec serve` (`build_app`) and the process around it (`run_server`).
 
-Owns routing, the API-key check (every endpoint but /health), request-body parsing (bad JSON or
-bad field types are a 400 with one sentence, never FastAPI's 422), and turning every failure into
-an OpenAI-style error body: `APIError` as itself, anything unexpected as a 500 for that request
-only. The endpoint logic lives in `chat.py` and `completions.py`.
+Owns routing, the API-key check (every endpoint but /health), request-body parsing (the body's
+own checks are in `body.py`; parsing and validation run on a worker thread; bad JSON or bad field
+types are a 400 with one sentence, never FastAPI's 422), and turning every failure into an
+OpenAI-style error body without the server's file paths: `APIError` as itself, anything unexpected
+as a 500 for that request only. The endpoint logic lives in `chat.py` and `completions.py`.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import secrets
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
@@ -27,7 +30,9 @@ from deltaspec.config import EngineConfig, ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
+from deltaspec.server.body import check_content_type, parse_json, read_body
 from deltaspec.server.chat import create_chat_completion
+from deltaspec.server.checks import reject_unimplemented
 from deltaspec.server.completions import create_completion
 from deltaspec.server.context import ServerContext
 from deltaspec.server.errors import APIError, validation_error
@@ -52,18 +57,20 @@ def served_model_name(engine: Engine, config: ServerConfig) -> str:
     return Path(model).name if Path(model).is_dir() else model
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        raise APIError(400, "The request body is not valid JSON.") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.")
+def _decode(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    data = parse_json(raw)
+    reject_unimplemented(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+async def _parse(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+    """The body as a `model`: Content-Type and size checked first, then parsed and validated on a worker thread."""
+    check_content_type(request)
+    raw = await read_body(request, max_bytes)
+    return await asyncio.to_thread(_decode, raw, model)
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -96,14 +103,14 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
     app.state.ctx = ctx
 
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(ctx.redact)
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}.").response()
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}.").response(ctx.redact)
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed", exc_info=exc)
-        return APIError(500, f"The server failed on this request ({type(exc).__name__}: {exc}).").response()
+        return APIError(500, f"The server failed on this request ({type(exc).__name__}: {exc}).").response(ctx.redact)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)
@@ -117,15 +124,25 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(ctx, await _parse(request, ChatCompletionRequest), request)
+        body = await _parse(request, ChatCompletionRequest, server_config.max_request_bytes)
+        return await create_chat_completion(ctx, body, request)
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(ctx, await _parse(request, CompletionRequest), request)
+        body = await _parse(request, CompletionRequest, server_config.max_request_bytes)
+        return await create_completion(ctx, body, request)
 
     @api.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=ctx.model_name, root=str(engine.model_dir), max_model_len=ctx.max_model_len)
+        config = engine.config
+        card = ModelCard(
+            id=ctx.model_name,
+            root=ctx.model_name,
+            max_model_len=ctx.max_model_len,
+            shape=config.shape if config.random_weights else None,
+            speculative=config.speculative,
+            draft_tokens=config.draft_tokens if config.speculative != "none" else None,
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @api.get("/metrics")
@@ -152,8 +169,32 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, whose shutdown (SIGTERM, Ctrl-C) first drains the engine: no new request is admitted, the ones in
+    flight get `shutdown_timeout` seconds to finish, and the rest end with an OpenAI error (an error event and
+    [DONE] on a stream, a 503 body otherwise) that their handlers send and log like any other ending."""
+
+    def __init__(self, app: FastAPI):
+        ctx = app.state.ctx
+        self.async_engine, self.drain_s = ctx.engine, ctx.config.shutdown_timeout
+        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(self.drain_s) + 10))
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A signal starts the drain (a second Ctrl-C forces the exit). A drained shutdown is a clean one, so the
+        process then exits 0: the signal is not raised again afterwards, as uvicorn's own handler would."""
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = asyncio.create_task(self.async_engine.drain(self.drain_s))
+        await super().shutdown(sockets)  # stops listening, then waits for the handlers, which the drain ends
+        await drain
+
+
 def make_server(app: FastAPI) -> uvicorn.Server:
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    return DrainingServer(app)
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:

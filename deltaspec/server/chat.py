@@ -4,29 +4,32 @@ Owns the chat-specific rules: turning OpenAI messages and tools into the templat
 (`tool_choice` "none" passes no tools, a named choice passes only that tool), whether the output
 starts inside a think block (the rendered prompt ends with `<think>`), shaping each sample's text
 into `reasoning_content` / `content` / `tool_calls` (whole-text and streamed, by the same rules),
-and the `vote` extension (majority answer over n samples, stopping once it is decided).
+which `chat_template_kwargs` the template may get (not the renderer's own globals), and what a
+`vote` reads from a sample (its content; the vote itself is `voting.SampleVote`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from deltaspec.engine.async_engine import RequestDelta
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.logprobs import Logprob
 from deltaspec.sample.params import SamplingParams
+from deltaspec.server.checks import check_max_tokens, check_n, check_seed, check_sequences
 from deltaspec.server.context import ServerContext
 from deltaspec.server.detokenizer import IncrementalDetokenizer
-from deltaspec.server.errors import APIError
+from deltaspec.server.errors import APIError, shown
 from deltaspec.server.logprobs import chat_logprobs
 from deltaspec.server.protocol import (
     AssistantMessage,
@@ -41,39 +44,47 @@ from deltaspec.server.protocol import (
     ToolCallFunction,
     ToolCallOut,
     UsageInfo,
-    VoteInfo,
 )
 from deltaspec.server.reasoning import ReasoningStream, split_reasoning
-from deltaspec.server.samples import (
-    ClientDisconnected,
-    Sample,
-    abort_unfinished,
-    check_max_tokens,
-    check_n,
-    collect,
-    engine_error,
-    merged,
-    sampling_params,
-    submit,
-    usage_of,
-)
-from deltaspec.server.streaming import DONE, CleanupStreamingResponse, sse
+from deltaspec.server.respond import Submitted
+from deltaspec.server.samples import Sample, engine_error, merged, sampling_params, submit, usage_of
+from deltaspec.server.streaming import DONE, sse
 from deltaspec.server.tool_calls import ToolCallStream, parse_tool_calls
-from deltaspec.server.voting import Vote, extract_answer
 
 ENDPOINT = "chat"
-_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+_REQUEST_FIELDS = ("messages", "tools", "add_generation_prompt")
+# What the template's renderer provides itself: its helpers, the special tokens and Jinja's own globals.
+_TEMPLATE_GLOBALS = (
+    "raise_exception",
+    "strftime_now",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+    "range",
+    "dict",
+    "lipsum",
+    "cycler",
+    "joiner",
+    "namespace",
+)
 
 
 def _part_text(message_index: int, content: list) -> str:
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        where = f"messages[{message_index}].content[{j}]"
+        if part.type != "text":
             raise APIError(
                 400,
-                f"messages[{message_index}].content[{j}] is a '{part.type}' part, but only text parts are supported.",
+                f"{where} is a {shown(part.type)} part, but only text parts are supported.",
                 param=f"messages[{message_index}].content",
             )
+        if part.text is None:
+            raise APIError(400, f"{where} is a text part without 'text'; add its text.", param=f"{where}.text")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -97,7 +108,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     for i, message in enumerate(messages):
         content = message.content
         if content is None and message.role != "assistant":
-            raise APIError(400, f"messages[{i}] ('{message.role}') needs a content.", param=f"messages[{i}].content")
+            raise APIError(
+                400, f"messages[{i}] ({shown(message.role)}) needs a content.", param=f"messages[{i}].content"
+            )
         item: dict = {
             "role": "system" if message.role == "developer" else message.role,
             "content": _part_text(i, content) if isinstance(content, list) else content,
@@ -126,7 +139,8 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
         if not tools:
             raise APIError(
                 400,
-                f"tool_choice names the function '{choice.function.name}', which is not among the request's tools.",
+                f"tool_choice names the function {shown(choice.function.name)}, "
+                "which is not among the request's tools.",
                 param="tool_choice",
             )
     return tools
@@ -245,12 +259,30 @@ class ChatPlan:
     format: ChatFormat
 
 
-def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
-    """Validate a chat request and render its prompt; every problem is an APIError."""
+def _check_template_kwargs(kwargs: dict) -> None:
+    for key in kwargs:
+        if key in _REQUEST_FIELDS:
+            raise APIError(
+                400,
+                f"chat_template_kwargs cannot set '{key}'; use the request field instead.",
+                param=f"chat_template_kwargs.{key}",
+            )
+        if key in _TEMPLATE_GLOBALS:
+            raise APIError(
+                400,
+                f"chat_template_kwargs cannot set '{key}', which the chat template's renderer reserves; remove it.",
+                param=f"chat_template_kwargs.{key}",
+            )
+
+
+def check_chat(ctx: ServerContext, req: ChatCompletionRequest) -> None:
+    """The rules a chat request must meet before its prompt is rendered; every problem is an APIError."""
     ctx.check_model(req.model)
     if not req.messages:
         raise APIError(400, "messages must contain at least one message.", param="messages")
     check_n(req.n, ctx.config.max_n)
+    check_sequences(1, req.n, ctx.config.max_sequences_per_request)
+    check_seed(req.seed, req.n)
     if req.vote and req.n < 2:
         raise APIError(400, f"vote needs n of at least 2 samples, got n={req.n}.", param="vote")
     if req.vote and req.stream:
@@ -259,18 +291,23 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
         raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
     check_max_tokens(req.max_tokens, "max_tokens")
     check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
-    kwargs = dict(req.chat_template_kwargs or {})
-    if reserved := [k for k in _RESERVED_TEMPLATE_KWARGS if k in kwargs]:
-        raise APIError(
-            400,
-            f"chat_template_kwargs cannot set '{reserved[0]}'; use the request field instead.",
-            param="chat_template_kwargs",
-        )
+    _check_template_kwargs(req.chat_template_kwargs or {})
+
+
+def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
+    """Validate a chat request, render its prompt and tokenize it; every problem is an APIError.
+
+    Rendering and tokenizing a long conversation takes a while: the endpoint calls this on a worker thread.
+    """
+    check_chat(ctx, req)
     tokenizer = ctx.require_tokenizer("chat messages cannot be rendered")
     tools = template_tools(req)
     try:
         prompt = tokenizer.apply_chat_template(
-            template_messages(req.messages), tools=tools, add_generation_prompt=req.add_generation_prompt, **kwargs
+            template_messages(req.messages),
+            tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
+            **(req.chat_template_kwargs or {}),
         )
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
@@ -284,77 +321,36 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(req, prompt, prompt_ids, params, fmt)
 
 
-class _Voting:
-    """Feeds finished samples' answers to a `Vote` and aborts the rest once it is decided."""
+def voted_choice(fmt: ChatFormat) -> Callable[[Sample], tuple[ChatChoice, str]]:
+    """How a vote reads a finished sample: its choice (index 0) and the content its answer is taken from."""
 
-    def __init__(self, ctx: ServerContext, fmt: ChatFormat, samples: list[Sample]) -> None:
-        self.ctx, self.fmt, self.samples = ctx, fmt, samples
-        self.vote = Vote(len(samples))
-        self.finished: list[tuple[Sample, ChatChoice, str | None]] = []  # in finishing order
+    def choice_of(sample: Sample) -> tuple[ChatChoice, str]:
+        choice = fmt.sample_choice(sample, index=0)
+        return choice, choice.message.content or ""
 
-    def on_finished(self, sample: Sample) -> None:
-        if sample.finish_reason in ("abort", "error"):
-            return
-        choice = self.fmt.sample_choice(sample, index=0)
-        answer = extract_answer(choice.message.content or "")
-        self.finished.append((sample, choice, answer))
-        self.vote.add(answer)
-        if self.vote.decided:
-            abort_unfinished(self.ctx.engine, self.samples)
-
-    def result(self) -> tuple[ChatChoice, VoteInfo]:
-        winner = self.vote.winner
-        choice = next((c for _, c, answer in self.finished if winner is None or answer == winner), self.finished[0][1])
-        aborted = sum(s.finish_reason == "abort" for s in self.samples)
-        return choice, VoteInfo(
-            winner=winner, counts=self.vote.counts, samples_finished=len(self.finished), samples_aborted=aborted
-        )
+    return choice_of
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request) -> Response:
-    plan = plan_chat(ctx, req)
+    plan = await asyncio.to_thread(plan_chat, ctx, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     arrival = time.time()
     samples = submit(ctx.engine, request_id, plan.prompt, plan.prompt_ids, plan.params, req.n)
+    submitted = Submitted(ctx, ENDPOINT, request_id, arrival, samples, len(plan.prompt_ids), req.n)
     if req.stream:
-        outcome = {"finish_reason": "abort"}
+        return submitted.stream(lambda outcome: _stream_chat(ctx, plan, request_id, samples, outcome))
+    vote = submitted.stop_once_decided(voted_choice(plan.format)) if req.vote else None
 
-        def close() -> None:
-            abort_unfinished(ctx.engine, samples)
-            ctx.record(ENDPOINT, request_id, arrival, samples, len(plan.prompt_ids), outcome["finish_reason"], req.n)
-
-        return CleanupStreamingResponse(_stream_chat(ctx, plan, request_id, samples, outcome), close)
-
-    voting = _Voting(ctx, plan.format, samples) if req.vote else None
-    finish_reason = "error"
-    try:
-        await collect(samples, request, voting.on_finished if voting else None)
-        if error := engine_error(samples):
-            raise error
-        if voting is not None:
-            choice, vote_info = voting.result()
-            body = ChatCompletionResponse(
-                id=request_id,
-                model=ctx.model_name,
-                choices=[choice],
-                usage=usage_of(len(plan.prompt_ids), samples),
-                vote=vote_info,
-            )
+    def body() -> ChatCompletionResponse:
+        if vote is None:
+            choices, info = [plan.format.sample_choice(s) for s in samples], None
         else:
-            body = ChatCompletionResponse(
-                id=request_id,
-                model=ctx.model_name,
-                choices=[plan.format.sample_choice(s) for s in samples],
-                usage=usage_of(len(plan.prompt_ids), samples),
-            )
-        finish_reason = body.choices[0].finish_reason or "stop"
-        return JSONResponse(body.model_dump(exclude={"vote"} if body.vote is None else None))
-    except ClientDisconnected:
-        finish_reason = "abort"
-        return Response(status_code=499)
-    finally:
-        abort_unfinished(ctx.engine, samples)
-        ctx.record(ENDPOINT, request_id, arrival, samples, len(plan.prompt_ids), finish_reason, req.n)
+            choice, info = vote.result()
+            choices = [choice]
+        usage = usage_of(len(plan.prompt_ids), samples)
+        return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage, vote=info)
+
+    return await submitted.whole(request, body, vote)
 
 
 async def _stream_chat(
@@ -391,7 +387,7 @@ async def _stream_chat(
         async for sample, delta in deltas:
             if delta.finish_reason == "error":
                 outcome["finish_reason"] = "error"
-                yield sse(engine_error([sample]).body())
+                yield sse(engine_error([sample]).body(ctx.redact))
                 yield DONE
                 return
             choice = streams[sample.index].feed(delta)

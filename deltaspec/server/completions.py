@@ -2,12 +2,14 @@
 
 Owns the prompt forms OpenAI accepts (a string, a list of strings, a token list, a list of token
 lists), choice indexing (prompt p, sample i -> index p * n + i, as vLLM does), completion-style
-logprobs (tokens, token_logprobs, top_logprobs, text_offset) and its SSE stream. `echo` is not
-supported.
+logprobs (tokens, token_logprobs, top_logprobs, text_offset), its SSE stream, and `vote` over the
+n samples of a single prompt (as on the chat endpoint: one choice, the majority answer). `echo` is
+not supported.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,27 +17,17 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from deltaspec.server.checks import check_max_tokens, check_n, check_seed, check_sequences
 from deltaspec.server.context import ServerContext
 from deltaspec.server.detokenizer import IncrementalDetokenizer
 from deltaspec.server.errors import APIError
 from deltaspec.server.logprobs import completion_logprobs
 from deltaspec.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from deltaspec.server.samples import (
-    ClientDisconnected,
-    Sample,
-    abort_unfinished,
-    check_max_tokens,
-    check_n,
-    collect,
-    engine_error,
-    merged,
-    sampling_params,
-    submit,
-    usage_of,
-)
-from deltaspec.server.streaming import DONE, CleanupStreamingResponse, sse
+from deltaspec.server.respond import Submitted
+from deltaspec.server.samples import Sample, abort_unfinished, engine_error, merged, sampling_params, submit, usage_of
+from deltaspec.server.streaming import DONE, sse
 
 ENDPOINT = "completions"
 
@@ -46,8 +38,15 @@ class Prompt:
     token_ids: list[int]
 
 
+def prompt_count(prompt: str | list) -> int:
+    """How many prompts the `prompt` field holds (before any is tokenized)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    return len(prompt)
+
+
 def prompts_of(ctx: ServerContext, prompt: str | list) -> list[Prompt]:
-    """The request's prompts, each as text (when given as text) and token ids."""
+    """The request's prompts, each as text (when given as text) and token ids; runs on a worker thread."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -60,11 +59,11 @@ def prompts_of(ctx: ServerContext, prompt: str | list) -> list[Prompt]:
     return [Prompt(text, tokenizer.encode(text)) for text in prompt]
 
 
-def _choice(ctx: ServerContext, sample: Sample, logprobs: int | None) -> CompletionChoice:
+def _choice(ctx: ServerContext, sample: Sample, logprobs: int | None, index: int | None = None) -> CompletionChoice:
     tokenizer = ctx.tokenizer
     text = sample.text(tokenizer) if tokenizer is not None else ""
     return CompletionChoice(
-        index=sample.index,
+        index=sample.index if index is None else index,
         text=text,
         finish_reason=sample.finish_reason,
         stop_reason=sample.stop_reason,
@@ -72,15 +71,31 @@ def _choice(ctx: ServerContext, sample: Sample, logprobs: int | None) -> Complet
     )
 
 
-async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
+def check_completion(ctx: ServerContext, req: CompletionRequest) -> None:
+    """The rules a completion request must meet before its prompts are tokenized; every problem is an APIError."""
     ctx.check_model(req.model)
     check_n(req.n, ctx.config.max_n)
+    check_sequences(prompt_count(req.prompt), req.n, ctx.config.max_sequences_per_request)
+    check_seed(req.seed, req.n)
     check_max_tokens(req.max_tokens, "max_tokens")
     if req.echo:
         raise APIError(400, "echo is not supported; send the request with echo false.", param="echo")
-    prompts = prompts_of(ctx, req.prompt)
     if req.logprobs is not None and ctx.tokenizer is None:
         raise APIError(400, "logprobs need the token texts, but the model has no tokenizer.", param="logprobs")
+    if req.vote:
+        if req.n < 2:
+            raise APIError(400, f"vote needs n of at least 2 samples, got n={req.n}.", param="vote")
+        if req.stream:
+            raise APIError(400, "vote cannot be combined with stream; send the request without stream.", param="vote")
+        if prompt_count(req.prompt) != 1:
+            raise APIError(400, "vote needs a single prompt; send one prompt per request.", param="vote")
+        if ctx.tokenizer is None:
+            raise APIError(400, "vote reads the samples' answers, but the model has no tokenizer.", param="vote")
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
+    check_completion(ctx, req)
+    prompts = await asyncio.to_thread(prompts_of, ctx, req.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     arrival = time.time()
     samples: list[Sample] = []
@@ -95,34 +110,26 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
         abort_unfinished(ctx.engine, samples)
         raise
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    submitted = Submitted(ctx, ENDPOINT, request_id, arrival, samples, prompt_tokens, req.n)
     if req.stream:
-        outcome = {"finish_reason": "abort"}
+        return submitted.stream(lambda outcome: _stream(ctx, req, request_id, prompts, samples, outcome))
 
-        def close() -> None:
-            abort_unfinished(ctx.engine, samples)
-            ctx.record(ENDPOINT, request_id, arrival, samples, prompt_tokens, outcome["finish_reason"], req.n)
+    def voted_choice(sample: Sample) -> tuple[CompletionChoice, str]:
+        choice = _choice(ctx, sample, req.logprobs, index=0)
+        return choice, choice.text
 
-        return CleanupStreamingResponse(_stream(ctx, req, request_id, prompts, samples, outcome), close)
+    vote = submitted.stop_once_decided(voted_choice) if req.vote else None
 
-    finish_reason = "error"
-    try:
-        await collect(samples, request)
-        if error := engine_error(samples):
-            raise error
-        body = CompletionResponse(
-            id=request_id,
-            model=ctx.model_name,
-            choices=[_choice(ctx, s, req.logprobs) for s in samples],
-            usage=usage_of(sum(len(p.token_ids) for p in prompts), samples),
-        )
-        finish_reason = body.choices[0].finish_reason or "stop"
-        return JSONResponse(body.model_dump())
-    except ClientDisconnected:
-        finish_reason = "abort"
-        return Response(status_code=499)
-    finally:
-        abort_unfinished(ctx.engine, samples)
-        ctx.record(ENDPOINT, request_id, arrival, samples, prompt_tokens, finish_reason, req.n)
+    def body() -> CompletionResponse:
+        if vote is None:
+            choices, info = [_choice(ctx, s, req.logprobs) for s in samples], None
+        else:
+            choice, info = vote.result()
+            choices = [choice]
+        usage = usage_of(prompt_tokens, samples)
+        return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage, vote=info)
+
+    return await submitted.whole(request, body, vote)
 
 
 async def _stream(
@@ -159,7 +166,7 @@ async def _stream(
         async for sample, delta in deltas:
             if delta.finish_reason == "error":
                 outcome["finish_reason"] = "error"
-                yield sse(engine_error([sample]).body())
+                yield sse(engine_error([sample]).body(ctx.redact))
                 yield DONE
                 return
             text = ""

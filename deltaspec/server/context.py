@@ -1,15 +1,18 @@
-"""`ServerContext`: what every endpoint needs (engine, settings, metrics, request log) and the
-bookkeeping done when a request ends (Prometheus counters and histograms, one request-log line).
+"""`ServerContext`: what every endpoint needs (engine, settings, metrics, request log), tokenizing off the
+event loop, hiding the server's file paths from clients, and the bookkeeping done when a request ends
+(Prometheus counters and histograms, one request-log line).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from deltaspec.config import ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine
 from deltaspec.model.tokenizer import Tokenizer
-from deltaspec.server.errors import APIError
+from deltaspec.model.weights import default_model_path
+from deltaspec.server.errors import APIError, shown
 from deltaspec.server.metrics import RequestLog, ServerMetrics
 from deltaspec.server.samples import Sample
 
@@ -21,6 +24,19 @@ class ServerContext:
     model_name: str
     metrics: ServerMetrics
     request_log: RequestLog | None
+    private_paths: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        engine = self.engine.engine
+        dirs = {engine.model_dir, engine.config.model, engine.config.draft_model, default_model_path()}
+        paths = {str(p) for d in dirs if d is not None for p in (Path(d), Path(d).resolve()) if p.is_absolute()}
+        self.private_paths = tuple(sorted(paths, key=len, reverse=True))
+
+    def redact(self, text: str) -> str:
+        """`text` with the model's (and the embedded tokenizer's) directories replaced by the served model name."""
+        for path in self.private_paths:
+            text = text.replace(path, self.model_name)
+        return text
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -35,7 +51,7 @@ class ServerContext:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
-                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                f"The model {shown(model)} does not exist; this server serves '{self.model_name}'.",
                 param="model",
                 code="model_not_found",
             )

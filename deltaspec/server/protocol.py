@@ -2,21 +2,24 @@
 
 Owns field names, types and defaults of `/v1/chat/completions`, `/v1/completions` and `/v1/models`
 requests and responses (stream chunks included), plus vLLM's sampling extensions (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, ...) and deltaspec's `vote`. Unknown request
-fields are ignored, as vLLM does. Rules that need the engine (context length, `max_n`) live in the
-endpoint modules, not here.
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, ...) and deltaspec's `vote`. Requests validate
+strictly: `true` is not an integer, `"3"` is not a number (an integer is a number). Unknown request
+fields are ignored, as vLLM does, except those that would change what a request means (`checks.py`).
+Rules that need the engine (context length, `max_n`) live in the endpoint modules, not here.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -33,8 +36,8 @@ class SamplingFields(_Request):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -114,6 +117,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    vote: bool = False
 
 
 # ---- responses ----
@@ -237,15 +241,22 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    vote: VoteInfo | None = None
 
 
 class ModelCard(BaseModel):
+    """The served model; `shape` (random-weight models), `speculative` and `draft_tokens` are deltaspec's
+    additions, so that a benchmark can record what the server ran."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "deltaspec"
     root: str
     max_model_len: int
+    shape: str | None = None
+    speculative: str = "none"
+    draft_tokens: int | None = None  # None without a drafter
 
 
 class ModelList(BaseModel):

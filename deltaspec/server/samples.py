@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 
-from deltaspec.engine.async_engine import AsyncEngine, RequestDelta, RequestStream
+from deltaspec.engine.async_engine import SHUTDOWN_ERROR, AsyncEngine, EngineStopping, RequestDelta, RequestStream
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.params import SamplingParams
@@ -53,18 +53,6 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
         )
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
-
-
-def check_max_tokens(value: int | None, name: str) -> None:
-    if value is not None and value < 1:
-        raise APIError(400, f"{name} must be at least 1, got {value}.", param=name)
-
-
-def check_n(n: int, max_n: int) -> None:
-    if n < 1:
-        raise APIError(400, f"n must be at least 1, got {n}.", param="n")
-    if n > max_n:
-        raise APIError(400, f"n must be at most {max_n} on this server, got {n}.", param="n")
 
 
 @dataclass
@@ -119,6 +107,9 @@ def submit(
             sample_id = f"{request_id}-{index}"
             stream = engine.add_request(sample_id, prompt, prompt_ids, sample_params)
             samples.append(Sample(index, sample_id, stream, sample_params, len(prompt_ids)))
+    except EngineStopping as exc:
+        abort_unfinished(engine, samples)
+        raise APIError(503, str(exc)) from None
     except DeltaspecError as exc:
         abort_unfinished(engine, samples)
         raise APIError(400, str(exc)) from None
@@ -132,10 +123,12 @@ def abort_unfinished(engine: AsyncEngine, samples: list[Sample]) -> None:
 
 
 def engine_error(samples: list[Sample]) -> APIError | None:
-    """A 500 for the first sample the engine failed on, or None."""
+    """The error of the first sample the engine failed on (a 503 when shutdown ended it, else a 500), or None."""
     failed = next((s for s in samples if s.finish_reason == "error"), None)
     if failed is None:
         return None
+    if failed.error == SHUTDOWN_ERROR:
+        return APIError(503, SHUTDOWN_ERROR)
     return APIError(500, f"The engine failed while generating this request ({failed.error}).")
 
 

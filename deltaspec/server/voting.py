@@ -1,16 +1,23 @@
-"""Majority voting over n samples (the server's `"vote": true` extension).
+"""Majority voting over n samples (the server's `"vote": true` extension, on both endpoints).
 
-Owns what "the answer" of a completion is (`extract_answer`) and the tally (`Vote`), including
-when the tally is decided so the server can stop sampling early.
+Owns what "the answer" of a completion is (`extract_answer`), the tally (`Vote`), including when
+it is decided so the server can stop sampling early, and a request's vote over its samples as they
+finish (`SampleVote`), whatever the endpoint's choice type.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from deltaspec.server.protocol import VoteInfo
+from deltaspec.server.samples import Sample
 
 _BOXED = "\\boxed{"
 _MARKER = re.compile(r"answer is|answer:|####", re.IGNORECASE)
 _NUMBER = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d+)?(?:\.(\d+))?")
+Choice = TypeVar("Choice")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -122,3 +129,42 @@ class Vote:
             return False
         runner_up = self._counts[ranking[1]] if len(ranking) > 1 else 0
         return self._counts[ranking[0]] >= runner_up + self.remaining
+
+
+class SampleVote(Generic[Choice]):
+    """The `vote` of one request as its samples finish: each finished sample's choice and answer are kept, and
+    `stop` is called once the tally is decided (the server then aborts the samples still running).
+
+    `choice_of` shapes a finished sample into the endpoint's choice (index 0) and the text its answer is read from.
+    """
+
+    def __init__(
+        self,
+        samples: list[Sample],
+        choice_of: Callable[[Sample], tuple[Choice, str]],
+        stop: Callable[[], None],
+    ) -> None:
+        self.samples, self.choice_of, self.stop = samples, choice_of, stop
+        self.vote = Vote(len(samples))
+        self.finished: list[tuple[Choice, str | None]] = []  # in finishing order
+
+    def on_finished(self, sample: Sample) -> None:
+        if sample.finish_reason in ("abort", "error"):
+            return
+        choice, text = self.choice_of(sample)
+        answer = extract_answer(text)
+        self.finished.append((choice, answer))
+        self.vote.add(answer)
+        if self.vote.decided:
+            self.stop()
+
+    def result(self) -> tuple[Choice, VoteInfo]:
+        """The first finished choice with the winning answer (the first sample's when none finished) and the tally."""
+        winner = self.vote.winner
+        choice = next((c for c, answer in self.finished if winner is None or answer == winner), None)
+        if choice is None:
+            choice = self.choice_of(self.samples[0])[0]
+        aborted = sum(s.finish_reason == "abort" for s in self.samples)
+        return choice, VoteInfo(
+            winner=winner, counts=self.vote.counts, samples_finished=len(self.finished), samples_aborted=aborted
+        )

@@ -1,0 +1,73 @@
+"""Request rules shared by both endpoints that pydantic types cannot say: n and the per-request sequence cap,
+`max_tokens`, seeds that stay 64-bit for every sample, and fields that would change what a request means
+but are not implemented (`response_format` and a few vLLM/OpenAI extensions), which are refused rather
+than ignored. Each broken rule is a 400 naming the field and what would work.
+"""
+
+from __future__ import annotations
+
+from deltaspec.server.errors import APIError, shown
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Fields that, ignored, would silently give another answer than the one asked for; empty values are accepted.
+_NOT_IMPLEMENTED = (
+    "logit_bias",
+    "suffix",
+    "functions",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def reject_unimplemented(data: dict) -> None:
+    """400 for a request field this server does not implement and must not ignore (checked on the raw body)."""
+    response_format = data.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        raise APIError(
+            400,
+            f"response_format {shown(kind)} is not supported (this server has no structured output); "
+            'send the request without response_format or with {"type": "text"}.',
+            param="response_format",
+        )
+    for name in _NOT_IMPLEMENTED:
+        if data.get(name) not in (None, "", [], {}):
+            raise APIError(400, f"{name} is not supported by this server; send the request without it.", param=name)
+
+
+def check_max_tokens(value: int | None, name: str) -> None:
+    if value is not None and value < 1:
+        raise APIError(400, f"{name} must be at least 1, got {shown(value)}.", param=name)
+
+
+def check_n(n: int, max_n: int) -> None:
+    if n < 1:
+        raise APIError(400, f"n must be at least 1, got {shown(n)}.", param="n")
+    if n > max_n:
+        raise APIError(400, f"n must be at most {max_n} on this server, got {shown(n)}.", param="n")
+
+
+def check_sequences(prompts: int, n: int, limit: int) -> None:
+    """400 when `prompts` x `n` exceeds the server's per-request sequence cap."""
+    if prompts * n > limit:
+        raise APIError(
+            400,
+            f"This request asks for {prompts} prompt(s) x n={n} = {prompts * n} sequences, but this server runs at "
+            f"most {limit} per request (--max-sequences-per-request); send fewer prompts or a smaller n.",
+            param="n" if prompts == 1 else "prompt",
+        )
+
+
+def check_seed(seed: int | None, n: int) -> None:
+    """400 unless the n samples' seeds `seed`, `seed + 1`, ..., `seed + n - 1` all fit in 64 bits."""
+    if seed is not None and not INT64_MIN <= seed <= INT64_MAX - (n - 1):
+        raise APIError(
+            400,
+            f"seed must be an integer in [{INT64_MIN}, {INT64_MAX - (n - 1)}] so that the seeds of the n={n} "
+            f"samples (seed, seed + 1, ...) fit in 64 bits, got {shown(seed)}.",
+            param="seed",
+        )

@@ -1,0 +1,67 @@
+"""How a request whose samples are in the engine ends, for both endpoints: streamed, or whole.
+
+`Submitted` holds one HTTP request's samples and what its request-log line needs. A whole response
+waits for every sample (feeding the request's vote, when it asked for one, which stops sampling once
+decided), then answers with the body the endpoint builds, a 500 when the engine failed, or nothing
+(499) when the client left. However a request ends, its unfinished samples are aborted and it is
+counted and logged exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from deltaspec.server.context import ServerContext
+from deltaspec.server.samples import ClientDisconnected, Sample, abort_unfinished, collect, engine_error
+from deltaspec.server.streaming import CleanupStreamingResponse
+from deltaspec.server.voting import SampleVote
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """One HTTP request's samples in the engine."""
+
+    ctx: ServerContext
+    endpoint: str
+    request_id: str
+    arrival: float
+    samples: list[Sample]
+    prompt_tokens: int
+    n: int
+
+    def end(self, finish_reason: str) -> None:
+        """Abort the samples that have not finished and count the request in the metrics and the request log."""
+        abort_unfinished(self.ctx.engine, self.samples)
+        self.ctx.record(
+            self.endpoint, self.request_id, self.arrival, self.samples, self.prompt_tokens, finish_reason, self.n
+        )
+
+    def stream(self, events: Callable[[dict], AsyncIterator[str]]) -> CleanupStreamingResponse:
+        """An SSE response of `events(outcome)`, which sets `outcome["finish_reason"]` when it gets that far."""
+        outcome = {"finish_reason": "abort"}
+        return CleanupStreamingResponse(events(outcome), lambda: self.end(outcome["finish_reason"]))
+
+    def stop_once_decided(self, choice_of: Callable[[Sample], tuple]) -> SampleVote:
+        """A vote over these samples that aborts the unfinished ones once it is decided."""
+        return SampleVote(self.samples, choice_of, lambda: abort_unfinished(self.ctx.engine, self.samples))
+
+    async def whole(self, request: Request, body: Callable[[], BaseModel], vote: SampleVote | None = None) -> Response:
+        """Wait for every sample, then answer with `body()` (its `vote` field left out when it has none)."""
+        finish_reason = "error"
+        try:
+            await collect(self.samples, request, vote.on_finished if vote is not None else None)
+            if error := engine_error(self.samples):
+                raise error
+            response = body()
+            finish_reason = response.choices[0].finish_reason or "stop"
+            return JSONResponse(response.model_dump(exclude={"vote"} if response.vote is None else None))
+        except ClientDisconnected:
+            finish_reason = "abort"
+            return Response(status_code=499)
+        finally:
+            self.end(finish_reason)
