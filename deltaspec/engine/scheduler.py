@@ -152,6 +152,7 @@ class Scheduler:
         for seq in sorted(decoding, key=lambda s: s.scheduled_step):
             if len(batch) < self.budget and seq in self.running and self._reserve(seq, seq.num_computed + 1):
                 batch.append(Scheduled(seq, 1))
+        batch = [item for item in batch if item.seq in self.running]  # a later one's pages may have preempted it
         budget = self.budget - len(batch)
         chosen = {id(item.seq) for item in batch}
         for seq in decoding:
