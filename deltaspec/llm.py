@@ -1,9 +1,11 @@
-"""`LLM`: the offline Python API, shaped like vLLM's (`generate`, `chat`)."""
+"""`LLM`: the offline Python API, shaped like vLLM's (`generate`, `chat`), plus `stream` for one prompt's tokens as
+they come."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import fields, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
 
 from tqdm import tqdm
 
@@ -17,6 +19,14 @@ from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.speculator import DraftLength
 
 PromptType = str | dict
+
+
+@dataclass
+class StreamStep:
+    """What one engine step added to a request that `LLM.stream` follows."""
+
+    token_ids: list[int]  # the tokens this step appended
+    output: RequestOutput | None = None  # on the last step only: the finished request, as generate() returns it
 
 
 class LLM:
@@ -51,15 +61,21 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams` with the model's own defaults (its `generation_config.json`: temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens; greedy where it says `do_sample: false`) over vLLM's."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Complete each prompt: a string, or {"prompt_token_ids": [...]} (optionally with "prompt")."""
+        """Complete each prompt: a string, or {"prompt_token_ids": [...]} (optionally with "prompt", and
+        "history_len": the prompt tokens a follow-up will share, kept as a prefix checkpoint; see `chat_prompt`)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise DeltaspecError(
@@ -91,24 +107,55 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and complete it."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt(conv, tools, chat_template_kwargs, add_generation_prompt) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> dict:
+        """One conversation as a prompt for `generate` or `stream`: its rendered text, token ids and `history_len`,
+        the tokens of its history (without the generation prompt), where a prefix checkpoint lets the next turn
+        resume."""
         if self.tokenizer is None:
             raise DeltaspecError("This checkpoint has no tokenizer, so chat() cannot render messages; use generate().")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                conv, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-            )
-            for conv in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        options = chat_template_kwargs or {}
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **options
+        )
+        ids = self.engine.encode(text)
+        history = self.tokenizer.history_length(ids, messages, tools=tools, **options)
+        return {"prompt": text, "prompt_token_ids": ids, "history_len": history}
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamStep]:
+        """Complete one prompt (as `generate` takes it), yielding each engine step's new tokens as they are produced;
+        the last step carries the finished `RequestOutput`. A consumer that stops early aborts the request."""
+        params = sampling_params or self.get_default_sampling_params()
+        if params.n != 1:
+            raise DeltaspecError(f"stream() follows one sample, got n={params.n}; use n=1, or generate() for several.")
+        (seq,) = self._add(prompt, params)
+        sent = 0
+        try:
+            while not seq.finished:
+                self.engine.step()
+                if len(seq.output_ids) > sent or seq.finished:
+                    new, sent = seq.output_ids[sent:], len(seq.output_ids)
+                    yield StreamStep(new, self._output([seq]) if seq.finished else None)
+        finally:
+            self.engine.abort(seq)
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> list[Sequence]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise DeltaspecError("A dict prompt needs a 'prompt_token_ids' list.")
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            history_len = prompt.get("history_len", 0)  # prompt tokens a follow-up will share (chat_prompt's)
         elif isinstance(prompt, str):
-            text, ids = prompt, self.engine.encode(prompt)
+            text, ids, history_len = prompt, self.engine.encode(prompt), 0
         else:
             raise DeltaspecError(
                 f"A prompt is a string or a dict with 'prompt_token_ids', not {type(prompt).__name__}."
@@ -117,7 +164,7 @@ class LLM:
         samples = []
         for i in range(params.n):
             sample_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-            samples.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sample_params))
+            samples.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sample_params, history_len))
         return samples
 
     def _output(self, group: list[Sequence]) -> RequestOutput:

@@ -1,0 +1,102 @@
+"""The `deltaspec` subcommands: their arguments, and the small ones' bodies (ppl, plan, serve); generate and chat
+live in `deltaspec.cli.generation`, the bench scenarios in `deltaspec.bench.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deltaspec.bench.commands import add_bench_parser
+from deltaspec.cli.flags import add_config_flags, add_engine_flags, add_sampling_flags, config_from_args, engine_config
+from deltaspec.cli.generation import CHAT_MAX_TOKENS, GENERATE_MAX_TOKENS, cmd_chat, cmd_generate
+from deltaspec.config import ServerConfig
+from deltaspec.errors import DeltaspecError
+
+
+def cmd_ppl(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from deltaspec.evaluate import perplexity
+    from deltaspec.llm import LLM
+
+    try:
+        text = "".join(Path(f).read_text() for f in args.file)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DeltaspecError(f"Could not read the text to score ({exc}).") from None
+    llm = LLM(progress=True, **vars(engine_config(args)))
+    result = perplexity(llm, text, window=args.window, max_windows=args.max_windows)
+    print(
+        json.dumps(
+            {"model": str(llm.engine.model_dir), "dtype": llm.engine.config.dtype, "window": args.window, **result},
+            indent=1,
+        )
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory budget of a configuration; exit 2 with the refusal when it does not fit."""
+    from deltaspec.engine.planning import plan_for
+
+    plan = plan_for(engine_config(args)).plan
+    print(plan.table())
+    if not plan.fits:
+        print(f"error: {plan.refusal()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from deltaspec.server.app import run_server
+
+    run_server(engine_config(args), config_from_args(args, ServerConfig))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltaspec", description="Inference for hybrid GDN / attention LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser(
+        "generate", help="complete one prompt, streaming the text to stdout, then print decode stats on stderr"
+    )
+    gen.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="text to complete (or --prompt)")
+    gen.add_argument("--prompt", default=None, help="text to complete, as a flag")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    add_sampling_flags(gen, max_tokens=GENERATE_MAX_TOKENS)
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser("chat", help="answer chat messages with the model's chat template, streaming")
+    chat.add_argument("--message", default=None, help="answer this one message and exit (default: read stdin)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let the model think before answering, or not (the chat template's enable_thinking; default: the "
+        "template's own); the reasoning is shown on stderr",
+    )
+    add_sampling_flags(chat, max_tokens=CHAT_MAX_TOKENS)
+    add_engine_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    ppl = commands.add_parser("ppl", help="perplexity and bits per byte of the model on text files (JSON)")
+    ppl.add_argument("file", nargs="+", help="text files, scored as one stream")
+    ppl.add_argument("--window", type=int, default=1024, help="tokens per scored window (default: 1024)")
+    ppl.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    add_engine_flags(ppl)
+    ppl.set_defaults(func=cmd_ppl)
+
+    plan = commands.add_parser("plan", help="memory budget of a configuration: weights, KV, GDN states, workspace")
+    add_engine_flags(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="checkpoint directory or Hugging Face hub id (or --model)"
+    )
+    add_engine_flags(serve)
+    add_config_flags(serve, ServerConfig, "server options")
+    serve.set_defaults(func=cmd_serve)
+
+    add_bench_parser(commands, add_engine_flags, engine_config)
+    return parser
