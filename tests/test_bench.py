@@ -1,8 +1,23 @@
-"""The serving benchmarks run end to end on the CPU and report what DESIGN §6 defines."""
+"""The serving benchmarks run end to end on the CPU and report what DESIGN §6 defines; a --url server is checked
+before a benchmark starts, and every way it can fail is one error line."""
 
 import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 
+import pytest
+
+from deltaspec.bench.client import Client, Timing
+from deltaspec.bench.local_server import free_port
 from deltaspec.cli import main
+from deltaspec.config import EngineConfig, ServerConfig
+from deltaspec.engine.async_engine import AsyncEngine
+from deltaspec.engine.engine import Engine
+from deltaspec.errors import DeltaspecError
+from deltaspec.server.app import bind_socket, build_app, make_server
 
 
 def test_bench_serve_reports_aggregate_rate_and_percentiles(tmp_path, capsys):
@@ -117,7 +132,6 @@ def test_bench_spec_compares_plain_and_drafters(tmp_path, capsys):
 def test_speculative_counters_reach_the_request_log_and_metrics(tmp_path):
     import urllib.request
 
-    from deltaspec.bench.client import Client
     from deltaspec.bench.local_server import local_server
     from deltaspec.config import EngineConfig
 
@@ -138,3 +152,94 @@ def test_speculative_counters_reach_the_request_log_and_metrics(tmp_path):
     assert f"deltaspec_spec_verify_rounds_total {float(line['spec_rounds'])}" in metrics
     assert f"deltaspec_spec_accepted_tokens_total {float(line['spec_accepted_tokens'])}" in metrics
     assert 'deltaspec_spec_drafted_at_position_total{position="1"}' in metrics
+
+
+KEY = "bench-key"
+
+
+@pytest.fixture(scope="module")
+def live_url() -> Iterator[str]:
+    """The base URL (no /v1) of a live server of the embedded model on CPU, with an API key and a served name."""
+    engine = Engine(EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512), progress=False)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_server(build_app(async_engine, ServerConfig(api_key=KEY, served_model_name="tiny")))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=15)
+    async_engine.shutdown()
+    sock.close()
+
+
+def bench_serve_url(url: str, *flags: str) -> list[str]:
+    return ["bench", "serve", "--url", url, "--concurrency", "1", "--requests-per-client", "1", "--runs", "1", *flags]
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", ""])
+def test_bench_serve_url_with_or_without_v1(live_url, suffix, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    assert main([*bench_serve_url(live_url + suffix, "--max-tokens", "3", "--api-key", KEY, "--out", str(out))]) == 0
+    report = json.loads(out.read_text())
+    assert report["server"] == live_url + "/v1" and report["model"] == "tiny" and report["speculative"] == "none"
+    [level] = report["levels"]
+    [run] = level["runs"]
+    assert run["requests"] == 1 and run["generated_tokens"] == 3 and run["tpot_source"] == "client"
+
+
+def test_bench_agents_url_records_what_the_server_runs(live_url, tmp_path, capsys):
+    out = tmp_path / "agents.json"
+    flags = ["--agents", "1", "--doc-chars", "200", "--max-tokens", "2", "--runs", "1", "--out", str(out)]
+    assert main(["bench", "agents", "--url", live_url + "/v1/", "--api-key", KEY, *flags]) == 0
+    report = json.loads(out.read_text())
+    assert report["server"] == live_url + "/v1" and report["model"] == "tiny" and report["max_model_len"] == 512
+    assert [t["turn"] for t in report["runs"][0]["turns"][0]] == [0, 1, 2]
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: ") and captured.err.count("\n") == 1
+    return captured.err
+
+
+def test_bench_url_refusals_are_one_error_line(live_url, capsys):
+    """Each way a --url server can turn the benchmark away is exit 2 and one sentence saying what would work."""
+    cases = [
+        (bench_serve_url(live_url), "pass its key with --api-key"),
+        (bench_serve_url(live_url, "--api-key", "wrong"), "pass the key the server was started with"),
+        (bench_serve_url(live_url + "/elsewhere/v1", "--api-key", KEY), "has no /elsewhere/v1/models (HTTP 404)"),
+        (bench_serve_url(live_url, "--api-key", KEY, "--served-model-name", "big"), "serves 'tiny', not 'big'"),
+        (bench_serve_url(live_url, "--api-key", KEY, "--max-tokens", "4096"), "answered POST /v1/"),
+        (bench_serve_url("127.0.0.1:8000/v1"), "does not start with http:// or https://"),
+        (bench_serve_url("ftp://127.0.0.1/v1"), "does not start with http:// or https://"),
+        (bench_serve_url("http:///v1"), "names no host"),
+        (bench_serve_url("http://127.0.0.1:99999/v1"), "is not valid"),
+        (["bench", "agents", "--url", live_url + "/v1"], "pass its key with --api-key"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        assert expected in one_error_line(capsys), argv
+
+
+def test_bench_serve_dead_url_exits_2_with_one_line():
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    done = subprocess.run(
+        [sys.executable, "-m", "deltaspec.cli", "bench", "serve", "--url", url], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert (
+        done.stderr == f"error: Nothing answers at {url} (Connection refused); start the server first or "
+        "give the address `deltaspec serve` prints, such as http://127.0.0.1:8000/v1.\n"
+    )
+
+
+def test_an_error_event_ends_the_benchmark_with_the_servers_message():
+    event = b'data: {"error": {"message": "The server is shutting down.", "code": 503}}\n'
+    with pytest.raises(DeltaspecError, match=r"ended a stream from /v1/completions with an error \(The server is "):
+        Client("http://127.0.0.1:8000/v1").read_chunk(event, "completions", Timing(sent=0.0))

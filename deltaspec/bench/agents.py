@@ -3,14 +3,12 @@
 Agent i starts `stagger` seconds after agent i-1, sends its document with a first question, then
 two follow-up questions in the same conversation, each as soon as the previous answer is complete,
 so that some agents ask follow-ups while others are still loading their documents. The report
-gives the wait for each turn's first token: first turns (document load) and follow-ups separately,
-and names what the server ran (`served_identity`: its model or shape and drafter, from /v1/models).
+gives the wait for each turn's first token: first turns (document load) and follow-ups separately;
+the command adds what the server ran (`client.served_identity`: its model or shape and drafter).
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,29 +21,6 @@ QUESTIONS = (
     "Which function in it is the most complex?",
     "Suggest one test for it.",
 )
-
-
-def served_identity(client: Client) -> dict:
-    """What the server runs, from its /v1/models card: the served model name, the shape of a random-weight model,
-    the drafter and its draft length (None where the server does not say, as a non-deltaspec server won't)."""
-    conn = http.client.HTTPConnection(client.host, client.port, timeout=client.timeout)
-    try:
-        conn.request("GET", f"{client.prefix}/v1/models", headers=client.headers)
-        response = conn.getresponse()
-        body = response.read()
-    finally:
-        conn.close()
-    if response.status != 200:
-        raise RuntimeError(f"/v1/models returned {response.status}: {body[:300]!r}")
-    cards = json.loads(body)["data"]
-    card = next((c for c in cards if c["id"] == client.model), cards[0])
-    return {
-        "model": card["id"],
-        "shape": card.get("shape"),
-        "speculative": card.get("speculative"),
-        "draft_tokens": card.get("draft_tokens"),
-        "max_model_len": card.get("max_model_len"),
-    }
 
 
 def run_agent(client: Client, document: str, delay: float, max_tokens: int) -> list[dict]:

@@ -12,8 +12,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from deltaspec.bench.agents import bench_agents, served_identity
-from deltaspec.bench.client import Client
+from deltaspec.bench.agents import bench_agents
+from deltaspec.bench.client import Client, served_identity
 from deltaspec.bench.plot import line_chart
 from deltaspec.bench.serve import bench_serve
 from deltaspec.bench.stats import commit
@@ -26,9 +26,11 @@ def say(message: str) -> None:
 
 @contextmanager
 def target(args: argparse.Namespace, engine_config):
-    """(client, identity, request log) for --url, or for a server started here with the engine flags."""
+    """(client, identity, request log) for --url, checked to answer before any benchmark starts, or for a server
+    started here with the engine flags."""
     if args.url:
-        yield Client(args.url, args.api_key, args.served_model_name), {"server": args.url}, None
+        client = Client(args.url, args.api_key, args.served_model_name)
+        yield client, {"server": client.base_url, **served_identity(client.check())}, None
         return
     from deltaspec.bench.local_server import local_server
 
@@ -93,7 +95,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
 
 def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
     with target(args, engine_config) as (client, identity, _):
-        identity = {**identity, **served_identity(client)}
+        identity = {**identity, **served_identity(client.check())}
         runs = [
             bench_agents(client, args.agents, args.doc_chars, args.stagger, args.max_tokens, run, progress=say)
             for run in range(args.runs)
@@ -351,8 +353,17 @@ def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     spec.set_defaults(func=lambda args: cmd_bench_spec(args, engine_config(args)))
     add_device_benches(scenarios, add_engine_flags, engine_config)
     for parser in (serve, agents):
-        parser.add_argument("--url", default=None, help="benchmark a running OpenAI-compatible server instead")
+        parser.add_argument(
+            "--url",
+            default=None,
+            help="benchmark a running OpenAI-compatible server instead, e.g. http://127.0.0.1:8000/v1 "
+            "(the trailing /v1 is optional)",
+        )
         parser.add_argument("--api-key", default=None, help="API key of the --url server")
-        parser.add_argument("--served-model-name", default=None, help="model name to send to the --url server")
+        parser.add_argument(
+            "--served-model-name",
+            default=None,
+            help="model name to send to the --url server (default: the one it serves)",
+        )
         parser.add_argument("--out", default=None, help="also write the JSON report here")
         add_engine_flags(parser)

@@ -38,7 +38,9 @@ def check_sizes(config: EngineConfig, doc_tokens: int, question_tokens: int, max
             "least 2 (decode tok/s needs two new tokens)."
         )
     longest = doc_tokens + 2 * question_tokens + 2 * max_tokens
-    limit = plan_for(replace(config, max_model_len=longest)).model_config.max_position_embeddings
+    limit = plan_for(
+        replace(config, max_model_len=longest, allow_long_max_model_len=True)
+    ).model_config.max_position_embeddings
     if longest > limit:
         raise DeltaspecError(
             f"A document of {doc_tokens} tokens with two questions and two answers needs {longest} "
