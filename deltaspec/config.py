@@ -129,10 +129,34 @@ class EngineConfig:
         },
     )
     max_num_seqs: int = field(
-        default=8, metadata={"help": "most sequences that run at once (GDN state slots)", "aliases": ("--max-streams",)}
+        default=0,
+        metadata={
+            "help": "most sequences that run at once (GDN state slots); 0: 8, or with --gpu-memory-utilization as "
+            "many as fit (at most 256)",
+            "aliases": ("--max-streams",),
+        },
     )
     max_model_len: int = field(
-        default=4096, metadata={"help": "longest sequence, prompt + output", "aliases": ("--ctx",)}
+        default=0,
+        metadata={
+            "help": "longest sequence, prompt + output; 0: the model's max_position_embeddings, or as much as the "
+            "memory holds for the streams",
+            "aliases": ("--ctx",),
+        },
+    )
+    allow_long_max_model_len: bool = field(
+        default=False,
+        metadata={
+            "help": "accept a --max-model-len beyond the model's max_position_embeddings (positions it was not "
+            "trained on)"
+        },
+    )
+    gpu_memory_utilization: float = field(
+        default=0.0,
+        metadata={
+            "help": "fraction of the device's memory this engine may use, in (0, 1]: the KV page pool (and, without "
+            "--max-num-seqs, the streams) grow to fill it, as in vLLM; 0: pools of exactly streams x context"
+        },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per attention KV page"})
     num_kv_blocks: int = field(
@@ -181,8 +205,12 @@ class EngineConfig:
         metadata={"help": "host memory (GiB) that keeps prefix checkpoints evicted from the device, for later reuse"},
     )
     prefix_checkpoint_min_prompt: int = field(
-        default=1024,
-        metadata={"help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end"},
+        default=0,
+        metadata={
+            "help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end and may evict "
+            "older ones for them; shorter chat prompts leave one where their history ends, into a free slot only "
+            "(0: the length whose KV takes the memory of one checkpoint's state)"
+        },
     )
     kernels: str = field(
         default="auto",
@@ -227,7 +255,15 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     api_key: str | None = field(
-        default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every endpoint but /health"}
+        default=None,
+        metadata={
+            "help": "require 'Authorization: Bearer KEY' on /v1/* (default: $DELTASPEC_API_KEY, else no key); "
+            "/health and /metrics stay open unless --metrics-key is given"
+        },
+    )
+    metrics_key: str | None = field(
+        default=None,
+        metadata={"help": "require 'Authorization: Bearer KEY' on /metrics and /health (default: both open)"},
     )
     served_model_name: str | None = field(
         default=None, metadata={"help": "model name clients must use (default: the checkpoint directory's name)"}
@@ -249,6 +285,22 @@ class ServerConfig:
     request_log: str | None = field(
         default=None, metadata={"help": "append one JSON line per finished request to this file"}
     )
+    log_stats_interval: float = field(
+        default=10.0,
+        metadata={"help": "seconds between the throughput lines logged while requests run (vLLM's format)"},
+    )
+    disable_log_stats: bool = field(default=False, metadata={"help": "log no throughput lines"})
+    access_log: bool = field(
+        default=False,
+        metadata={"help": "log one line per HTTP request: method, path, status, duration and request id"},
+    )
+
+    def __post_init__(self) -> None:
+        if not self.log_stats_interval > 0:
+            raise DeltaspecError(
+                f"--log-stats-interval must be more than 0 seconds, got {self.log_stats_interval}; "
+                "use --disable-log-stats to log no throughput lines."
+            )
 
 
 CHECKPOINTS_PER_STREAM = 3  # a long request leaves up to three: 512 and 64 tokens before its prompt's end, its end
@@ -259,11 +311,11 @@ def default_device() -> str:
 
 
 def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> EngineConfig:
-    """Resolve every "auto" field of `cfg`; the only place defaults depend on the machine.
+    """Resolve the "auto" device and dtypes of `cfg` and check its values; the streams, context, KV pool and
+    prefix checkpoints depend on the memory and are decided by the planner (`with_pools`).
 
     dtype auto: the checkpoint's own `torch_dtype` on CUDA, float32 on CPU (bfloat16 matmuls are
-    slow there). state_dtype auto: float32, or float64 for a float64 model. prefix_checkpoints 0: three
-    per stream (none without prefix caching).
+    slow there). state_dtype auto: float32, or float64 for a float64 model.
     """
     device = default_device() if cfg.device == "auto" else cfg.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -283,9 +335,17 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         raise DeltaspecError(f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.prefix_checkpoints}.")
     if cfg.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
+    if not 0 <= cfg.gpu_memory_utilization <= 1:
+        raise DeltaspecError(
+            f"gpu_memory_utilization is a fraction of the device's memory in (0, 1], or 0 for pools of exactly "
+            f"streams x context; got {cfg.gpu_memory_utilization}."
+        )
+    if cfg.gpu_memory_utilization and cfg.num_kv_blocks:
+        raise DeltaspecError("--gpu-memory-utilization sizes the KV pool itself; give it or --num-kv-blocks, not both.")
+    for name in ("max_num_seqs", "max_model_len", "num_kv_blocks"):
+        if getattr(cfg, name) < 0:
+            raise DeltaspecError(f"{name} must be 0 (automatic) or more, got {getattr(cfg, name)}.")
     for name in (
-        "max_num_seqs",
-        "max_model_len",
         "block_size",
         "max_num_batched_tokens",
         "prefill_chunk",
@@ -293,14 +353,29 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     ):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
-    pool = cfg.num_kv_blocks * cfg.block_size
-    if cfg.num_kv_blocks and pool < cfg.max_model_len:
+    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype)
+
+
+def check_context(cfg: EngineConfig, positions: int) -> None:
+    """Refuse a --max-model-len beyond the model's trained positions unless it is explicitly allowed."""
+    if cfg.max_model_len > positions and not cfg.allow_long_max_model_len:
         raise DeltaspecError(
-            f"The KV pool of {cfg.num_kv_blocks} pages x {cfg.block_size} tokens ({pool} tokens) cannot hold one full "
-            f"context of {cfg.max_model_len} tokens; use --num-kv-blocks {-(-cfg.max_model_len // cfg.block_size)} or "
-            f"more, or --max-model-len {pool} or less."
+            f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings ({positions}); use "
+            f"{positions} or less, or add --allow-long-max-model-len to run past the positions it was trained on."
         )
-    checkpoints = (
-        (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * cfg.max_num_seqs) if cfg.enable_prefix_caching else 0
+
+
+def with_pools(cfg: EngineConfig, streams: int, ctx: int, kv_blocks: int) -> EngineConfig:
+    """`cfg` with its streams, context and KV pool decided (by the planner) and its prefix checkpoints counted:
+    0 means three per stream, none without prefix caching."""
+    pool = kv_blocks * cfg.block_size
+    if kv_blocks and pool < ctx:
+        raise DeltaspecError(
+            f"The KV pool of {kv_blocks} pages x {cfg.block_size} tokens ({pool} tokens) cannot hold one full "
+            f"context of {ctx} tokens; use --num-kv-blocks {-(-ctx // cfg.block_size)} or more, or "
+            f"--max-model-len {pool} or less."
+        )
+    checkpoints = (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * streams) if cfg.enable_prefix_caching else 0
+    return replace(
+        cfg, max_num_seqs=streams, max_model_len=ctx, num_kv_blocks=kv_blocks, prefix_checkpoints=checkpoints
     )
-    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype, prefix_checkpoints=checkpoints)

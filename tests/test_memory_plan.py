@@ -1,14 +1,16 @@
 """The memory planner counts what the engine really allocates, and refuses what does not fit."""
 
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 
-from deltaspec import LLM, DeltaspecError
+from deltaspec import LLM, DeltaspecError, SamplingParams
 from deltaspec.cli import main
 from deltaspec.config import EngineConfig
 from deltaspec.engine.planning import plan_for
+from tests.tiny_models import write_checkpoint
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_r1_tied", "qwen3_next_r3_moe"])
@@ -60,33 +62,123 @@ def test_plan_counts_the_draft_models_weights_kv_and_states():
     assert plan.streams * plan.padded_ctx * plan.drafter.kv_per_token == drafter.cache.kv.bytes()
     slot = drafter.cache.gdn.bytes() // (plan.streams + 1)  # its slots and a scratch slot
     assert plan.drafter.state_per_stream == 2 * slot  # a slot and its snapshot per stream
-    tight = replace(
-        plan, available=plan.total - plan.padded_ctx * plan.drafter.kv_per_token - plan.drafter.state_per_stream
-    )  # one stream's share of the drafter short
+
+
+def test_the_draft_models_share_is_counted_per_stream_in_the_advice(monkeypatch):
+    """One stream's share of the draft model short: refused, and the advice is one stream fewer."""
+    config = EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64, speculative="draft")
+    plan = plan_for(config).plan
+    share = plan.padded_ctx * plan.drafter.kv_per_token + plan.drafter.state_per_stream + 4 * plan.state_per_stream
+    monkeypatch.setattr("deltaspec.engine.planning.available_memory", lambda device: plan.total - share // 2)
+    tight = plan_for(config).plan
     assert not tight.fits and "drafter" in tight.refusal()
-    assert tight.max_streams() == 1 and replace(tight, streams=1).fits  # the draft model's share counted per stream
+    assert tight.alternatives[0] == "1 stream at 64 tokens"
 
 
-def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoints):
+def _fixed_memory(monkeypatch, free: int) -> None:
+    monkeypatch.setattr("deltaspec.engine.planning.available_memory", lambda device: free)
+    monkeypatch.setattr("deltaspec.engine.planning.total_memory", lambda device: 2 * free)
+
+
+def _advised(message: str) -> list[tuple[int, int]]:
+    return [(int(s), int(c)) for s, c in re.findall(r"(\d+) streams? at (\d+) tokens", message)]
+
+
+def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoints, monkeypatch):
+    """The advice is the most streams at this context and the longest context (within the model's positions) for
+    these streams; each fits as flags, and one more stream or page does not."""
+    _fixed_memory(monkeypatch, 2 << 30)
     config = EngineConfig(
-        model=str(checkpoints["qwen3_5_r2"]),
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=100_000,
-        max_model_len=1_000_000,
+        model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000, max_model_len=512
     )
     plan = plan_for(config).plan
     assert not plan.fits
     with pytest.raises(DeltaspecError) as err:
-        LLM(
-            str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000, max_model_len=1_000_000
-        )
+        LLM(str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000, max_model_len=512)
     message = str(err.value)
     assert "\n" not in message and message.endswith("would fit.")
-    assert f"{plan.max_streams()} streams at 1000000 tokens" in message
-    assert f"100000 streams at {plan.max_ctx()} tokens" in message
-    assert replace(plan, streams=plan.max_streams()).fits and not replace(plan, streams=plan.max_streams() + 1).fits
-    assert replace(plan, ctx=plan.max_ctx()).fits and not replace(plan, ctx=plan.max_ctx() + plan.block_size).fits
+    (streams, ctx), *rest = _advised(message.split(";")[-1])
+    assert ctx == 512 and not rest  # 100000 streams: not even one page each fits
+    assert plan_for(replace(config, max_num_seqs=streams)).plan.fits
+    assert not plan_for(replace(config, max_num_seqs=streams + 1)).plan.fits
+    more = plan_for(replace(config, max_num_seqs=streams + 100)).plan
+    assert not more.fits
+    (_, same), (fewer_streams, longest) = _advised(more.refusal().split(";")[-1])
+    assert same == 512 and fewer_streams == streams + 100 and longest < 512
+    assert plan_for(replace(config, max_num_seqs=streams + 100, max_model_len=longest)).plan.fits
+    assert not plan_for(replace(config, max_num_seqs=streams + 100, max_model_len=longest + 16)).plan.fits
+
+
+def test_advice_counts_the_prefix_checkpoints_of_each_stream(checkpoints, monkeypatch):
+    """The most streams `plan` proposes fit when asked for: their three prefix checkpoints each are counted per
+    stream, not as a fixed cost of the default eight streams."""
+    _fixed_memory(monkeypatch, 1 << 30)
+    config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_model_len=256)
+    plan = plan_for(config).plan
+    assert plan.fits and plan.streams == 8 and plan.checkpoints == 24
+    most, _ = _advised(plan.table().splitlines()[-1])[0]
+    assert most > 8 and plan_for(replace(config, max_num_seqs=most)).plan.fits
+    too_many = plan_for(replace(config, max_num_seqs=most + 1)).plan
+    assert not too_many.fits and too_many.checkpoints == 3 * (most + 1)
+    assert _advised(too_many.refusal().split(";")[-1])[0] == (most, 256)
+
+
+def test_advice_when_not_even_the_weights_fit(checkpoints, monkeypatch):
+    weights = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu")).plan.weights
+    _fixed_memory(monkeypatch, weights // 2)
+    plan = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu")).plan
+    assert not plan.fits and not plan.alternatives
+    assert "not even the weights, workspace and runtime reserve" in plan.refusal()
+    assert "would fit" not in plan.refusal() and plan.refusal().endswith("more memory.")
+    assert "does NOT fit; not even the weights" in plan.table()
+
+
+def test_the_context_defaults_to_the_models_positions(tmp_path, monkeypatch):
+    """0 (the default) is the model's max_position_embeddings, shortened to what the streams fit in memory; a longer
+    --max-model-len is refused unless explicitly allowed, and the advice never goes past the positions."""
+    model = str(write_checkpoint(tmp_path / "m", "qwen3_5", max_position_embeddings=2048))
+    config = EngineConfig(model=model, dtype="float32", device="cpu")
+    planned = plan_for(config)
+    assert planned.config.max_model_len == 2048 and planned.plan.ctx == 2048 and planned.config.max_num_seqs == 8
+    assert "8 streams at 2048 tokens (the model's positions)" in planned.plan.table()
+    with pytest.raises(DeltaspecError, match="exceeds the model's max_position_embeddings \\(2048\\)"):
+        plan_for(replace(config, max_model_len=8192))
+    assert plan_for(replace(config, max_model_len=8192, allow_long_max_model_len=True)).config.max_model_len == 8192
+    one_stream = plan_for(replace(config, max_num_seqs=1)).plan
+    _fixed_memory(monkeypatch, one_stream.total - one_stream.kv + 8 * 1000 * one_stream.kv_per_token)
+    shortened = plan_for(config)
+    ctx = shortened.config.max_model_len
+    assert shortened.plan.fits and ctx < 2048 and ctx % 16 == 0
+    assert not plan_for(replace(config, max_model_len=ctx + 16)).plan.fits
+    assert any("the most that 8 streams fit" in note for note in shortened.plan.notes)
+    assert all(ctx <= 2048 for _, ctx in _advised(shortened.plan.table()))
+
+
+def test_gpu_memory_utilization_fills_its_budget_with_kv_pages(tmp_path, monkeypatch):
+    """The KV pool (and without --max-num-seqs the streams) grow to fill the fraction of the device's memory; the
+    engine allocates exactly the planned pool, and a pool of more than the streams' contexts serves them."""
+    model = str(write_checkpoint(tmp_path / "m", "qwen3_5", max_position_embeddings=256))
+    base = plan_for(EngineConfig(model=model, dtype="float32", device="cpu", max_num_seqs=1)).plan
+    budget = base.total + 50 * 256 * base.kv_per_token
+    _fixed_memory(monkeypatch, budget)
+    planned = plan_for(EngineConfig(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.5))
+    plan, config = planned.plan, planned.config
+    assert plan.fits and plan.available == budget  # half of a device twice the free memory
+    assert config.num_kv_blocks * config.block_size == plan.kv_tokens >= config.max_num_seqs * 256
+    assert plan.available - plan.total < 16 * plan.kv_per_token + plan.state_per_stream  # nothing left unused
+    assert "budget on cpu" in plan.table() and "KV pool" in plan.table()
+    fixed = plan_for(
+        EngineConfig(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.5, max_num_seqs=2)
+    )
+    assert fixed.config.max_num_seqs == 2 and fixed.plan.kv_tokens > plan.kv_tokens
+    llm = LLM(model, dtype="float32", device="cpu", gpu_memory_utilization=0.5, max_num_seqs=2)
+    assert llm.engine.cache.kv.bytes() == llm.engine.plan.kv
+    outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 3, SamplingParams(max_tokens=8, temperature=0))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    with pytest.raises(DeltaspecError, match="only .* GiB is free"):
+        plan_for(EngineConfig(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.9))
+    with pytest.raises(DeltaspecError, match="not both"):
+        plan_for(EngineConfig(model=model, device="cpu", gpu_memory_utilization=0.5, num_kv_blocks=64))
 
 
 def test_plan_command(checkpoints, capsys):
@@ -109,7 +201,7 @@ def test_plan_command(checkpoints, capsys):
                 "--max-streams",
                 "100000",
                 "--ctx",
-                "1000000",
+                "512",
             ]
         )
         == 2

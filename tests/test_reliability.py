@@ -64,8 +64,11 @@ def test_drafts_that_do_not_fit_the_kv_pages_are_cut_not_fatal(checkpoints):
 
 
 def test_a_kv_pool_smaller_than_one_context_is_refused_at_start(checkpoints):
+    """An explicit context the pool cannot hold is refused; an automatic one is the pool's size."""
     with pytest.raises(DeltaspecError, match=r"cannot hold one full context of 4096 tokens; use --num-kv-blocks 256"):
-        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", num_kv_blocks=64, max_num_seqs=8)
+        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", num_kv_blocks=64, max_num_seqs=8, max_model_len=4096)
+    llm = LLM(str(checkpoints["qwen3_5_r2"]), device="cpu", num_kv_blocks=64, max_num_seqs=8)
+    assert llm.engine.max_model_len == 64 * 16
 
 
 POISON = 4242  # a token id that makes the injected fault fire

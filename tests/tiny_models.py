@@ -23,7 +23,7 @@ def _common(**overrides) -> dict:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
         linear_conv_kernel_dim=4,
         linear_key_head_dim=8,
         linear_value_head_dim=8,

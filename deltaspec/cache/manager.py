@@ -86,11 +86,12 @@ class CacheManager:
             seq.blocks = blocks
             seq.num_computed = seq.num_cached_tokens = len(checkpoint.tokens)
 
-    def checkpoint(self, seq) -> None:
-        """Keep the state of `seq` for reuse, labelled with the tokens it has consumed."""
+    def checkpoint(self, seq, evict: bool = True) -> None:
+        """Keep the state of `seq` for reuse, labelled with the tokens it has consumed (into a free checkpoint slot
+        only, unless `evict`)."""
         length = seq.num_computed - seq.replay.unfolded
         if self.prefix is not None and length > 0:
-            self.prefix.save(seq.all_ids[:length], seq.state_slot, seq.blocks)
+            self.prefix.save(seq.all_ids[:length], seq.state_slot, seq.blocks, evict)
 
     @staticmethod
     def after_pass(seq, rows: int, logged: bool) -> None:

@@ -1,17 +1,19 @@
 """Memory planner (DESIGN §4): what a configuration needs, and whether it fits, before anything is allocated.
 
 A plan adds up the weights (read from the checkpoint's safetensors headers, in the dtype they will
-be loaded in), the attention KV pages for `streams` sequences of `ctx` tokens, one GDN state slot
-(recurrent state + conv window, and the replay log with speculation) per stream, the drafter's own
-memory (an MTP head's weights and KV, a draft model's weights, KV and states), and a workspace for
-one forward pass, and compares the sum with the free memory of the device. A configuration that does
-not fit is refused with one sentence that says what would. `deltaspec.engine.planning` makes the
-plan of an engine configuration.
+be loaded in), the attention KV pages (a pool of `kv_tokens`, or `streams` sequences of `ctx` tokens),
+one GDN state slot (recurrent state + conv window, and the replay log with speculation) per stream and
+per prefix checkpoint, the drafter's own memory (an MTP head's weights and KV, a draft model's weights,
+KV and states), and a workspace for one forward pass, and compares the sum with the memory available
+on the device. A configuration that does not fit is refused with one sentence that says what would.
+`deltaspec.engine.planning` sizes an engine configuration's automatic values and finds those
+alternatives by searching over this same arithmetic, so the advice always fits.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,12 +29,14 @@ RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack
 
 @dataclass(frozen=True)
 class DrafterMemory:
-    """Device memory of a speculative drafter: fixed weights, KV per token and state per stream."""
+    """Device memory of a speculative drafter: fixed weights, KV per token and state per stream. An MTP head keeps
+    its KV in the engine's page pool (`shares_pool`); a draft model has pages for each stream's whole context."""
 
     name: str = "none"
     weights: int = 0
     kv_per_token: int = 0
     state_per_stream: int = 0
+    shares_pool: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,90 +53,93 @@ class MemoryPlan:
     available: int
     checkpoints: int = 0  # prefix-checkpoint slots, each one state
     drafter: DrafterMemory = DrafterMemory()
-
-    @property
-    def fixed_states(self) -> int:
-        """State slots that do not scale with the streams: the checkpoints and the CUDA-graph scratch slot."""
-        return (self.checkpoints + 1) * self.state_per_stream
+    kv_tokens: int = 0  # tokens of the KV page pool; 0: one whole context per stream
+    alternatives: tuple[str, ...] = ()  # the largest configurations that fit, as flags would give them
+    available_label: str = "free"  # what `available` is: the free memory, or a --gpu-memory-utilization budget
+    notes: tuple[str, ...] = ()  # how automatic values were chosen
 
     @property
     def padded_ctx(self) -> int:
         return math.ceil(self.ctx / self.block_size) * self.block_size
 
     @property
+    def pool_tokens(self) -> int:
+        return self.kv_tokens or self.streams * self.padded_ctx
+
+    @property
     def kv(self) -> int:
-        return self.streams * self.padded_ctx * self.kv_per_token
+        return self.pool_tokens * self.kv_per_token
 
     @property
     def states(self) -> int:
-        return self.streams * self.state_per_stream + self.fixed_states
+        """Each stream's slot, the prefix checkpoints and the CUDA-graph scratch slot."""
+        return (self.streams + self.checkpoints + 1) * self.state_per_stream
 
     @property
     def drafter_bytes(self) -> int:
         d = self.drafter
-        return d.weights + self.streams * (self.padded_ctx * d.kv_per_token + d.state_per_stream)
+        kv_tokens = self.pool_tokens if d.shares_pool else self.streams * self.padded_ctx
+        return d.weights + kv_tokens * d.kv_per_token + self.streams * d.state_per_stream
+
+    @property
+    def fixed(self) -> int:
+        """What any configuration of this model needs: weights, the drafter's weights, workspace and reserve."""
+        return self.weights + self.drafter.weights + self.workspace + self.reserve
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.states + self.drafter_bytes + self.workspace + self.reserve
 
-    def _room(self) -> int:
-        """Memory left for what scales with the streams and the context."""
-        return self.available - self.weights - self.drafter.weights - self.workspace - self.reserve - self.fixed_states
-
     @property
     def fits(self) -> bool:
         return self.total <= self.available
 
-    def max_streams(self) -> int:
-        """Most streams of `ctx` tokens that fit next to the weights and workspace."""
-        d = self.drafter
-        per_stream = self.padded_ctx * (self.kv_per_token + d.kv_per_token) + self.state_per_stream + d.state_per_stream
-        return max(self._room() // per_stream, 0)
-
-    def max_ctx(self) -> int:
-        """Longest context (a multiple of the block size) that `streams` streams fit in."""
-        room = self._room() // self.streams - self.state_per_stream - self.drafter.state_per_stream
-        per_token = self.kv_per_token + self.drafter.kv_per_token
-        if room <= 0 or per_token == 0:
-            return 0
-        return room // per_token // self.block_size * self.block_size
+    def state_in_tokens(self) -> int:
+        """The tokens (whole pages) whose KV takes as much memory as one state slot: the prompt length from which
+        a prefix checkpoint costs less than the KV it saves recomputing."""
+        page = self.kv_per_token * self.block_size
+        return max(-(-self.state_per_stream // page) if page else 1, 1) * self.block_size
 
     def table(self) -> str:
+        kv_label = f"attention KV ({self.streams} streams x {self.ctx} tokens)"
+        if self.kv_tokens:
+            kv_label = f"attention KV pool ({self.kv_tokens} tokens; {self.streams} streams x {self.ctx} tokens)"
         rows = [
             ("weights", self.weights),
-            (f"attention KV ({self.streams} streams x {self.ctx} tokens)", self.kv),
+            (kv_label, self.kv),
             (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states),
             (f"drafter: {self.drafter.name} (weights, KV, states)", self.drafter_bytes),
             ("workspace (one forward pass)", self.workspace),
             ("reserve (runtime)", self.reserve),
             ("total needed", self.total),
-            (f"free on {self.device}", self.available),
+            (f"{self.available_label} on {self.device}", self.available),
         ]
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value / GIB:9.3f} GiB" for name, value in rows]
-        limits = " or ".join(self.alternatives()) or "nothing: not even the weights fit"
-        lines.append(f"{'fits' if self.fits else 'does NOT fit'}; the most that fits: {limits}")
+        lines += self.notes
+        lines.append(f"{'fits' if self.fits else 'does NOT fit'}; {self.advice()}")
         return "\n".join(lines)
 
-    def alternatives(self) -> list[str]:
-        """The largest configurations that fit: more streams at this context, a longer context for these streams."""
-        found = []
-        if self.max_streams() > 0:
-            found.append(f"{self.max_streams()} streams at {self.ctx} tokens")
-        if self.max_ctx() > 0:
-            found.append(f"{self.streams} streams at {self.max_ctx()} tokens")
-        return found
+    def advice(self) -> str:
+        if self.alternatives:
+            return "the most that fits: " + " or ".join(self.alternatives)
+        if self.fixed > self.available:
+            return (
+                f"not even the weights, workspace and runtime reserve ({self.fixed / GIB:.2f} GiB) fit; use a smaller "
+                "dtype or model, or a device with more memory"
+            )
+        return f"not even one stream of {self.block_size} tokens fits next to the weights"
 
     def refusal(self) -> str:
-        advice = " or ".join(self.alternatives()) or "a smaller model or dtype, since not even the weights fit"
-        return (
+        needs = (
             f"{self.streams} streams at {self.ctx} tokens need {self.total / GIB:.2f} GiB (weights "
             f"{self.weights / GIB:.2f}, KV {self.kv / GIB:.2f}, GDN states {self.states / GIB:.2f}, drafter "
             f"{self.drafter_bytes / GIB:.2f}, workspace {self.workspace / GIB:.2f}) but "
-            f"{self.available / GIB:.2f} GiB is free on {self.device}; "
-            f"{advice} would fit."
+            f"{self.available / GIB:.2f} GiB is {self.available_label} on {self.device}"
         )
+        if self.alternatives:
+            return f"{needs}; {' or '.join(self.alternatives)} would fit."
+        return f"{needs}: {self.advice()}."
 
 
 def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
@@ -149,19 +156,30 @@ def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
     return total
 
 
+def _meminfo(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def available_memory(device: torch.device) -> int:
     """Free bytes on `device` now: CUDA's free memory, or the host's MemAvailable."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
+    free = _meminfo("MemAvailable")
+    return free if free is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+def total_memory(device: torch.device) -> int:
+    """All the memory of `device`: the CUDA device's, or the host's MemTotal."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    total = _meminfo("MemTotal")
+    return total if total is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def plan_memory(
@@ -181,11 +199,15 @@ def plan_memory(
     checkpoints: int = 0,
     graph_rows: int = 0,
     drafter: DrafterMemory = DrafterMemory(),
+    kv_tokens: int = 0,
+    materialized_scores: bool = True,
 ) -> MemoryPlan:
     """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
     slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
     `checkpoints` prefix-checkpoint slots are each one more state; `graph_rows` rows of captured CUDA graphs
-    each keep their hidden state and logits; `drafter` is the speculative drafter's own memory."""
+    each keep their hidden state and logits; `drafter` is the speculative drafter's own memory; `kv_tokens` > 0 is
+    a KV pool of that many tokens instead of one context per stream; `materialized_scores`: attention runs on the
+    torch reference, which holds one prompt chunk's scores over the whole context (the kernels hold none)."""
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
     kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * config.head_dim * size
@@ -217,7 +239,7 @@ def plan_memory(
     activations = batch_rows * (4 * config.hidden_size + widest_projection) * 4  # fp32 worst case
     logits = streams * config.vocab_size * 4
     graph_outputs = graph_rows * (config.vocab_size + config.hidden_size) * size
-    attention_scores = min(prefill_chunk, batch_rows) * config.num_attention_heads * ctx * 4  # reference path
+    attention_scores = min(prefill_chunk, batch_rows) * config.num_attention_heads * ctx * 4 * materialized_scores
     return MemoryPlan(
         device=str(device),
         streams=streams,
@@ -231,6 +253,7 @@ def plan_memory(
         available=available_memory(device) if available is None else available,
         checkpoints=checkpoints,
         drafter=drafter,
+        kv_tokens=kv_tokens,
     )
 
 

@@ -122,14 +122,15 @@ class PrefixCache:
         self._drop(checkpoint.key)
         return [*shared, page]
 
-    def save(self, tokens: list[int], slot: int, blocks: list[int]) -> None:
-        """Checkpoint the state in `slot`, which has consumed exactly `tokens`, with the pages holding them."""
+    def save(self, tokens: list[int], slot: int, blocks: list[int], evict: bool = True) -> None:
+        """Checkpoint the state in `slot`, which has consumed exactly `tokens`, with the pages holding them; when
+        no slot is free, evict the least recently used checkpoint for it (or, without `evict`, keep nothing)."""
         length = len(tokens)
         key = prefix_key(tokens, length, self.block_size, block_hashes(tokens, self.block_size))
         if key in self.checkpoints and self.checkpoints[key].tokens == tuple(tokens):
             self.checkpoints[key].last_used = next(self._clock)
             return
-        if not self._free_slots:
+        if not self._free_slots and evict and self.checkpoints:
             self._evict_one()
         if not self._free_slots:
             return

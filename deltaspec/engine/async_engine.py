@@ -92,13 +92,13 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, history_len: int = 0
     ) -> RequestStream:
         """Validate (DeltaspecError on bad input, EngineStopping once shutdown began) and queue a request; call
         from the event loop."""
         if not self.accepting:
             raise EngineStopping("The server is shutting down and takes no new requests; send it to another one.")
-        seq = self.engine.new_sequence(request_id, prompt, prompt_ids, params)
+        seq = self.engine.new_sequence(request_id, prompt, prompt_ids, params, history_len)
         stream = RequestStream(request_id)
         self._commands.put(("add", seq, stream))
         self._wake.set()

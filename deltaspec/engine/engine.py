@@ -21,7 +21,14 @@ from deltaspec.engine.logprob_text import LogprobText
 from deltaspec.engine.next_tokens import next_tokens
 from deltaspec.engine.planning import plan_for
 from deltaspec.engine.scheduler import Scheduler
-from deltaspec.engine.setup import engine_cache, engine_model, engine_tokenizer, graph_runner, route_gemms
+from deltaspec.engine.setup import (
+    engine_cache,
+    engine_model,
+    engine_sampling_defaults,
+    engine_tokenizer,
+    graph_runner,
+    route_gemms,
+)
 from deltaspec.engine.stopping import StopChecker
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.runner import Runner, SeqOutput
@@ -62,6 +69,7 @@ class Engine:
         ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
         self.model = engine_model(planned, ops, progress)
         self.tokenizer = engine_tokenizer(planned)
+        self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
         verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
         self.cache = engine_cache(self.config, self.model_config, self.model.num_kv_layers)
         self.scheduler = Scheduler(
@@ -104,9 +112,11 @@ class Engine:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens)
 
     def new_sequence(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, history_len: int = 0
     ) -> Sequence:
-        """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError."""
+        """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError.
+        `history_len`: the prompt's first tokens that a follow-up will share (a chat's history), kept as a prefix
+        checkpoint."""
         if not prompt_ids:
             raise DeltaspecError("The prompt is empty; give at least one token.")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -126,12 +136,13 @@ class Engine:
             params,
             self.eos_ids,
             generator=None if params.greedy else make_generator(seed, self.device),
+            history_len=history_len,
         )
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, history_len: int = 0
     ) -> Sequence:
-        seq = self.new_sequence(request_id, prompt, prompt_ids, params)
+        seq = self.new_sequence(request_id, prompt, prompt_ids, params, history_len)
         self.scheduler.add(seq)
         return seq
 
@@ -208,7 +219,7 @@ class Engine:
             seq.isolated_until = 0  # past the failed pass: it runs with the others again
         if seq.checkpoint_at and seq.checkpoint_at[0] == seq.num_computed and not out.verifying:
             seq.checkpoint_at.pop(0)
-            self.cache.checkpoint(seq)
+            self.cache.checkpoint(seq, evict=self.scheduler.long_prompt(seq))
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
         """Append new tokens one by one, stopping at the first stop condition."""

@@ -3,8 +3,9 @@
 `plan_for` resolves the configuration against its checkpoint (or its `--random-weights` shape), counts the
 weights the engine will load (from the safetensors headers, or the shape's parameter count), the
 drafter's memory (`deltaspec.spec.factory.drafter_memory`; an injected drafter owns its memory), the
-replay logs, the prefix checkpoints and the captured CUDA graphs, and returns the `MemoryPlan` with what
-was resolved.
+replay logs, the prefix checkpoints and the captured CUDA graphs, sizes what the configuration leaves
+automatic (streams, context, KV pool; `pool_sizing.py`) within the free memory or the
+`--gpu-memory-utilization` budget, and returns the `MemoryPlan`, with its advice, and what was resolved.
 """
 
 from __future__ import annotations
@@ -14,8 +15,25 @@ from pathlib import Path
 
 import torch
 
-from deltaspec.cache.memory_plan import DrafterMemory, MemoryPlan, plan_memory, weight_bytes
-from deltaspec.config import EngineConfig, ModelConfig, parse_dtype, resolve_engine_config
+from deltaspec.cache.memory_plan import (
+    GIB,
+    DrafterMemory,
+    MemoryPlan,
+    available_memory,
+    plan_memory,
+    total_memory,
+    weight_bytes,
+)
+from deltaspec.config import (
+    CHECKPOINTS_PER_STREAM,
+    EngineConfig,
+    ModelConfig,
+    check_context,
+    parse_dtype,
+    resolve_engine_config,
+    with_pools,
+)
+from deltaspec.engine.pool_sizing import PoolSizing
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.graph_buckets import graph_rows_of
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
@@ -46,6 +64,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         files = checkpoint_files(model_dir)
         model_config = replace(parse_model_config(raw), num_mtp_layers=count_mtp_layers(files))  # as loaded
         resolved = resolve_engine_config(config, checkpoint_dtype(raw))
+    check_context(resolved, model_config.max_position_embeddings)
     if drafter is not None:
         resolved = replace(resolved, speculative=drafter.name)
     dtype = parse_dtype(resolved.dtype)
@@ -59,27 +78,71 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     memory = (
         DrafterMemory(drafter.name) if drafter is not None else drafter_memory(resolved, model_dir, model_config, mtp)
     )
-    streams, ctx = resolved.max_num_seqs, resolved.max_model_len
-    if resolved.num_kv_blocks:
-        ctx = resolved.num_kv_blocks * resolved.block_size // streams
-    plan = plan_memory(
-        model_config,
-        len(model_config.attention_layer_ids),
-        target,
-        dtype,
-        parse_dtype(resolved.state_dtype),
-        streams,
-        ctx,
-        resolved.block_size,
-        resolved.max_num_batched_tokens,
-        resolved.prefill_chunk,
-        torch.device(resolved.device),
-        log_rows=resolved.log_rows,
-        checkpoints=resolved.prefix_checkpoints,
-        graph_rows=graph_rows_of(resolved, model_config),
-        drafter=memory,
+    device = torch.device(resolved.device)
+    available, budget_note = _available(resolved, device)
+
+    def plan_at(streams: int, ctx: int, kv_blocks: int) -> MemoryPlan:
+        return plan_memory(
+            model_config,
+            len(model_config.attention_layer_ids),
+            target,
+            dtype,
+            parse_dtype(resolved.state_dtype),
+            streams,
+            ctx,
+            resolved.block_size,
+            resolved.max_num_batched_tokens,
+            resolved.prefill_chunk,
+            device,
+            available=available,
+            log_rows=resolved.log_rows,
+            checkpoints=_checkpoints(resolved, streams),
+            graph_rows=graph_rows_of(replace(resolved, max_num_seqs=streams), model_config),
+            drafter=memory,
+            kv_tokens=kv_blocks * resolved.block_size,
+            materialized_scores=device.type != "cuda" or resolved.kernels == "reference",
+        )
+
+    sizing = PoolSizing(resolved, model_config.max_position_embeddings, plan_at)
+    streams, ctx, kv_blocks, notes = sizing.decide()
+    plan = replace(
+        plan_at(streams, ctx, kv_blocks),
+        notes=tuple(filter(None, (budget_note, *notes))),
+        available_label="budget" if budget_note else "free",
     )
+    plan = replace(plan, alternatives=sizing.alternatives(plan))
+    resolved = replace(
+        resolved, prefix_checkpoint_min_prompt=resolved.prefix_checkpoint_min_prompt or plan.state_in_tokens()
+    )
+    if plan.fits:
+        resolved = with_pools(resolved, streams, ctx, kv_blocks)
+    else:  # refused by whoever runs it; the plan and its advice are what matter
+        resolved = replace(resolved, max_num_seqs=streams, max_model_len=ctx, prefix_checkpoints=plan.checkpoints)
     return Planned(plan, resolved, model_config, raw, model_dir, with_mtp)
+
+
+def _checkpoints(config: EngineConfig, streams: int) -> int:
+    if not config.enable_prefix_caching:
+        return 0
+    return config.prefix_checkpoints or CHECKPOINTS_PER_STREAM * streams
+
+
+def _available(config: EngineConfig, device: torch.device) -> tuple[int, str | None]:
+    """The memory this engine may use, and a note saying where that number comes from with
+    --gpu-memory-utilization (the fraction of the whole device, which must be free now)."""
+    free = available_memory(device)
+    fraction = config.gpu_memory_utilization
+    if not fraction:
+        return free, None
+    total = total_memory(device)
+    budget = int(fraction * total)
+    if budget > free:
+        raise DeltaspecError(
+            f"--gpu-memory-utilization {fraction} asks for {budget / GIB:.2f} GiB of the {total / GIB:.2f} GiB on "
+            f"{device}, but only {free / GIB:.2f} GiB is free; use {int(free / total * 100) / 100} or less, or free "
+            "the memory other processes hold."
+        )
+    return budget, f"budget: --gpu-memory-utilization {fraction} of the {total / GIB:.2f} GiB of {device}"
 
 
 def _random_shape(config: EngineConfig) -> ModelConfig:

@@ -108,12 +108,20 @@ class Scheduler:
                 seq.isolated_until = max(1, min(seq.num_computed + item.num_rows, seq.num_tokens))
                 self._requeue(seq)
 
+    def long_prompt(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prompt is long enough to leave checkpoints before its end and evict older ones for them."""
+        return bool(self.checkpoint_min_prompt) and len(seq.prompt_ids) >= self.checkpoint_min_prompt
+
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
-        """Where a long prompt leaves prefix checkpoints: 512 and 64 tokens before its end, past what is computed."""
+        """Where a prompt leaves prefix checkpoints, past what is computed: where its chat history ends, and for a
+        long prompt 512 and 64 tokens before its end."""
         length = len(seq.prompt_ids)
-        if not self.checkpoint_min_prompt or self.cache.prefix is None or length < self.checkpoint_min_prompt:
+        if self.cache.prefix is None:
             return []
-        return [p for p in (length - CHECKPOINT_OFFSETS[0], length - CHECKPOINT_OFFSETS[1]) if p > seq.num_computed]
+        positions = {seq.history_len} if 0 < seq.history_len < length else set()
+        if self.long_prompt(seq):
+            positions |= {length - offset for offset in CHECKPOINT_OFFSETS}
+        return sorted(p for p in positions if p > seq.num_computed)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Rows of `seq`'s next prompt chunk: within the chunk limit and the budget, ending at its next

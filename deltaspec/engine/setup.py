@@ -1,6 +1,6 @@
 """The parts an engine is built from, as its plan says: the model (a checkpoint or random weights), the
-tokenizer of a random-weight model, the caches, the measured GEMM routing (and the verify costs read from
-it), and the CUDA graphs of decode and verify passes."""
+tokenizer of a random-weight model, the checkpoint's sampling defaults, the caches, the measured GEMM routing
+(and the verify costs read from it), and the CUDA graphs of decode and verify passes."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ import torch
 from deltaspec.cache.manager import CacheManager
 from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
 from deltaspec.engine.planning import Planned
+from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.graph_buckets import uses_cuda_graphs
+from deltaspec.model.generation_config import FILE_NAME, sampling_defaults
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_init import random_model
 from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
 from deltaspec.model.weights import default_model_path, load_model
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.policy import VerifyCostTable
 
 ROUTED_WEIGHT_ELEMENTS = 1 << 22  # weights of at least 4 M elements get a measured GEMM route
@@ -38,6 +41,17 @@ def engine_tokenizer(planned: Planned) -> Tokenizer | None:
     if planned.model_dir is not None:
         return Tokenizer.from_dir(planned.model_dir)
     return borrowed_tokenizer(planned.model_config)
+
+
+def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:
+    """The checkpoint's sampling defaults (`generation_config.json`), checked as `SamplingParams` would check them;
+    none for random weights."""
+    defaults = sampling_defaults(planned.model_dir)
+    try:
+        SamplingParams(**defaults)
+    except DeltaspecError as exc:
+        raise DeltaspecError(f"The checkpoint's {FILE_NAME} sets an invalid sampling default: {exc}") from None
+    return defaults
 
 
 def engine_cache(config: EngineConfig, model_config: ModelConfig, num_kv_layers: int) -> CacheManager:

@@ -87,6 +87,7 @@ class Sequence:
     num_cached_tokens: int = 0  # tokens resumed from a prefix checkpoint instead of computed
     expected_cached: int = 0  # tokens a checkpoint held when the sequence arrived (a scheduling estimate)
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to leave prefix checkpoints at
+    history_len: int = 0  # prompt tokens a follow-up will share: a chat's history without its generation prompt
 
     @property
     def all_ids(self) -> list[int]:

@@ -227,6 +227,16 @@ class Tokenizer:
                 "check that every message has the fields the template reads."
             ) from exc
 
+    def history_length(
+        self, prompt_ids: list[int], messages: list[dict], *, tools: list[dict] | None = None, **template_kwargs: Any
+    ) -> int:
+        """How many of `prompt_ids` (`messages` rendered with the generation prompt) are the conversation's history:
+        the same messages rendered without it, which the next turn's prompt starts with (0 when the tokens differ)."""
+        history = self.encode(
+            self.apply_chat_template(messages, tools=tools, add_generation_prompt=False, **template_kwargs)
+        )
+        return len(history) if 0 < len(history) < len(prompt_ids) and prompt_ids[: len(history)] == history else 0
+
     def _select_template(self, tools: list[dict] | None) -> str:
         """The template to use: `tool_use` when tools are given and one exists, else `default`."""
         if not self._chat_templates:

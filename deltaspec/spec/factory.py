@@ -59,7 +59,7 @@ def drafter_memory(
     if uses(config.speculative, "mtp"):
         size = torch.empty(0, dtype=dtype).element_size()
         kv = model_config.num_mtp_layers * 2 * model_config.num_key_value_heads * model_config.head_dim * size
-        return DrafterMemory(config.speculative, weights=mtp_weights, kv_per_token=kv)
+        return DrafterMemory(config.speculative, weights=mtp_weights, kv_per_token=kv, shares_pool=True)
     if uses(config.speculative, "draft"):
         path = draft_model_dir(config, target_dir)
         draft_config = parse_model_config(read_config_json(path))
