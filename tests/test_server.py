@@ -32,6 +32,7 @@ CTX = 2048
 MAX_SEQS = 4
 USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 TOOLS = [
     {
         "type": "function",
@@ -169,10 +170,10 @@ def test_health_models_and_api_key(live):
     assert [m.id for m in models] == [MODEL]
     with pytest.raises(openai.AuthenticationError):
         live.client(api_key="wrong").models.list()
-    for path in ("/v1/models", "/metrics"):
-        status, body = live.request("GET", path, key=None)
-        assert status == 401 and body["error"]["code"] == "invalid_api_key"
-        assert one_sentence(body["error"]["message"])
+    status, body = live.request("GET", "/v1/models", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert one_sentence(body["error"]["message"])
+    assert live.request("GET", "/metrics", key=None)[0] == 200  # open to scrapers without --metrics-key
     status, body = live.request("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2}, key="nope")
     assert status == 401
     assert live.request("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2})[0] == 200
@@ -194,9 +195,9 @@ def test_chat_matches_a_completion_of_the_rendered_prompt(live):
 
 
 def test_thinking_on_gives_reasoning_content(live):
-    prompt = rendered(live)
-    assert prompt.endswith("<think>\n")  # the template's default is to think
-    out = chat(live, max_tokens=20)
+    prompt = rendered(live, enable_thinking=True)
+    assert prompt.endswith("<think>\n")
+    out = chat(live, max_tokens=20, **THINK)
     raw = complete(live, prompt, max_tokens=20).choices[0].text
     reasoning, content = split_reasoning(raw, True)
     message = out.choices[0].message
@@ -204,6 +205,8 @@ def test_thinking_on_gives_reasoning_content(live):
     assert message.content == content
     off = chat(live, max_tokens=20, **NO_THINK).choices[0].message
     assert off.reasoning_content is None and off.content
+    default = chat(live, max_tokens=20).choices[0].message  # the embedded template's default: no thinking
+    assert (default.reasoning_content, default.content) == (None, off.content)
 
 
 def stream_text(chunks) -> dict:
@@ -398,7 +401,7 @@ class ScriptedOutput:
     def __init__(self, token_ids: list[int], finish_reason: str = "stop", error: str | None = None) -> None:
         self.token_ids, self.finish_reason, self.error = token_ids, finish_reason, error
 
-    def __call__(self, request_id: str, prompt, prompt_ids: list[int], params) -> RequestStream:
+    def __call__(self, request_id: str, prompt, prompt_ids: list[int], params, history_len: int = 0) -> RequestStream:
         stream = RequestStream(request_id)
         pieces = [self.token_ids[i : i + 2] for i in range(0, len(self.token_ids), 2)] or [[]]
         for i, piece in enumerate(pieces):
@@ -425,7 +428,7 @@ TOOL_OUTPUT = (
 
 def test_tool_calls_are_parsed_from_the_output(live, monkeypatch):
     monkeypatch.setattr(live.async_engine, "add_request", ScriptedOutput(live.tokenizer.encode(TOOL_OUTPUT)))
-    out = chat(live, tools=TOOLS)
+    out = chat(live, tools=TOOLS, **THINK)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.reasoning_content == "The user wants the weather."
@@ -436,7 +439,7 @@ def test_tool_calls_are_parsed_from_the_output(live, monkeypatch):
         "get_weather",
         {"city": "Paris"},
     )
-    streamed = list(chat(live, tools=TOOLS, stream=True))
+    streamed = list(chat(live, tools=TOOLS, stream=True, **THINK))
     calls = [tc for c in streamed for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
         (0, "get_weather", {"city": "Paris"})
@@ -448,7 +451,7 @@ def test_tool_calls_are_parsed_from_the_output(live, monkeypatch):
     )
     assert all(not c.choices[0].delta.content for c in streamed)
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
-    no_tools = chat(live).choices[0]  # without tools the block stays text
+    no_tools = chat(live, **THINK).choices[0]  # without tools the block stays text
     assert no_tools.finish_reason == "stop" and no_tools.message.content.startswith("<tool_call>")
 
 

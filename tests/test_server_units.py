@@ -4,6 +4,7 @@ logprob formats, validation messages, vote wiring, and the `serve` command line.
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -19,6 +20,7 @@ from deltaspec.server.chat import ChatFormat, voted_choice
 from deltaspec.server.detokenizer import IncrementalDetokenizer, stop_hold_start
 from deltaspec.server.errors import validation_error
 from deltaspec.server.logprobs import chat_logprobs, completion_logprobs
+from deltaspec.server.metrics import TokenTally
 from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest
 from deltaspec.server.respond import Submitted
 from deltaspec.server.samples import Sample
@@ -234,6 +236,7 @@ class FakeEngine:
 class FakeContext:
     def __init__(self) -> None:
         self.engine = FakeEngine()
+        self.metrics = SimpleNamespace(tally=TokenTally())
 
 
 def finished_sample(index: int, text: str, tokenizer: Tokenizer, reason: str = "stop") -> Sample:

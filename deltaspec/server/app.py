@@ -1,20 +1,21 @@
 """The FastAPI app of `deltaspec serve` (`build_app`) and the process around it (`run_server`).
 
-Owns routing, the API-key check (every endpoint but /health), request-body parsing (the body's
-own checks are in `body.py`; parsing and validation run on a worker thread; bad JSON or bad field
-types are a 400 with one sentence, never FastAPI's 422), and turning every failure into an
-OpenAI-style error body without the server's file paths: `APIError` as itself, anything unexpected
-as a 500 for that request only. The endpoint logic lives in `chat.py` and `completions.py`.
+Owns routing (which key guards which endpoint is `auth.py`), request-body parsing (the body's own checks
+are in `body.py`; parsing and validation run on a worker thread; bad JSON or bad field types are a 400
+with one sentence, never FastAPI's 422), turning every failure into an OpenAI-style error body without
+the server's file paths (`APIError` as itself, logged with the request's id; anything unexpected is a 500
+for that request only, `request_ids.py`), the throughput lines' background task while the app runs, and
+the start-up summary. The endpoint logic lives in `chat.py` and `completions.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
 
@@ -30,14 +31,17 @@ from deltaspec.config import EngineConfig, ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
+from deltaspec.server.auth import api_key_of, bearer_check
 from deltaspec.server.body import check_content_type, parse_json, read_body
 from deltaspec.server.chat import create_chat_completion
 from deltaspec.server.checks import reject_unimplemented
 from deltaspec.server.completions import create_completion
 from deltaspec.server.context import ServerContext
 from deltaspec.server.errors import APIError, validation_error
+from deltaspec.server.logs import configure_logging, log_stats, startup_summary
 from deltaspec.server.metrics import RequestLog, ServerMetrics
 from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deltaspec.server.request_ids import RequestIds, log_error
 
 log = logging.getLogger("deltaspec.server")
 
@@ -73,22 +77,6 @@ async def _parse(request: Request, model: type[BaseModel], max_bytes: int) -> Ba
     return await asyncio.to_thread(_decode, raw, model)
 
 
-def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A route dependency: 401 unless the request carries `Authorization: Bearer <api_key>` (no-op without a key)."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(
-                401, "The API key is missing or wrong; send 'Authorization: Bearer <key>'.", code="invalid_api_key"
-            )
-
-    return check
-
-
 def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app serving `async_engine` (which the caller starts and shuts down)."""
     engine = async_engine.engine
@@ -99,28 +87,45 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
         metrics=ServerMetrics(lambda: async_engine.usage),
         request_log=RequestLog(server_config.request_log) if server_config.request_log else None,
     )
-    app = FastAPI(title="deltaspec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stats = None
+        if not server_config.disable_log_stats:
+            prefix_caching, interval = engine.cache.prefix is not None, server_config.log_stats_interval
+            stats = asyncio.create_task(
+                log_stats(ctx.metrics.tally, lambda: async_engine.usage, prefix_caching, interval)
+            )
+        yield
+        if stats is not None:
+            stats.cancel()
+
+    app = FastAPI(title="deltaspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.ctx = ctx
+    app.add_middleware(RequestIds, access_log=server_config.access_log, redact=ctx.redact)
 
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        log_error(exc.status, exc.message)
         return exc.response(ctx.redact)
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}.").response(ctx.redact)
-
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed", exc_info=exc)
-        return APIError(500, f"The server failed on this request ({type(exc).__name__}: {exc}).").response(ctx.redact)
+        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}.")
+        return await api_error(request, error)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
 
-    @app.get("/health")
+    operations = APIRouter(dependencies=[Depends(bearer_check(server_config.metrics_key, "metrics key"))])
+
+    @operations.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
-    api = APIRouter(dependencies=[Depends(_api_key_check(server_config.api_key))])
+    @operations.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    api = APIRouter(dependencies=[Depends(bearer_check(api_key_of(server_config), "API key"))])
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -145,10 +150,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @api.get("/metrics")
-    async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(operations)
     app.include_router(api)
     return app
 
@@ -198,12 +200,15 @@ def make_server(app: FastAPI) -> uvicorn.Server:
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Load the model, start the engine loop and serve until interrupted."""
+    """Load the model, start the engine loop, log what was built and serve until interrupted."""
+    configure_logging()
     sock = bind_socket(server_config.host, server_config.port)
     async_engine = AsyncEngine(Engine(engine_config))
     async_engine.start()
     try:
         app = build_app(async_engine, server_config)
+        for line in startup_summary(async_engine.engine, app.state.ctx.model_name):
+            log.info(line)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"deltaspec: serving '{app.state.ctx.model_name}' at http://{url_host}:{port}/v1", flush=True)

@@ -257,6 +257,7 @@ class ChatPlan:
     prompt_ids: list[int]
     params: SamplingParams
     format: ChatFormat
+    history_len: int  # prompt tokens the next turn will share: the messages rendered without the generation prompt
 
 
 def _check_template_kwargs(kwargs: dict) -> None:
@@ -302,23 +303,23 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
     check_chat(ctx, req)
     tokenizer = ctx.require_tokenizer("chat messages cannot be rendered")
     tools = template_tools(req)
+    messages, options = template_messages(req.messages), req.chat_template_kwargs or {}
     try:
         prompt = tokenizer.apply_chat_template(
-            template_messages(req.messages),
-            tools=tools,
-            add_generation_prompt=req.add_generation_prompt,
-            **(req.chat_template_kwargs or {}),
+            messages, tools=tools, add_generation_prompt=req.add_generation_prompt, **options
         )
+        prompt_ids = tokenizer.encode(prompt)
+        history_len = tokenizer.history_length(prompt_ids, messages, tools=tools, **options)
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
-    prompt_ids = tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is None:
-        max_tokens = max(ctx.max_model_len - len(prompt_ids), 1)
+    if max_tokens is None:  # the rest of the context, or less where the model's generation config says so
+        rest = max(ctx.max_model_len - len(prompt_ids), 1)
+        max_tokens = min(rest, ctx.sampling_defaults.get("max_tokens", rest))
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, top)
+    params = sampling_params(req, max_tokens, top, ctx.sampling_defaults)
     fmt = ChatFormat(tokenizer, prompt.rstrip().endswith("<think>"), tools, top)
-    return ChatPlan(req, prompt, prompt_ids, params, fmt)
+    return ChatPlan(req, prompt, prompt_ids, params, fmt, history_len)
 
 
 def voted_choice(fmt: ChatFormat) -> Callable[[Sample], tuple[ChatChoice, str]]:
@@ -335,7 +336,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     plan = await asyncio.to_thread(plan_chat, ctx, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     arrival = time.time()
-    samples = submit(ctx.engine, request_id, plan.prompt, plan.prompt_ids, plan.params, req.n)
+    samples = submit(
+        ctx.engine, request_id, plan.prompt, plan.prompt_ids, plan.params, req.n, history_len=plan.history_len
+    )
     submitted = Submitted(ctx, ENDPOINT, request_id, arrival, samples, len(plan.prompt_ids), req.n)
     if req.stream:
         return submitted.stream(lambda outcome: _stream_chat(ctx, plan, request_id, samples, outcome))

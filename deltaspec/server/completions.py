@@ -4,7 +4,10 @@ Owns the prompt forms OpenAI accepts (a string, a list of strings, a token list,
 lists), choice indexing (prompt p, sample i -> index p * n + i, as vLLM does), completion-style
 logprobs (tokens, token_logprobs, top_logprobs, text_offset), its SSE stream, and `vote` over the
 n samples of a single prompt (as on the chat endpoint: one choice, the majority answer). `echo` is
-not supported.
+not supported. Without `max_tokens` a completion generates 16 tokens (OpenAI's and vLLM's default).
+Token ids on choices: `return_token_ids` (vLLM's) adds `prompt_token_ids` and `token_ids` to each
+choice (the prompt's on its first stream chunk only); a model without a tokenizer always sends
+`token_ids`, its only output (`text` is empty).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from deltaspec.server.samples import Sample, abort_unfinished, engine_error, mer
 from deltaspec.server.streaming import DONE, sse
 
 ENDPOINT = "completions"
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -59,15 +63,33 @@ def prompts_of(ctx: ServerContext, prompt: str | list) -> list[Prompt]:
     return [Prompt(text, tokenizer.encode(text)) for text in prompt]
 
 
-def _choice(ctx: ServerContext, sample: Sample, logprobs: int | None, index: int | None = None) -> CompletionChoice:
+def max_tokens_of(ctx: ServerContext, req: CompletionRequest, prompt: Prompt) -> int:
+    """The request's max_tokens, else 16, or less where the context or the model's generation config ends sooner."""
+    if req.max_tokens is not None:
+        return req.max_tokens
+    rest = max(ctx.max_model_len - len(prompt.token_ids), 1)
+    return min(DEFAULT_MAX_TOKENS, rest, ctx.sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS))
+
+
+def sends_token_ids(ctx: ServerContext, req: CompletionRequest) -> bool:
+    """Whether choices carry their generated token ids: when asked for, or when there is no text to send."""
+    return req.return_token_ids or ctx.tokenizer is None
+
+
+def _choice(
+    ctx: ServerContext, req: CompletionRequest, prompts: list[Prompt], sample: Sample, index: int | None = None
+) -> CompletionChoice:
     tokenizer = ctx.tokenizer
     text = sample.text(tokenizer) if tokenizer is not None else ""
+    top = req.logprobs
     return CompletionChoice(
         index=sample.index if index is None else index,
         text=text,
         finish_reason=sample.finish_reason,
         stop_reason=sample.stop_reason,
-        logprobs=completion_logprobs(sample.logprobs, logprobs, tokenizer) if logprobs is not None else None,
+        logprobs=completion_logprobs(sample.logprobs, top, tokenizer) if top is not None else None,
+        prompt_token_ids=prompts[sample.index // req.n].token_ids if req.return_token_ids else None,
+        token_ids=list(sample.token_ids) if sends_token_ids(ctx, req) else None,
     )
 
 
@@ -101,10 +123,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
     samples: list[Sample] = []
     try:
         for p, prompt in enumerate(prompts):
-            max_tokens = (
-                req.max_tokens if req.max_tokens is not None else max(ctx.max_model_len - len(prompt.token_ids), 1)
-            )
-            params = sampling_params(req, max_tokens, req.logprobs)
+            params = sampling_params(req, max_tokens_of(ctx, req, prompt), req.logprobs, ctx.sampling_defaults)
             samples += submit(ctx.engine, request_id, prompt.text, prompt.token_ids, params, req.n, p * req.n)
     except APIError:
         abort_unfinished(ctx.engine, samples)
@@ -115,14 +134,14 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
         return submitted.stream(lambda outcome: _stream(ctx, req, request_id, prompts, samples, outcome))
 
     def voted_choice(sample: Sample) -> tuple[CompletionChoice, str]:
-        choice = _choice(ctx, sample, req.logprobs, index=0)
+        choice = _choice(ctx, req, prompts, sample, index=0)
         return choice, choice.text
 
     vote = submitted.stop_once_decided(voted_choice) if req.vote else None
 
     def body() -> CompletionResponse:
         if vote is None:
-            choices, info = [_choice(ctx, s, req.logprobs) for s in samples], None
+            choices, info = [_choice(ctx, req, prompts, s) for s in samples], None
         else:
             choice, info = vote.result()
             choices = [choice]
@@ -161,6 +180,8 @@ async def _stream(
         else {}
     )
     offsets = dict.fromkeys(detokenizers, 0)
+    with_ids = sends_token_ids(ctx, req)
+    prompt_ids_due = {s.index for s in samples} if req.return_token_ids else set()
     finish_reasons: dict[int, str | None] = {}
     async with aclosing(merged(samples)) as deltas:
         async for sample, delta in deltas:
@@ -180,9 +201,14 @@ async def _stream(
             if req.logprobs is not None and delta.new_logprobs:
                 logprobs = completion_logprobs(delta.new_logprobs, req.logprobs, tokenizer, offsets[sample.index])
                 offsets[sample.index] += sum(len(t) for t in logprobs.tokens)
-            if not text and logprobs is None and not delta.finished:
+            if not text and logprobs is None and not (with_ids and delta.new_token_ids) and not delta.finished:
                 continue
-            ending = {"stop_reason": delta.stop_reason} if delta.finished else {}
+            optional = {"stop_reason": delta.stop_reason} if delta.finished else {}
+            if with_ids:
+                optional["token_ids"] = delta.new_token_ids
+            if sample.index in prompt_ids_due:
+                prompt_ids_due.discard(sample.index)
+                optional["prompt_token_ids"] = prompts[sample.index // req.n].token_ids
             if delta.finished:
                 finish_reasons[sample.index] = delta.finish_reason
             yield chunk(
@@ -192,7 +218,7 @@ async def _stream(
                         text=text,
                         logprobs=logprobs,
                         finish_reason=delta.finish_reason if delta.finished else None,
-                        **ending,
+                        **optional,
                     )
                 ]
             )

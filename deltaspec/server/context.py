@@ -43,6 +43,11 @@ class ServerContext:
         return self.engine.engine.tokenizer
 
     @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The model's sampling defaults (`generation_config.json`) for the fields a request leaves unset."""
+        return self.engine.engine.sampling_defaults
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.engine.config.max_model_len
 

@@ -3,7 +3,8 @@
 `ServerMetrics` owns a private `CollectorRegistry` (so several apps in one process do not collide):
 request, prompt-token and generated-token counters, TTFT and TPOT histograms, and gauges read
 from `AsyncEngine.usage` at scrape time (running and waiting sequences, KV pages, GDN state
-slots, preemptions, engine steps). `RequestLog` appends one JSON line per finished request.
+slots, preemptions, engine steps). `TokenTally` counts tokens as the engine's deltas arrive, for the
+throughput lines of the log. `RequestLog` appends one JSON line per finished request.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from deltaspec.engine.async_engine import RequestDelta
 from deltaspec.errors import DeltaspecError
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -56,8 +59,42 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=usage[key])
 
 
+@dataclass
+class TokenTally:
+    """Token totals since the server started, counted on the event loop from the deltas each sample receives:
+    prompt tokens of samples whose prompt is done (their first token came), tokens generated, and of the samples
+    that finished after their prompt was done, prompt tokens, the part resumed from prefix checkpoints, and
+    speculative verify rounds, draft tokens verified and draft tokens accepted."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished_prompt_tokens: int = 0
+    cached_tokens: int = 0
+    spec_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, delta: RequestDelta, started: bool) -> None:
+        """Count one delta of a sample; `started`: whether the sample had tokens before this delta."""
+        if delta.new_token_ids and not started:
+            self.prompt_tokens += delta.num_prompt_tokens
+        self.generated_tokens += len(delta.new_token_ids)
+        if delta.finished and (started or delta.new_token_ids):
+            metrics = delta.metrics
+            self.finished_prompt_tokens += delta.num_prompt_tokens
+            self.cached_tokens += metrics.get("num_cached_tokens", 0)
+            self.spec_rounds += metrics.get("spec_rounds", 0)
+            self.drafted_tokens += sum(metrics.get("drafted_at", ()))
+            self.accepted_tokens += metrics.get("spec_accepted_tokens", 0)
+
+    def since(self, earlier: TokenTally) -> TokenTally:
+        """What was counted after `earlier` (a copy of this tally)."""
+        return TokenTally(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+
 class ServerMetrics:
     def __init__(self, usage: Callable[[], dict]) -> None:
+        self.tally = TokenTally()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "deltaspec_requests",

@@ -32,16 +32,17 @@ class SamplingFields(_Request):
     model: str | None = None
     n: int = 1
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    # None: the model's generation_config.json default, else vLLM's (1, 1, 0 = off, 0, 1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -118,6 +119,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     vote: bool = False
+    return_token_ids: bool = False  # vLLM's: each choice also carries its prompt's and its own token ids
 
 
 # ---- responses ----
@@ -226,12 +228,21 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+def _left_out_when_none(value: object) -> bool:
+    return value is None
+
+
 class CompletionChoice(BaseModel):
+    """`prompt_token_ids` (with `return_token_ids`) and `token_ids` (with it, or from a model without a tokenizer,
+    whose `text` is empty) are left out of the body when not asked for."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_left_out_when_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_left_out_when_none)
 
 
 class CompletionResponse(BaseModel):

@@ -3,12 +3,14 @@
 `Submitted` holds one HTTP request's samples and what its request-log line needs. A whole response
 waits for every sample (feeding the request's vote, when it asked for one, which stops sampling once
 decided), then answers with the body the endpoint builds, a 500 when the engine failed, or nothing
-(499) when the client left. However a request ends, its unfinished samples are aborted and it is
-counted and logged exactly once.
+(499) when the client left. However a request ends, its unfinished samples are aborted, it is
+counted and logged exactly once, and each sample the engine failed is logged with the request's id.
+Every delta its samples receive adds to the server's token counts (`TokenTally`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -16,10 +18,14 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from deltaspec.engine.async_engine import SHUTDOWN_ERROR
 from deltaspec.server.context import ServerContext
+from deltaspec.server.request_ids import current_request_id
 from deltaspec.server.samples import ClientDisconnected, Sample, abort_unfinished, collect, engine_error
 from deltaspec.server.streaming import CleanupStreamingResponse
 from deltaspec.server.voting import SampleVote
+
+log = logging.getLogger("deltaspec.server")
 
 
 @dataclass(frozen=True)
@@ -34,9 +40,26 @@ class Submitted:
     prompt_tokens: int
     n: int
 
+    def __post_init__(self) -> None:
+        for sample in self.samples:
+            sample.tally = self.ctx.metrics.tally
+
     def end(self, finish_reason: str) -> None:
-        """Abort the samples that have not finished and count the request in the metrics and the request log."""
+        """Abort the samples that have not finished, log those the engine failed, and count the request in the
+        metrics and the request log."""
         abort_unfinished(self.ctx.engine, self.samples)
+        for sample in self.samples:
+            if sample.finish_reason != "error":
+                continue
+            if sample.error == SHUTDOWN_ERROR:
+                log.warning("request %s: sample %s was ended by the shutdown", current_request_id(), sample.request_id)
+            else:
+                log.error(
+                    "request %s: sample %s failed in the engine: %s",
+                    current_request_id(),
+                    sample.request_id,
+                    sample.error,
+                )
         self.ctx.record(
             self.endpoint, self.request_id, self.arrival, self.samples, self.prompt_tokens, finish_reason, self.n
         )

@@ -2,9 +2,10 @@
 
 A request with `n` samples becomes `n` engine requests `{id}-{i}` (seeded `seed + i` when a seed
 is given). This module owns turning request fields into `SamplingParams`, accumulating each
-sample's deltas (`Sample`), waiting for them while watching for a client that went away, merging
-their deltas in arrival order for streaming, and aborting whatever has not finished when the
-HTTP request ends early, so the engine frees their caches.
+sample's deltas (`Sample`, which also adds each to the server's `TokenTally`), waiting for them
+while watching for a client that went away, merging their deltas in arrival order for streaming,
+and aborting whatever has not finished when the HTTP request ends early, so the engine frees
+their caches.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.params import SamplingParams
 from deltaspec.server.errors import APIError
+from deltaspec.server.metrics import TokenTally
 from deltaspec.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 
 DISCONNECT_POLL_S = 0.1
@@ -29,15 +31,21 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The engine parameters of one sample (n = 1); a bad value is a 400 naming the field."""
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, defaults: dict[str, float | int]
+) -> SamplingParams:
+    """The engine parameters of one sample (n = 1): the request's fields, and for the ones it leaves unset the
+    model's `defaults` (its generation config), else vLLM's; a bad value is a 400 naming the field."""
+    unset = {name: defaults[name] for name in MODEL_DEFAULT_FIELDS if getattr(req, name) is None and name in defaults}
+    given = {name: getattr(req, name) for name in MODEL_DEFAULT_FIELDS if getattr(req, name) is not None}
     try:
         return SamplingParams(
             n=1,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
+            **unset,
+            **given,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
@@ -45,7 +53,6 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             ignore_eos=req.ignore_eos,
             seed=req.seed,
             logprobs=logprobs,
-            repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             skip_special_tokens=req.skip_special_tokens,
@@ -72,8 +79,11 @@ class Sample:
     stop_text: str | None = None
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    tally: TokenTally | None = None  # the server's token counts, which every delta adds to
 
     def apply(self, delta: RequestDelta) -> None:
+        if self.tally is not None:
+            self.tally.add(delta, started=bool(self.token_ids))
         self.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs:
             self.logprobs.extend(delta.new_logprobs)
@@ -97,15 +107,17 @@ def submit(
     params: SamplingParams,
     n: int,
     first_index: int = 0,
+    history_len: int = 0,
 ) -> list[Sample]:
-    """Queue `n` samples of one prompt; choice indices start at `first_index`. DeltaspecError -> 400."""
+    """Queue `n` samples of one prompt; choice indices start at `first_index`; `history_len` prompt tokens are a
+    chat's history, which the next turn will share. DeltaspecError -> 400."""
     samples: list[Sample] = []
     try:
         for i in range(n):
             index = first_index + i
             sample_params = params if params.seed is None else replace(params, seed=params.seed + i)
             sample_id = f"{request_id}-{index}"
-            stream = engine.add_request(sample_id, prompt, prompt_ids, sample_params)
+            stream = engine.add_request(sample_id, prompt, prompt_ids, sample_params, history_len)
             samples.append(Sample(index, sample_id, stream, sample_params, len(prompt_ids)))
     except EngineStopping as exc:
         abort_unfinished(engine, samples)
