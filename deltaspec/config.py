@@ -139,8 +139,8 @@ class EngineConfig:
     max_model_len: int = field(
         default=0,
         metadata={
-            "help": "longest sequence, prompt + output; 0: the model's max_position_embeddings, or as much as the "
-            "memory holds for the streams",
+            "help": "longest sequence, prompt + output; 0: the model's max_position_embeddings, or as much as "
+            "90 percent of the free memory holds for the streams",
             "aliases": ("--ctx",),
         },
     )

@@ -149,7 +149,8 @@ def test_the_context_defaults_to_the_models_positions(tmp_path, monkeypatch):
     shortened = plan_for(config)
     ctx = shortened.config.max_model_len
     assert shortened.plan.fits and ctx < 2048 and ctx % 16 == 0
-    assert not plan_for(replace(config, max_model_len=ctx + 16)).plan.fits
+    bigger = plan_for(replace(config, max_model_len=ctx + 16)).plan  # the longest within 90 % of the free memory
+    assert shortened.plan.total <= 0.9 * shortened.plan.available < bigger.total
     assert any("the most that 8 streams fit" in note for note in shortened.plan.notes)
     assert all(ctx <= 2048 for _, ctx in _advised(shortened.plan.table()))
 

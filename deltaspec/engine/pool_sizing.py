@@ -1,7 +1,8 @@
 """Sizing the pools of a configuration that leaves them automatic, and the planner's advice.
 
 `--max-num-seqs 0` is 8 streams, or with `--gpu-memory-utilization` as many as fit (at most 256, vLLM's default);
-`--max-model-len 0` is the model's `max_position_embeddings`, shortened to what the memory holds for the streams;
+`--max-model-len 0` is the model's `max_position_embeddings`, shortened to what 90 % of the free memory holds for
+the streams (the rest is left to the allocator and other processes);
 `--gpu-memory-utilization F` grows the KV page pool to fill the budget. The advice a plan prints (the most
 streams at this context, the longest context for these streams, never past the model's positions unless
 `--allow-long-max-model-len`) comes from the same place. Every answer is a search over the plan's own
@@ -17,6 +18,7 @@ from deltaspec.cache.memory_plan import MemoryPlan
 from deltaspec.config import EngineConfig
 
 AUTO_STREAMS = 8
+AUTO_CONTEXT_SHARE = 0.9  # an automatic context shortened to fit leaves this share of the free memory to the plan
 MAX_AUTO_STREAMS = 256
 SEARCH_LIMIT = 1 << 26
 
@@ -56,11 +58,16 @@ class PoolSizing:
     def most_streams(self, ctx: int, kv_blocks: int, hi: int = SEARCH_LIMIT) -> int:
         return max(largest(lambda streams: self.plan_at(streams, ctx, kv_blocks).fits, 1, hi), 0)
 
-    def longest_ctx(self, streams: int, kv_blocks: int) -> int:
-        """The longest context (whole pages, within the model's positions and the pool) that fits; 0 if none."""
+    def longest_ctx(self, streams: int, kv_blocks: int, share: float = 1.0) -> int:
+        """The longest context (whole pages, within the model's positions and the pool) that fits in `share` of
+        the memory available; 0 if none."""
         limit = min(self.ctx_limit, kv_blocks * self.block) if kv_blocks else self.ctx_limit
-        pages = largest(lambda n: self.plan_at(streams, n * self.block, kv_blocks).fits, 1, limit // self.block)
-        return max(pages, 0) * self.block
+
+        def fits(pages: int) -> bool:
+            plan = self.plan_at(streams, pages * self.block, kv_blocks)
+            return plan.total <= share * plan.available
+
+        return max(largest(fits, 1, limit // self.block), 0) * self.block
 
     def largest_pool(self, streams: int, ctx: int) -> int:
         """The most KV pages that fit next to everything else; 0 if none."""
@@ -76,12 +83,13 @@ class PoolSizing:
             streams = cfg.max_num_seqs or AUTO_STREAMS
             if cfg.max_model_len or cfg.num_kv_blocks or self.plan_at(streams, ctx, 0).fits:
                 return streams, ctx, cfg.num_kv_blocks, []
-            shorter = self.longest_ctx(streams, 0)
+            shorter = self.longest_ctx(streams, 0, AUTO_CONTEXT_SHARE)
             if not shorter:
                 return streams, ctx, 0, []
             note = (
-                f"context: {shorter} tokens, the most that {streams} streams fit (the model has {self.positions} "
-                "positions; fewer --max-num-seqs leave room for longer ones)"
+                f"context: {shorter} tokens, the most that {streams} streams fit in {AUTO_CONTEXT_SHARE:.0%} of the "
+                f"free memory (the model has {self.positions} positions; fewer --max-num-seqs leave room for longer "
+                "ones, --max-model-len or --gpu-memory-utilization set it yourself)"
             )
             return streams, shorter, 0, [note]
         notes = []
