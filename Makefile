@@ -20,7 +20,7 @@ MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 CODE_PROMPT := $$'def read_lines(path):\n    """Return the lines of the file at path, without newlines."""\n'
 
 run: $(STAMP)
-	$(VENV)/bin/deltaspec generate $(MODEL_FLAG) --prompt $(CODE_PROMPT) \
+	$(VENV)/bin/deltaspec generate $(MODEL_FLAG) $(CODE_PROMPT) \
 		--max-tokens 60 --repetition-penalty 1.15
 	$(VENV)/bin/deltaspec chat $(MODEL_FLAG) --message "Write a function that reverses a string." \
 		--max-tokens 80 --repetition-penalty 1.1
