@@ -4,8 +4,6 @@ before a benchmark starts, and every way it can fail is one error line."""
 import json
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -13,11 +11,9 @@ import pytest
 from deltaspec.bench.client import Client, Timing
 from deltaspec.bench.local_server import free_port
 from deltaspec.cli import main
-from deltaspec.config import EngineConfig, ServerConfig
-from deltaspec.engine.async_engine import AsyncEngine
-from deltaspec.engine.engine import Engine
+from deltaspec.config import EngineConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.server.app import bind_socket, build_app, make_server
+from tests.test_server import serving
 
 
 def test_bench_serve_reports_aggregate_rate_and_percentiles(tmp_path, capsys):
@@ -158,24 +154,12 @@ KEY = "bench-key"
 
 
 @pytest.fixture(scope="module")
-def live_url() -> Iterator[str]:
+def live_url(tmp_path_factory) -> Iterator[str]:
     """The base URL (no /v1) of a live server of the embedded model on CPU, with an API key and a served name."""
-    engine = Engine(EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512), progress=False)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    sock = bind_socket("127.0.0.1", 0)
-    server = make_server(build_app(async_engine, ServerConfig(api_key=KEY, served_model_name="tiny")))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=15)
-    async_engine.shutdown()
-    sock.close()
+    config = EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512)
+    log = tmp_path_factory.mktemp("bench-url") / "requests.jsonl"
+    with serving(log, config, api_key=KEY, served_model_name="tiny") as live:
+        yield live.url
 
 
 def bench_serve_url(url: str, *flags: str) -> list[str]:
