@@ -1,8 +1,9 @@
 """Sizing the pools of a configuration that leaves them automatic, and the planner's advice.
 
 `--max-num-seqs 0` is 8 streams, or with `--gpu-memory-utilization` as many as fit (at most 256, vLLM's default);
-`--max-model-len 0` is the model's `max_position_embeddings`, shortened to what 90 % of the free memory holds for
-the streams (the rest is left to the allocator and other processes);
+`--max-model-len 0` is the model's `max_position_embeddings` if the streams fit in 90 % of the free memory (the rest
+is left to the allocator and other processes), else shortened to what that holds (what all of it holds if that is
+not even a page);
 `--gpu-memory-utilization F` grows the KV page pool to fill the budget. The advice a plan prints (the most
 streams at this context, the longest context for these streams, never past the model's positions unless
 `--allow-long-max-model-len`) comes from the same place. Every answer is a search over the plan's own
@@ -81,9 +82,10 @@ class PoolSizing:
             ctx = min(ctx, cfg.num_kv_blocks * self.block)
         if not cfg.gpu_memory_utilization:
             streams = cfg.max_num_seqs or AUTO_STREAMS
-            if cfg.max_model_len or cfg.num_kv_blocks or self.plan_at(streams, ctx, 0).fits:
+            whole = self.plan_at(streams, ctx, 0)
+            if cfg.max_model_len or cfg.num_kv_blocks or whole.total <= AUTO_CONTEXT_SHARE * whole.available:
                 return streams, ctx, cfg.num_kv_blocks, []
-            shorter = self.longest_ctx(streams, 0, AUTO_CONTEXT_SHARE)
+            shorter = self.longest_ctx(streams, 0, AUTO_CONTEXT_SHARE) or self.longest_ctx(streams, 0)
             if not shorter:
                 return streams, ctx, 0, []
             note = (
