@@ -25,6 +25,7 @@ LAYERS = (
     "outputs",
     "llm",
     "evaluate",
+    "evaluate_kl",
     "server",
     "bench",
     "cli",

@@ -1,4 +1,4 @@
-"""The `deltaspec` subcommands: their arguments, and the small ones' bodies (ppl, plan, serve); generate and chat
+"""The `deltaspec` subcommands: their arguments, and the small ones' bodies (ppl, kl, plan, serve); generate and chat
 live in `deltaspec.cli.generation`, the bench scenarios in `deltaspec.bench.commands`."""
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ def cmd_ppl(args: argparse.Namespace) -> None:
             indent=1,
         )
     )
+
+
+def cmd_kl(args: argparse.Namespace) -> None:
+    import json
+
+    from deltaspec.evaluate_kl import read_corpus, run_kl
+
+    text = read_corpus(args.file)
+    sources = (args.base, args.base_dtype, args.base_logits, args.save_base)
+    print(json.dumps(run_kl(engine_config(args), text, *sources, args.window, args.max_windows), indent=1))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -85,6 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
     add_engine_flags(ppl)
     ppl.set_defaults(func=cmd_ppl)
+
+    kl = commands.add_parser(
+        "kl",
+        help="KL divergence of the model's next-token distributions from a base model's on text files, top-1 "
+        "agreement and both perplexities (JSON), as llama-perplexity --kl-divergence",
+    )
+    kl.add_argument("file", nargs="+", help="text files, scored as one stream")
+    base = kl.add_mutually_exclusive_group(required=True)
+    base.add_argument("--base", metavar="BASE", help="the base checkpoint (directory or hub id) to compare with")
+    base.add_argument("--base-logits", metavar="F", help="the base's logits saved by --save-base, instead of --base")
+    kl.add_argument("--base-dtype", default=None, help="dtype of the base (default: --dtype)")
+    kl.add_argument(
+        "--save-base",
+        metavar="F",
+        help="also write the base's logits and the token ids to F (safetensors) for --base-logits; without --model "
+        "only the base runs",
+    )
+    kl.add_argument("--window", type=int, default=1024, help="tokens per scored window (default: 1024)")
+    kl.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    add_engine_flags(kl)
+    kl.set_defaults(func=cmd_kl)
 
     plan = commands.add_parser("plan", help="memory budget of a configuration: weights, KV, GDN states, workspace")
     add_engine_flags(plan)

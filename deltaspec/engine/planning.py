@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,11 +37,15 @@ from deltaspec.config import (
 from deltaspec.engine.pool_sizing import PoolSizing
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.graph_buckets import graph_rows_of
+from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.shapes import parameter_counts, shape_config
 from deltaspec.model.weights import checkpoint_files, count_mtp_layers, model_dir_for, target_name
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import drafter_memory, uses
+
+if TYPE_CHECKING:
+    from deltaspec.model.gguf_file import GGUFCheckpoint
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,9 @@ class Planned:
     config: EngineConfig  # resolved: no "auto" left; `speculative` names the drafter that will run
     model_config: ModelConfig
     raw: dict  # the checkpoint's config.json ({} for random weights)
-    model_dir: Path | None  # None for random weights
+    model_dir: Path | None  # None for random weights; the file of a GGUF checkpoint
     with_mtp: bool  # whether the MTP head is loaded: only when it drafts
+    gguf: GGUFCheckpoint | None = None  # the GGUF file's contents, read once
 
 
 def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
@@ -60,9 +66,10 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         resolved = resolve_engine_config(config, "bfloat16")
     else:
         model_dir = model_dir_for(config.model)
-        raw = read_config_json(model_dir)
-        files = checkpoint_files(model_dir)
-        model_config = replace(parse_model_config(raw), num_mtp_layers=count_mtp_layers(files))  # as loaded
+        gguf = _read_gguf(model_dir) if model_dir.suffix == ".gguf" else None
+        raw = gguf.config if gguf else read_config_json(model_dir)
+        names = gguf.tensors if gguf else (files := checkpoint_files(model_dir))
+        model_config = replace(parse_model_config(raw), num_mtp_layers=count_mtp_layers(names))  # as loaded
         resolved = resolve_engine_config(config, checkpoint_dtype(raw))
     check_context(resolved, model_config.max_position_embeddings)
     if drafter is not None:
@@ -72,6 +79,8 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     if model_dir is None:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
+    elif gguf is not None:
+        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp)
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
@@ -118,7 +127,13 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         resolved = with_pools(resolved, streams, ctx, kv_blocks)
     else:  # refused by whoever runs it; the plan and its advice are what matter
         resolved = replace(resolved, max_num_seqs=streams, max_model_len=ctx, prefix_checkpoints=plan.checkpoints)
-    return Planned(plan, resolved, model_config, raw, model_dir, with_mtp)
+    return Planned(plan, resolved, model_config, raw, model_dir, with_mtp, gguf)
+
+
+def _read_gguf(path: Path) -> GGUFCheckpoint:
+    from deltaspec.model.gguf_file import read_gguf  # the gguf package is imported only for GGUF files
+
+    return read_gguf(path)
 
 
 def _checkpoints(config: EngineConfig, streams: int) -> int:

@@ -15,6 +15,7 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.graph_buckets import uses_cuda_graphs
 from deltaspec.model.generation_config import FILE_NAME, sampling_defaults
+from deltaspec.model.gguf_load import load_gguf_model
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_init import random_model
 from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
@@ -31,13 +32,17 @@ def engine_model(planned: Planned, ops: OpTable, progress: bool) -> HybridModel:
     cfg, dtype, device = planned.config, parse_dtype(planned.config.dtype), torch.device(planned.config.device)
     if cfg.random_weights:
         return random_model(planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp)
+    if planned.gguf is not None:
+        return load_gguf_model(planned.gguf, planned.model_config, dtype, device, ops, progress, planned.with_mtp)
     return load_model(
         planned.model_dir, planned.model_config, planned.raw, dtype, device, ops, progress, planned.with_mtp
     )
 
 
 def engine_tokenizer(planned: Planned) -> Tokenizer | None:
-    """The checkpoint's tokenizer; a random-weight model's borrowed one."""
+    """The checkpoint's tokenizer (a GGUF file's from its metadata); a random-weight model's borrowed one."""
+    if planned.gguf is not None:
+        return planned.gguf.tokenizer
     if planned.model_dir is not None:
         return Tokenizer.from_dir(planned.model_dir)
     return borrowed_tokenizer(planned.model_config)

@@ -87,7 +87,7 @@ class HybridModel(nn.Module):
         """(out, in) of every weight a pass multiplies by -> how many of them (the MTP head included)."""
         shapes: dict[tuple[int, int], int] = {}
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and isinstance(module.weight, torch.Tensor):  # not GGUF blocks
                 shape = tuple(module.weight.shape)
                 shapes[shape] = shapes.get(shape, 0) + 1
         return shapes

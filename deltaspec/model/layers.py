@@ -12,6 +12,21 @@ from torch import nn
 
 from deltaspec.config import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.quant.weight import QuantizedWeight, quantized_linear
+
+
+def project(ops: OpTable, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """`x @ weight.T` through the op table: its quantized product for a weight kept as GGUF blocks."""
+    if isinstance(weight, QuantizedWeight):
+        return ops.quantized_linear(x, weight)
+    return ops.linear(x, weight)
+
+
+def set_weight(module: nn.Module, name: str, weight: torch.Tensor | QuantizedWeight) -> None:
+    """Make `weight` (a float tensor or a QuantizedWeight) `module.<name>`, whatever was there."""
+    if hasattr(module, name):
+        delattr(module, name)
+    setattr(module, name, weight if isinstance(weight, QuantizedWeight) else nn.Parameter(weight, requires_grad=False))
 
 
 class Linear(nn.Module):
@@ -28,7 +43,7 @@ class Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ops.linear(x, self.weight)
+        y = project(self.ops, x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
@@ -45,7 +60,12 @@ class FusedLinear(Linear):
         self.names = tuple(parts)
         self.sizes = [p.out_features for p in parts.values()]
         with torch.no_grad():
-            self.weight = nn.Parameter(torch.cat([p.weight for p in parts.values()]), requires_grad=False)
+            weights = [p.weight for p in parts.values()]
+            if any(isinstance(w, QuantizedWeight) for w in weights):
+                as_blocks = [w if isinstance(w, QuantizedWeight) else QuantizedWeight.from_float(w) for w in weights]
+                set_weight(self, "weight", QuantizedWeight.cat(as_blocks))
+            else:
+                set_weight(self, "weight", torch.cat(weights))
             if self.bias is not None:
                 self.bias = nn.Parameter(torch.cat([p.bias for p in parts.values()]), requires_grad=False)
 
@@ -102,7 +122,7 @@ class MLP(nn.Module):
         fuse(self, "gate_up_proj", ["gate_proj", "up_proj"], self.ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.ops.linear(x, self.gate_up_proj.weight)))
+        return self.down_proj(self.ops.silu_mul(project(self.ops, x, self.gate_up_proj.weight)))
 
 
 class Experts(nn.Module):
@@ -118,10 +138,26 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in top_idx.unique().tolist():
             rows, which = torch.where(top_idx == expert)
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * top_weight[rows, which, None]
+            gate, up = _expert_linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = _expert_linear(F.silu(gate) * up, self.down_proj[expert]) * top_weight[rows, which, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return quantized_linear(x, weight) if isinstance(weight, QuantizedWeight) else F.linear(x, weight)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: each lookup dequantizes only the rows it gathers."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight, self.dtype = weight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., hidden]"""
+        return self.weight.rows(ids.reshape(-1), self.dtype).view(*ids.shape, self.weight.in_features)
 
 
 class SparseMoE(nn.Module):

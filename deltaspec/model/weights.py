@@ -42,7 +42,7 @@ def default_model_path() -> Path:
 
 
 def model_dir_for(model: str | None) -> Path:
-    """The checkpoint directory of `model`, or of the embedded default model when it is None."""
+    """The checkpoint directory (or GGUF file) of `model`, or of the embedded default model when it is None."""
     if model is not None:
         return resolve_model_path(model)
     path = default_model_path()
@@ -57,10 +57,15 @@ def model_dir_for(model: str | None) -> Path:
 def resolve_model_path(model: str) -> Path:
     """A local checkpoint directory for `model` (a directory, or a hub id fetched when online)."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
+    if path.suffix == ".gguf":
+        raise DeltaspecError(f"No GGUF file at {model}; give the path of an existing .gguf file.")
     if path.exists():
-        raise DeltaspecError(f"{model} is a file; --model takes a checkpoint directory or a Hugging Face hub id.")
+        raise DeltaspecError(
+            f"{model} is a file but not a .gguf one; --model takes a checkpoint directory, a GGUF file or a Hugging "
+            "Face hub id."
+        )
     if not HUB_ID_RE.match(model) or model.startswith((".", "/", "~")):
         raise DeltaspecError(
             f"No checkpoint directory at {model}; give an existing directory or a hub id like Qwen/Qwen3.5-27B."

@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from deltaspec.ops import activation, attention, conv, gdn, norms, rope
+from deltaspec.ops.quant.weight import quantized_linear
 
 
 @dataclass(frozen=True)
 class OpTable:
     linear: Callable
+    quantized_linear: Callable  # x @ weight.T for a QuantizedWeight
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
@@ -31,6 +33,7 @@ class OpTable:
 
 REFERENCE = OpTable(
     linear=F.linear,
+    quantized_linear=quantized_linear,
     rms_norm=norms.rms_norm,
     add_rms_norm=norms.add_rms_norm,
     gated_rms_norm=norms.gated_rms_norm,

@@ -7,7 +7,7 @@ builds a `deltaspec.ops.gemm_routing.GemmRouter` once the model is loaded and in
 """
 
 from deltaspec.ops.dispatch import register
-from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, norms, rope
+from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, norms, quant_matmul, rope
 
 KERNELS = {
     "rms_norm": norms.rms_norm,
@@ -20,6 +20,7 @@ KERNELS = {
     "gated_delta_rule": gdn.gated_delta_rule,
     "write_kv": attention.write_kv,
     "paged_attention": attention.paged_attention,
+    "quantized_linear": quant_matmul.quantized_linear,
 }
 
 for name, kernel in KERNELS.items():

@@ -1,0 +1,132 @@
+"""Building the hybrid model from a GGUF checkpoint (`deltaspec.model.gguf_file.read_gguf`), weights kept quantized.
+
+Every tensor comes in deltaspec's (Hugging Face) naming. Float tensors (F32, F16, BF16) become ordinary
+parameters in the engine's dtype; quantized matrices stay as their GGUF blocks (`QuantizedWeight`), moved to
+the device as they are, and the embedding table becomes a `QuantizedEmbedding` that dequantizes only the rows
+it gathers. A routed-expert tensor stacks the experts ([E, rows, row_bytes]); gate and up are stacked per
+expert into the model's `gate_up_proj`. Projections are fused afterwards as for any checkpoint (a fused
+weight's parts keep their own types as segments).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from deltaspec.config import ModelConfig
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.layers import QuantizedEmbedding, set_weight
+from deltaspec.model.weights import target_name
+from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.quant.weight import QuantizedWeight
+
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+EMBEDDING = "model.embed_tokens.weight"
+EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def float_tensor(tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A float GGUF tensor in `dtype` on `device` (BF16 arrives as its raw 16-bit patterns)."""
+    data = np.ascontiguousarray(tensor.data)
+    if tensor.qtype == "BF16":
+        values = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+    else:
+        values = torch.from_numpy(data)
+    return values.reshape(tensor.shape).to(device=device, dtype=dtype)
+
+
+def quantized_tensor(tensor, device: torch.device) -> QuantizedWeight:
+    """A quantized GGUF matrix (or expert stack) as a one-segment QuantizedWeight on `device`."""
+    data = torch.from_numpy(np.ascontiguousarray(tensor.data)).to(device)  # [..., rows, row_bytes]
+    return QuantizedWeight([(tensor.qtype, data.reshape(*tensor.shape[:-1], -1))], tensor.shape[-1])
+
+
+def load_gguf_model(
+    checkpoint,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: OpTable,
+    progress: bool = True,
+    with_mtp: bool = True,
+) -> HybridModel:
+    """The model of `checkpoint` (a `GGUFCheckpoint`) on `device`: quantized weights kept as blocks, float ones in
+    `dtype`; the MTP head only `with_mtp`."""
+    with torch.device("meta"):
+        model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers if with_mtp else 0)
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    experts: dict[str, dict[str, QuantizedWeight | torch.Tensor]] = {}
+    filled: set[str] = set()
+    for name, tensor in tqdm(checkpoint.tensors.items(), desc="Loading weights", unit="tensor", disable=not progress):
+        target = target_name(name, with_mtp)
+        if target is None:
+            continue
+        module_name, _, attribute = target.rpartition(".")
+        if module_name.endswith(".experts") and attribute in EXPERT_PARTS:
+            experts.setdefault(module_name, {})[attribute] = _weight_of(tensor, dtype, device)
+            continue
+        if target not in params:
+            raise DeltaspecError(f"The GGUF file has a tensor {name} that this model has no place for.")
+        weight = _weight_of(tensor, dtype, device)
+        if tuple(weight.shape) != tuple(params[target].shape):
+            raise DeltaspecError(
+                f"The GGUF tensor {name} has shape {tuple(weight.shape)}; the model needs "
+                f"{tuple(params[target].shape)}."
+            )
+        set_weight(modules[module_name], attribute, weight)
+        filled.add(target)
+    for module_name, parts in experts.items():
+        _set_experts(modules[module_name], module_name, parts)
+        filled.update(f"{module_name}.{fused}" for fused in set(EXPERT_PARTS.values()))
+    if "lm_head.weight" not in filled and config.tie_word_embeddings and EMBEDDING in filled:
+        set_weight(model.lm_head, "weight", model.model.embed_tokens.weight)
+        filled.add("lm_head.weight")
+    if missing := sorted(set(params) - filled):
+        raise DeltaspecError(
+            f"The GGUF file lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:3])}."
+        )
+    if isinstance(model.model.embed_tokens.weight, QuantizedWeight):
+        model.model.embed_tokens = QuantizedEmbedding(model.model.embed_tokens.weight, dtype)
+    model.fuse_projections()
+    return model.eval()
+
+
+def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool) -> tuple[int, int]:
+    """Bytes the loaded weights take (quantized ones as their blocks, float ones in `dtype`): the target model's
+    and its MTP head's (0 unless `with_mtp`)."""
+    target = mtp = 0
+    for name, tensor in checkpoint.tensors.items():
+        if target_name(name, with_mtp=True) is None:
+            continue
+        size = tensor.data.nbytes if tensor.qtype not in FLOAT_TYPES else int(np.prod(tensor.shape)) * dtype.itemsize
+        if name.startswith("mtp."):
+            mtp += size if with_mtp else 0
+        else:
+            target += size
+    return target, mtp
+
+
+def _weight_of(tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | QuantizedWeight:
+    if tensor.qtype in FLOAT_TYPES:
+        return float_tensor(tensor, dtype, device)
+    return quantized_tensor(tensor, device)
+
+
+def _set_experts(module, name: str, parts: dict[str, QuantizedWeight | torch.Tensor]) -> None:
+    """The routed experts' gate | up stacked per expert into `gate_up_proj` [E, 2I, H], and `down_proj`."""
+    if set(parts) != set(EXPERT_PARTS):
+        raise DeltaspecError(f"The GGUF file lacks some of {name}'s expert tensors (it has {sorted(parts)}).")
+    gate, up, down = parts["gate_proj"], parts["up_proj"], parts["down_proj"]
+    if isinstance(gate, QuantizedWeight) or isinstance(up, QuantizedWeight):
+        gate_up = QuantizedWeight.cat([_as_blocks(gate), _as_blocks(up)])
+    else:
+        gate_up = torch.cat([gate, up], dim=-2)
+    set_weight(module, "gate_up_proj", gate_up)
+    set_weight(module, "down_proj", down)
+
+
+def _as_blocks(weight: QuantizedWeight | torch.Tensor) -> QuantizedWeight:
+    return weight if isinstance(weight, QuantizedWeight) else QuantizedWeight.from_float(weight)

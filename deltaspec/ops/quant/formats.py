@@ -1,0 +1,71 @@
+"""The GGUF tensor types deltaspec reads: each one's block size and byte layout.
+
+A quantized row is a run of blocks; a block packs `block_size` elements into `type_size` bytes,
+laid out as the fields of ggml's `block_*` struct (ggml/src/ggml-common.h), in struct order and
+without padding. The float types are blocks of one element. Names are spelled as gguf spells them.
+Fields named `d`, `dmin` or `m` hold one little-endian float16 each (two bytes); `e` (MXFP4) is an
+E8M0 exponent byte; every other field is packed quants or packed sub-block scales.
+"""
+
+from dataclasses import dataclass
+
+from deltaspec.errors import DeltaspecError
+
+QK_K = 256  # elements per k-quant super-block (and IQ4_XS block)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One GGUF tensor type: `block_size` elements stored as the byte `fields` of one block."""
+
+    name: str
+    block_size: int
+    fields: tuple[tuple[str, int], ...]  # (field name, bytes), in struct order
+    is_float: bool = False
+
+    @property
+    def type_size(self) -> int:
+        """Bytes per block."""
+        return sum(n_bytes for _, n_bytes in self.fields)
+
+
+_ALL = (
+    QuantFormat("F32", 1, (("value", 4),), is_float=True),
+    QuantFormat("F16", 1, (("value", 2),), is_float=True),
+    QuantFormat("BF16", 1, (("value", 2),), is_float=True),
+    QuantFormat("Q8_0", 32, (("d", 2), ("qs", 32))),
+    QuantFormat("Q4_0", 32, (("d", 2), ("qs", 16))),
+    QuantFormat("Q4_1", 32, (("d", 2), ("m", 2), ("qs", 16))),
+    QuantFormat("Q5_0", 32, (("d", 2), ("qh", 4), ("qs", 16))),
+    QuantFormat("Q5_1", 32, (("d", 2), ("m", 2), ("qh", 4), ("qs", 16))),
+    QuantFormat("Q2_K", QK_K, (("scales", QK_K // 16), ("qs", QK_K // 4), ("d", 2), ("dmin", 2))),
+    QuantFormat("Q3_K", QK_K, (("hmask", QK_K // 8), ("qs", QK_K // 4), ("scales", 12), ("d", 2))),
+    QuantFormat("Q4_K", QK_K, (("d", 2), ("dmin", 2), ("scales", 12), ("qs", QK_K // 2))),
+    QuantFormat("Q5_K", QK_K, (("d", 2), ("dmin", 2), ("scales", 12), ("qh", QK_K // 8), ("qs", QK_K // 2))),
+    QuantFormat("Q6_K", QK_K, (("ql", QK_K // 2), ("qh", QK_K // 4), ("scales", QK_K // 16), ("d", 2))),
+    QuantFormat("IQ4_NL", 32, (("d", 2), ("qs", 16))),
+    QuantFormat("IQ4_XS", QK_K, (("d", 2), ("scales_h", 2), ("scales_l", QK_K // 64), ("qs", QK_K // 2))),
+    QuantFormat("MXFP4", 32, (("e", 1), ("qs", 16))),
+)
+
+FORMATS: dict[str, QuantFormat] = {fmt.name: fmt for fmt in _ALL}
+
+
+def format_of(name: str) -> QuantFormat:
+    """The format called `name` (as gguf spells it, e.g. "Q4_K")."""
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise DeltaspecError(
+            f"GGUF tensor type {name!r} is not supported; the supported types are {', '.join(FORMATS)}."
+        )
+    return fmt
+
+
+def row_bytes(name: str, columns: int) -> int:
+    """Bytes of one row of `columns` elements of type `name`."""
+    fmt = format_of(name)
+    if columns % fmt.block_size != 0:
+        raise DeltaspecError(
+            f"A row of {columns} elements cannot be stored as {name}, whose blocks hold {fmt.block_size} elements each."
+        )
+    return columns // fmt.block_size * fmt.type_size

@@ -1,0 +1,71 @@
+"""The Triton product from GGUF blocks against its reference (dequantize, then one GEMM): Q8_0, Q4_K and Q6_K
+weights, 1 to 64 rows, one or several segments of different types, row counts and widths that leave tiles
+partly empty; more rows or other types take the dequantizing path."""
+
+import pytest
+import torch
+
+from deltaspec.ops.quant import format_of
+from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.ops.quant.weight import quantized_linear as reference_linear
+
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
+
+HALF_FIELDS = ("d", "dmin")
+
+
+def random_weight(qtype: str, rows: int, columns: int, seed: int) -> torch.Tensor:
+    """Random blocks [rows, row_bytes] of `qtype` whose float16 scales are small (values of order 1)."""
+    fmt = format_of(qtype)
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = columns // fmt.block_size
+    blocks = torch.randint(0, 256, (rows, n_blocks, fmt.type_size), generator=gen, dtype=torch.uint8)
+    offset = 0
+    for name, size in fmt.fields:
+        if name in HALF_FIELDS:
+            scale = (torch.rand(rows, n_blocks, 1, generator=gen) * 0.02 - 0.01).to(torch.float16)
+            blocks[..., offset : offset + size] = scale.view(torch.uint8)
+        offset += size
+    return blocks.reshape(rows, n_blocks * fmt.type_size)
+
+
+@pytest.fixture
+def kernel(kernel_device):
+    from deltaspec.ops.triton.quant_matmul import quantized_linear
+
+    return quantized_linear
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_product_matches_the_reference(kernel, kernel_device, qtype, rows, dtype):
+    weight = QuantizedWeight([(qtype, random_weight(qtype, 40, 512, seed=rows))], 512).to(kernel_device)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).to(kernel_device, dtype)
+    got, expected = kernel(x, weight), reference_linear(x, weight)
+    assert got.dtype == dtype and got.shape == (rows, 40)
+    scale = expected.float().abs().max().item()  # bf16 rounds the weights, sums of 512 terms and the output
+    tolerance = {"rtol": 2e-2, "atol": 2e-2 * scale} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+def test_segments_of_different_types_and_leading_dims(kernel, kernel_device):
+    """A fused projection whose parts differ in type: each segment's product lands in its own output columns."""
+    parts = [("Q4_K", random_weight("Q4_K", 24, 256, 1)), ("Q6_K", random_weight("Q6_K", 8, 256, 2))]
+    weight = QuantizedWeight([(q, d) for q, d in parts], 256).to(kernel_device)
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(3)).to(kernel_device)
+    got = kernel(x, weight)
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got, reference_linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_many_rows_and_other_types_take_the_dequantizing_path(kernel, kernel_device):
+    from deltaspec.ops.triton.quant_matmul import kernel_handles
+
+    q5 = QuantizedWeight([("Q5_K", random_weight("Q5_K", 8, 256, 4))], 256).to(kernel_device)
+    q4 = QuantizedWeight([("Q4_K", random_weight("Q4_K", 8, 256, 5))], 256).to(kernel_device)
+    assert not kernel_handles(q5, 1, torch.float32) and not kernel_handles(q4, 65, torch.float32)
+    assert kernel_handles(q4, 64, torch.bfloat16) and not kernel_handles(q4, 1, torch.float64)
+    x = torch.randn(65, 256, generator=torch.Generator().manual_seed(6)).to(kernel_device)
+    torch.testing.assert_close(kernel(x, q4), reference_linear(x, q4))
+    torch.testing.assert_close(kernel(x[:2], q5), reference_linear(x[:2], q5))
