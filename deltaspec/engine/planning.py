@@ -62,7 +62,7 @@ class Planned:
 def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     """The plan of `config`; with an injected `drafter`, speculation runs with it whatever `speculative` says."""
     if config.random_weights or config.shape is not None:
-        model_config, raw, model_dir = _random_shape(config), {}, None
+        model_config, raw, model_dir, gguf = _random_shape(config), {}, None, None
         resolved = resolve_engine_config(config, "bfloat16")
     else:
         model_dir = model_dir_for(config.model)

@@ -29,7 +29,7 @@ EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_pr
 
 def float_tensor(tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A float GGUF tensor in `dtype` on `device` (BF16 arrives as its raw 16-bit patterns)."""
-    data = np.ascontiguousarray(tensor.data)
+    data = np.array(tensor.data)  # a writable copy of the mapped file's bytes
     if tensor.qtype == "BF16":
         values = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
     else:
@@ -39,8 +39,9 @@ def float_tensor(tensor, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def quantized_tensor(tensor, device: torch.device) -> QuantizedWeight:
     """A quantized GGUF matrix (or expert stack) as a one-segment QuantizedWeight on `device`."""
-    data = torch.from_numpy(np.ascontiguousarray(tensor.data)).to(device)  # [..., rows, row_bytes]
-    return QuantizedWeight([(tensor.qtype, data.reshape(*tensor.shape[:-1], -1))], tensor.shape[-1])
+    data = torch.from_numpy(np.array(tensor.data)).to(device)  # [..., rows, row_bytes], a writable copy
+    order = None if tensor.input_order is None else torch.from_numpy(np.array(tensor.input_order)).to(device)
+    return QuantizedWeight([(tensor.qtype, data.reshape(*tensor.shape[:-1], -1))], tensor.shape[-1], order)
 
 
 def load_gguf_model(

@@ -58,7 +58,7 @@ def served_model_name(engine: Engine, config: ServerConfig) -> str:
     model = engine.config.model
     if model is None:
         return DEFAULT_MODEL_NAME
-    return Path(model).name if Path(model).is_dir() else model
+    return Path(model).name if Path(model).exists() else model  # a directory or a GGUF file: its name, no path
 
 
 def _decode(raw: bytes, model: type[BaseModel]) -> BaseModel:

@@ -22,6 +22,7 @@ from pathlib import Path
 from deltaspec.cache.memory_plan import GIB
 from deltaspec.engine.engine import Engine
 from deltaspec.model.hf_config import checkpoint_dtype, read_config_json
+from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.server.metrics import TokenTally
 
 log = logging.getLogger("deltaspec.server")
@@ -55,13 +56,19 @@ def model_origin(engine: Engine) -> str:
         return "embedded default model"
     if Path(config.model).expanduser().is_dir():
         return f"checkpoint {engine.model_dir}"
+    if engine.model_dir is not None and engine.model_dir.suffix == ".gguf":
+        return f"GGUF file {engine.model_dir}"
     return f"hub id {config.model}, files in {engine.model_dir}"
 
 
 def weights_format(engine: Engine) -> str:
-    """'safetensors <the checkpoint's dtype>', or 'random weights'; and whether there is a tokenizer."""
+    """'safetensors <the checkpoint's dtype>', 'GGUF <the block types kept>', or 'random weights'; and whether
+    there is a tokenizer."""
+    kept = sorted({qtype for m in engine.model.modules() if isinstance(m, QuantizedWeight) for qtype in m.qtypes})
     if engine.model_dir is None:
         kind = "random weights"
+    elif engine.model_dir.suffix == ".gguf":
+        kind = f"GGUF, weights kept as {'+'.join(kept)} blocks" if kept else "GGUF, float weights"
     else:
         stored = checkpoint_dtype(read_config_json(engine.model_dir))
         kind = f"safetensors {stored}" if stored else "safetensors"

@@ -5,7 +5,9 @@ projection (q | k | v, gate | up, the GDN input projections) stacks the rows of 
 different types (llama.cpp's mixes give `attn_v` more bits than `attn_q`), so a weight is a list of row
 *segments*, each one type: data uint8 [rows, row_bytes], or [experts, rows, row_bytes] for the routed
 experts of a MoE layer, where `weight[e]` is expert e's matrix. Float parts (F32 / F16 / BF16 tensors of a
-GGUF file) are segments too, stored as their raw bytes.
+GGUF file) are segments too, stored as their raw bytes. `input_order` [in] (or None) says which input feature
+each stored column multiplies, for a matrix whose columns the file keeps permuted (a quantized Qwen3.5
+`out_proj`, whose blocks span several value heads): products first gather the input's features in that order.
 
 The reference product dequantizes the whole matrix per use (`deltaspec.ops.quant.dequant`, the spec of
 every kernel) and multiplies in the activations' dtype; embeddings gather and dequantize only the rows
@@ -28,7 +30,9 @@ FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16
 class QuantizedWeight(nn.Module):
     """A [out, in] (or [experts, out, in]) weight as row segments of GGUF blocks."""
 
-    def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int):
+    def __init__(
+        self, segments: list[tuple[str, torch.Tensor]], in_features: int, input_order: torch.Tensor | None = None
+    ):
         super().__init__()
         if not segments:
             raise ValueError("a quantized weight needs at least one segment")
@@ -43,6 +47,7 @@ class QuantizedWeight(nn.Module):
                     f"({expected} bytes each); the file's tensor is damaged or of another shape."
                 )
             self.register_buffer(f"segment{i}", data, persistent=False)
+        self.register_buffer("input_order", input_order, persistent=False)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantizedWeight:
@@ -71,7 +76,8 @@ class QuantizedWeight(nn.Module):
         return sum(d.numel() for _, d in self.segments)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float matrix ([..., out, in]): each segment dequantized in float32, then cast to `dtype`."""
+        """The stored float matrix ([..., out, in], columns in `input_order` if it has one): each segment
+        dequantized in float32, then cast to `dtype`."""
         parts = [dequantize(data, qtype) for qtype, data in self.segments]
         return torch.cat(parts, dim=-2).to(dtype)
 
@@ -82,15 +88,20 @@ class QuantizedWeight(nn.Module):
             raise ValueError("row lookup needs a 2-D weight of one segment")
         return dequantize(data[ids], qtype).to(dtype)
 
+    def ordered_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` [..., in] with its features in the order the stored columns take them."""
+        return x if self.input_order is None else x.index_select(-1, self.input_order)
+
     def __getitem__(self, expert: int) -> QuantizedWeight:
         """Expert `expert`'s matrix of an [experts, out, in] weight."""
-        return QuantizedWeight([(qtype, data[expert]) for qtype, data in self.segments], self.in_features)
+        segments = [(qtype, data[expert]) for qtype, data in self.segments]
+        return QuantizedWeight(segments, self.in_features, self.input_order)
 
     @classmethod
     def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The rows of `parts` stacked ([sum(out), in]); adjacent segments of one type are merged."""
-        if len({p.in_features for p in parts}) != 1:
-            raise ValueError("stacked weights must read the same input")
+        if len({p.in_features for p in parts}) != 1 or any(p.input_order is not None for p in parts):
+            raise ValueError("stacked weights must read the same input in its own order")
         merged: list[tuple[str, torch.Tensor]] = []
         for qtype, data in (segment for part in parts for segment in part.segments):
             if merged and merged[-1][0] == qtype:
@@ -112,7 +123,7 @@ class QuantizedWeight(nn.Module):
                 if rows[0][1].shape[-2] == 0:
                     rows.pop(0)
                 size -= n
-            out.append(QuantizedWeight(taken, self.in_features))
+            out.append(QuantizedWeight(taken, self.in_features, self.input_order))
         return out
 
     def extra_repr(self) -> str:
@@ -121,4 +132,4 @@ class QuantizedWeight(nn.Module):
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """`x @ weight.T` ([..., in] -> [..., out]), the reference: the matrix dequantized, then one GEMM in x's dtype."""
-    return F.linear(x, weight.dequantize(x.dtype))
+    return F.linear(weight.ordered_input(x), weight.dequantize(x.dtype))

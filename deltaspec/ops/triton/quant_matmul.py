@@ -157,7 +157,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, block_n: int = 32
     rows = x.numel() // x.shape[-1]
     if not kernel_handles(weight, rows, x.dtype):
         return dequantize_then_matmul(x, weight)
-    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    flat = weight.ordered_input(x.reshape(rows, x.shape[-1])).contiguous()
     outs = [_segment_matmul(flat, qtype, data, block_n, split_k) for qtype, data in weight.segments]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,37 @@
+"""`read_gguf`: a GGUF checkpoint (llama.cpp's format) as deltaspec loads it.
+
+Owns putting the pieces together: the stored file(s) (`gguf_raw`), the transformers-style config built from
+the metadata (`gguf_config`), the tensors under their Hugging Face names with llama.cpp's conversion undone
+(`gguf_names`), and the tokenizer (`gguf_tokenizer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltaspec.model.gguf_config import config_from_gguf
+from deltaspec.model.gguf_names import hf_tensors
+from deltaspec.model.gguf_raw import GGUFTensor, read_raw
+from deltaspec.model.gguf_tokenizer import tokenizer_from_gguf
+from deltaspec.model.tokenizer import Tokenizer
+
+__all__ = ["GGUFCheckpoint", "GGUFTensor", "read_gguf"]
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A GGUF checkpoint: a transformers-style config dict, the tensors by Hugging Face name, the tokenizer
+    (None when the file has no tokenizer metadata)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+    tokenizer: Tokenizer | None
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Read the GGUF checkpoint at `path` (a `.gguf` file, or the first part of a split one)."""
+    raw = read_raw(Path(path))
+    config = config_from_gguf(raw)
+    return GGUFCheckpoint(config=config, tensors=hf_tensors(raw, config), tokenizer=tokenizer_from_gguf(raw))
