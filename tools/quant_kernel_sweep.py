@@ -47,11 +47,11 @@ def main() -> None:
             for m in (1, 4, 16):
                 x = torch.randn(m, cols, device="cuda", dtype=torch.bfloat16)
                 expected = reference(x, weight).float()
-                bf16_ms = timed(lambda: F.linear(x, dense))
+                bf16_ms = timed(lambda x=x, dense=dense: F.linear(x, dense))
                 for block_n, split_k in SETTINGS:
                     got = quantized_linear(x, weight, block_n, split_k).float()
                     error = ((got - expected).abs().max() / expected.abs().max()).item()
-                    ms = timed(lambda: quantized_linear(x, weight, block_n, split_k))
+                    ms = timed(lambda x=x, w=weight, n=block_n, k=split_k: quantized_linear(x, w, n, k))
                     results.append(
                         {
                             "qtype": qtype,

@@ -38,53 +38,71 @@ def _fp16_at(ptr, mask):
 
 
 @triton.jit
-def _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr):
-    """Values [BLOCK_N, 256] of super-block `step` of weight rows `rows`, dequantized in float32."""
-    v = tl.arange(0, 256)
-    base = w_ptr + rows[:, None].to(tl.int64) * row_bytes  # [BLOCK_N, 1]
+def _tile(w_ptr, w32_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_N, 256] of super-block `step` of weight rows `rows`, dequantized in float32. Bytes are read
+    in contiguous runs (32-bit words where the layout is aligned) and unpacked with shifts and reshapes, never
+    gathered value by value."""
+    base = w_ptr + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
     mask = n_mask[:, None]
     if QTYPE == 0:  # Q8_0: 8 blocks of (fp16 d, 32 x int8)
-        block = base + step * 272 + (v // 32)[None, :] * 34
+        block = base[:, None] + step * 272 + tl.arange(0, 8)[None, :] * 34  # [BLOCK_N, 8]
         d = _fp16_at(block, mask)
-        q = tl.load(block + 2 + (v % 32)[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
-        return d * q.to(tl.float32)
+        quants = tl.load(block[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=mask[:, :, None], other=0)
+        values = d[:, :, None] * quants.to(tl.int8, bitcast=True).to(tl.float32)  # [BLOCK_N, 8, 32]
+        return tl.reshape(values, (BLOCK_N, 256))
     elif QTYPE == 1:  # Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-        block = base + step * 144
-        d = _fp16_at(block, mask)
-        dmin = _fp16_at(block + 2, mask)
-        chunk = v // 64
-        within = v % 64
-        j = (chunk * 2 + within // 32)[None, :]  # sub-block of 32 values
-        s_j = tl.load(block + 4 + j, mask=mask, other=0).to(tl.int32)
-        s_j4 = tl.load(block + 8 + j, mask=mask, other=0).to(tl.int32)
-        s_jm4 = tl.load(block + 4 + tl.maximum(j - 4, 0), mask=mask, other=0).to(tl.int32)
-        sc = tl.where(j < 4, s_j & 63, (s_j4 & 0xF) | ((s_jm4 >> 6) << 4))
+        offset = rows.to(tl.int64) * row_bytes + step * 144  # [BLOCK_N] bytes
+        block = w_ptr + offset
+        d = _fp16_at(block[:, None], mask)  # [BLOCK_N, 1]
+        dmin = _fp16_at(block[:, None] + 2, mask)
+        j = tl.arange(0, 8)[None, :]  # sub-block of 32 values
+        s_j = tl.load(block[:, None] + 4 + j, mask=mask, other=0).to(tl.int32)
+        s_j4 = tl.load(block[:, None] + 8 + j, mask=mask, other=0).to(tl.int32)
+        s_jm4 = tl.load(block[:, None] + 4 + tl.maximum(j - 4, 0), mask=mask, other=0).to(tl.int32)
+        sc = tl.where(j < 4, s_j & 63, (s_j4 & 0xF) | ((s_jm4 >> 6) << 4))  # [BLOCK_N, 8]
         m = tl.where(j < 4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
-        byte = tl.load(block + 16 + (chunk * 32 + within % 32)[None, :], mask=mask, other=0).to(tl.int32)
-        q = (byte >> ((within // 32) * 4)[None, :]) & 0xF
         d1 = d * sc.to(tl.float32)
         m1 = dmin * m.to(tl.float32)
-        return d1 * q.to(tl.float32) - m1
+        # 32 words of 4 bytes: chunk c (4) of 8 words; byte k of word i holds values c*64 + i*4 + k (low nibble)
+        # and c*64 + 32 + i*4 + k (high nibble)
+        words = tl.load(
+            w32_ptr + ((offset + 16) // 4)[:, None, None] + (tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]),
+            mask=mask[:, :, None],
+            other=0,
+        )  # [BLOCK_N, 4, 8]
+        shifts = tl.arange(0, 2)[:, None] * 4 + tl.arange(0, 4)[None, :] * 8  # [hi, k]
+        nibbles = (words[:, :, None, :, None] >> shifts[None, None, :, None, :]) & 0xF  # [BLOCK_N, 4, 2, 8, 4]
+        quants = tl.reshape(nibbles, (BLOCK_N, 8, 32)).to(tl.float32)  # sub-block c*2 + hi, value i*4 + k
+        return tl.reshape(d1[:, :, None] * quants - m1[:, :, None], (BLOCK_N, 256))
     else:  # Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, fp16 d
         block = base + step * 210
-        d = _fp16_at(block + 208, mask)
-        half = v // 128
-        r = v % 128
-        quarter = r // 32
-        lane = r % 32
-        low_at = half * 64 + lane + (quarter % 2) * 32
-        low = tl.load(block + low_at[None, :], mask=mask, other=0).to(tl.int32)
-        high = tl.load(block + 128 + (half * 32 + lane)[None, :], mask=mask, other=0).to(tl.int32)
-        q = ((low >> ((quarter // 2) * 4)[None, :]) & 0xF) | (((high >> (2 * quarter)[None, :]) & 3) << 4)
-        scale_at = half * 8 + lane // 16 + 2 * quarter
-        sc = tl.load(block + 192 + scale_at[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
-        return (d * sc.to(tl.float32)) * (q - 32).to(tl.float32)
+        d = _fp16_at(block + 208, n_mask)  # [BLOCK_N]
+        lane = tl.arange(0, 32)
+        low = tl.load(
+            block[:, None, None, None]
+            + (tl.arange(0, 2)[:, None, None] * 64 + tl.arange(0, 2)[None, :, None] * 32)
+            + lane[None, None, :],
+            mask=mask[:, :, None, None],
+            other=0,
+        ).to(tl.int32)  # [BLOCK_N, half, quarter % 2, 32]
+        high = tl.load(
+            block[:, None, None] + 128 + tl.arange(0, 2)[:, None] * 32 + lane[None, :], mask=mask[:, :, None], other=0
+        ).to(tl.int32)  # [BLOCK_N, half, 32]
+        low4 = (low[:, :, None, :, :] >> (tl.arange(0, 2) * 4)[None, None, :, None, None]) & 0xF  # [N, h, q//2, q%2, l]
+        high2 = (high[:, :, None, :] >> (tl.arange(0, 4) * 2)[None, None, :, None]) & 3  # [N, h, q, l]
+        quants = tl.reshape(low4, (BLOCK_N, 2, 4, 32)) | (high2 << 4)
+        scales = tl.load(block[:, None] + 192 + tl.arange(0, 16)[None, :], mask=mask, other=0)
+        scales = tl.reshape(scales.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, 2, 4, 2, 1))  # [N, h, q, l//16]
+        dsc = d[:, None, None, None, None] * scales
+        values = dsc * tl.reshape((quants - 32).to(tl.float32), (BLOCK_N, 2, 4, 2, 16))
+        return tl.reshape(values, (BLOCK_N, 256))
 
 
 @triton.jit
 def _quant_gemm_kernel(
     x_ptr,
     w_ptr,
+    w32_ptr,
     part_ptr,
     M,
     N,
@@ -106,7 +124,7 @@ def _quant_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(steps_per_split):
         step = split * steps_per_split + i
-        w = _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE)  # [BLOCK_N, 256] fp32
+        w = _tile(w_ptr, w32_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] fp32
         x = tl.load(x_ptr + m[:, None] * stride_xm + (step * 256 + k)[None, :], mask=m_mask[:, None], other=0.0)
         if IEEE:  # float32 products (no TF32 rounding): float32 activations, or Triton's interpreter
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
@@ -123,9 +141,11 @@ def _segment_matmul(x: torch.Tensor, qtype: str, data: torch.Tensor, block_n: in
     split = split_k if steps % split_k == 0 else 1
     parts = torch.empty(split, x.shape[0], rows, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(rows, block_n), split)
+    words = data.view(torch.int32) if row_bytes % 4 == 0 else data  # Q4_K's nibbles are read as 32-bit words
     _quant_gemm_kernel[grid](
         x,
         data,
+        words,
         parts,
         x.shape[0],
         rows,
