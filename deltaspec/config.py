@@ -234,6 +234,13 @@ class EngineConfig:
             "qwen3-next-80b-a3b"
         },
     )
+    quant: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --random-weights: keep the weights quantized as a llama.cpp preset (q4_k_m, q5_k_m, q6_k, "
+            "q8_0) or one GGUF block type (q4_k, iq4_xs, ...), as a GGUF file would; for benchmarks"
+        },
+    )
     shape_overrides: tuple[tuple[str, int], ...] = field(
         default=(),
         metadata={

@@ -134,3 +134,15 @@ def test_a_missing_gguf_file_is_one_sentence(tmp_path):
 
     with pytest.raises(DeltaspecError, match=r"^No GGUF file at .*missing\.gguf; give the path of an existing"):
         LLM(str(tmp_path / "missing.gguf"))
+
+
+def test_bytes_per_step_count_the_blocks_and_one_embedding_row():
+    """The decode roofline of a GGUF model is its format's: the blocks of every matrix, one embedding row."""
+    from deltaspec.bench.roofline import bytes_per_step
+
+    llm = LLM(fixture("qwen35-q8_0"), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64)
+    embedding = llm.engine.model.model.embed_tokens.weight
+    assert isinstance(embedding, QuantizedWeight) and not llm.engine.model_config.tie_word_embeddings
+    row = embedding.nbytes // embedding.shape[0]
+    expected = llm.engine.plan.weights - embedding.nbytes + row  # the plan counts every weight once, no MTP
+    assert bytes_per_step(llm.engine, context=10)["weights"] == expected

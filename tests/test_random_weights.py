@@ -4,6 +4,7 @@ models that run through the engine, the memory plan, and the CLI's errors and bo
 import pytest
 import torch
 
+from deltaspec import LLM
 from deltaspec.cli import build_parser, engine_config, main
 from deltaspec.config import FULL_ATTENTION, EngineConfig
 from deltaspec.engine.engine import Engine
@@ -13,6 +14,7 @@ from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_init import random_model
 from deltaspec.model.shapes import SHAPES, parameter_counts, shape_config
 from deltaspec.ops.dispatch import ops_for
+from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.sample.params import SamplingParams
 
 # A 27B-shaped model cut down for a 2-core CI machine: the real heads and head dims, fewer layers, narrower.
@@ -207,3 +209,31 @@ def test_a_real_shaped_random_model_borrows_the_embedded_tokenizer():
     word = tokenizer.encode(" add")[0]
     assert tokenizer.decode([word + 2 * 8192]) == tokenizer.decode([word]) == " add"
     assert tokenizer.decode_token(word + 8192) == " add" and tokenizer.id_to_token(word + 8192) is not None
+
+
+QUANT_SMALL = (("num_hidden_layers", 8), ("hidden_size", 256), ("intermediate_size", 512), ("vocab_size", 512))
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-27b", "qwen3.5-35b-a3b"])
+def test_random_weights_quantized_like_a_q4_k_m_file(shape):
+    """--quant q4_k_m keeps each matrix as the blocks llama-quantize would give it (Q6_K for the LM head and half
+    the layers' ffn_down / attn_v-like tensors, Q4_K elsewhere); the plan counts those bytes; decoding runs."""
+    moe = (("moe_intermediate_size", 256), ("shared_expert_intermediate_size", 256), ("num_experts", 16))
+    extra = moe if "a3b" in shape else ()
+    options = dict(random_weights=True, shape=shape, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64)
+    llm = LLM(shape_overrides=QUANT_SMALL + extra, quant="q4_k_m", **options)
+    kept = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedWeight)]
+    assert {"Q4_K", "Q6_K"} <= {q for w in kept for q in w.qtypes}
+    assert "Q6_K" in llm.engine.model.lm_head.weight.qtypes
+    blocks = {id(b): b.numel() for w in kept for b in w.buffers()}
+    floats = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    assert llm.engine.plan.weights == sum(blocks.values()) + floats
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(DeltaspecError, match="Unknown --quant 'q4_k_xx'"):
+        LLM(shape_overrides=QUANT_SMALL + extra, quant="q4_k_xx", **options)
+
+
+def test_quant_needs_random_weights():
+    with pytest.raises(DeltaspecError, match="--quant quantizes --random-weights"):
+        LLM(quant="q8_0", device="cpu")

@@ -1,28 +1,41 @@
 """Bytes a decode step reads, and the roofline they imply (DESIGN §6).
 
-A decode step of one sequence reads every weight once, except the embedding table, of which it reads one
-row (the LM head is read whole; with tied embeddings that is the same table, read twice). MTP head
-weights count only when the MTP drafter runs; routed MoE experts count for the top-k of one token. On top
-of the weights: the attention KV of the context, and each GDN layer's recurrent state and conv window,
-read and written once. Activations and logits are left out (a few MB).
+A decode step of one sequence reads every weight once (a quantized one as its GGUF blocks, so the roofline is
+the format's own), except the embedding table, of which it reads one row (the LM head is read whole; with tied
+embeddings that is the same table, read twice). MTP head weights count only when the MTP drafter runs; routed
+MoE experts count for the top-k of one token. On top of the weights: the attention KV of the context, and each
+GDN layer's recurrent state and conv window, read and written once. Activations and logits are left out (a few
+MB).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from deltaspec.engine.engine import Engine
+from deltaspec.ops.quant.weight import QuantizedWeight
+
+
+def _weights(engine: Engine):
+    """(name, bytes, bytes of one row) of every weight, a shared one under each of its names: float parameters in
+    their dtype, weights kept as GGUF blocks (`QuantizedWeight`) as their blocks."""
+    for name, param in engine.model.named_parameters(remove_duplicate=False):
+        yield name, param.numel() * param.element_size(), param.shape[-1] * param.element_size()
+    for name, module in engine.model.named_modules(remove_duplicate=False):
+        if isinstance(module, QuantizedWeight):
+            yield name, module.nbytes, module.nbytes // math.prod(module.shape[:-1])
 
 
 def weight_bytes_per_step(engine: Engine, mtp: bool = False) -> int:
     config = engine.model_config
     total = 0
-    for name, param in engine.model.named_parameters(remove_duplicate=False):
-        size = param.numel() * param.element_size()
+    for name, size, row in _weights(engine):
         if name.startswith("mtp.") and not mtp:
             continue
         if "embed_tokens" in name:
-            size = param.shape[-1] * param.element_size()  # one row
+            size = row  # one row
         elif ".experts." in name and config.moe is not None:
             size = size * config.moe.num_experts_per_tok // config.moe.num_experts
         total += size

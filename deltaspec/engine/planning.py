@@ -39,8 +39,11 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.execution.graph_buckets import graph_rows_of
 from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
+from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.random_quant import parse_quant, quantized_bytes, tensor_types
 from deltaspec.model.shapes import parameter_counts, shape_config
 from deltaspec.model.weights import checkpoint_files, count_mtp_layers, model_dir_for, target_name
+from deltaspec.ops.dispatch import REFERENCE
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import drafter_memory, uses
 
@@ -61,6 +64,10 @@ class Planned:
 
 def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     """The plan of `config`; with an injected `drafter`, speculation runs with it whatever `speculative` says."""
+    if config.quant and not config.random_weights:
+        raise DeltaspecError(
+            "--quant quantizes --random-weights; a GGUF file carries its own types (deltaspec quantize makes one)."
+        )
     if config.random_weights or config.shape is not None:
         model_config, raw, model_dir, gguf = _random_shape(config), {}, None, None
         resolved = resolve_engine_config(config, "bfloat16")
@@ -76,7 +83,9 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         resolved = replace(resolved, speculative=drafter.name)
     dtype = parse_dtype(resolved.dtype)
     with_mtp = drafter is None and uses(resolved.speculative, "mtp")
-    if model_dir is None:
+    if model_dir is None and resolved.quant:
+        target, mtp = random_quantized_bytes(model_config, dtype, resolved.quant, with_mtp)
+    elif model_dir is None:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
     elif gguf is not None:
@@ -130,6 +139,23 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     return Planned(plan, resolved, model_config, raw, model_dir, with_mtp, gguf)
 
 
+def random_quantized_bytes(config: ModelConfig, dtype: torch.dtype, quant: str, with_mtp: bool) -> tuple[int, int]:
+    """Bytes of a random-weight model quantized under `quant` (as `random_model` builds it): the target's and
+    (0 unless `with_mtp`) its MTP head's; the weights it keeps in float count in `dtype`."""
+    with torch.device("meta"):
+        model = HybridModel(config, REFERENCE, dtype, "meta", num_mtp_layers=config.num_mtp_layers)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    types = tensor_types(config, shapes, quant)
+    sizes = {
+        name: quantized_bytes(shape, types[name]) if name in types else shape.numel() * dtype.itemsize
+        for name, shape in shapes.items()
+    }
+    mtp = sum(size for name, size in sizes.items() if name.startswith("mtp."))
+    return sum(sizes.values()) - mtp, mtp if with_mtp else 0
+
+
 def _read_gguf(path: Path) -> GGUFCheckpoint:
     from deltaspec.model.gguf_file import read_gguf  # the gguf package is imported only for GGUF files
 
@@ -173,6 +199,8 @@ def _random_shape(config: EngineConfig) -> ModelConfig:
         )
     if config.model is not None:
         raise DeltaspecError("--random-weights builds a model from --shape and loads no checkpoint; drop --model.")
+    if config.quant:
+        parse_quant(config.quant)
     if uses(config.speculative, "draft") and not config.draft_model:
         raise DeltaspecError("speculative='draft' with --random-weights needs --draft-model PATH; or use mtp or ngram.")
     return replace(shape_config(config.shape, config.shape_overrides), eos_token_ids=())

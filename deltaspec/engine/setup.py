@@ -31,7 +31,9 @@ def engine_model(planned: Planned, ops: OpTable, progress: bool) -> HybridModel:
     """The engine's model: random weights of the shape, or the checkpoint; its MTP head only when it drafts."""
     cfg, dtype, device = planned.config, parse_dtype(planned.config.dtype), torch.device(planned.config.device)
     if cfg.random_weights:
-        return random_model(planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp)
+        return random_model(
+            planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp, quant=cfg.quant
+        )
     if planned.gguf is not None:
         return load_gguf_model(planned.gguf, planned.model_config, dtype, device, ops, progress, planned.with_mtp)
     return load_model(

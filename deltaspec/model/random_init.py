@@ -19,7 +19,10 @@ from tqdm import tqdm
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.layers import QuantizedEmbedding, set_weight
+from deltaspec.model.random_quant import quantize_random, tensor_types
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.quant.weight import QuantizedWeight
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 ZERO_CENTRED_NORMS = (
@@ -66,21 +69,37 @@ def random_model(
     seed: int = 0,
     progress: bool = True,
     with_mtp: bool = True,
+    quant: str | None = None,
 ) -> HybridModel:
     """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint (the
-    shape's MTP head only `with_mtp`)."""
+    shape's MTP head only `with_mtp`); with `quant`, each weight matrix is drawn in float32 and quantized to the
+    type `random_quant.tensor_types` gives it as soon as it is drawn, so the float model never exists whole."""
     with torch.device("meta"):
         model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers if with_mtp else 0)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    types = tensor_types(config, shapes, quant) if quant else {}
+    modules = dict(model.named_modules())
     weights = {}
     params = [(n, p) for n, p in model.named_parameters() if not (n == "lm_head.weight" and config.tie_word_embeddings)]
     for name, param in tqdm(params, desc="Random weights", unit="tensor", disable=not progress):
-        weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
-        _draw(name, param.shape, config, weights[name], gen)
-    if config.tie_word_embeddings:
+        drawn = torch.empty(param.shape, dtype=torch.float32 if name in types else dtype, device=device)
+        _draw(name, param.shape, config, drawn, gen)
+        if name in types:
+            module_name, _, attribute = name.rpartition(".")
+            set_weight(modules[module_name], attribute, quantize_random(drawn, types[name]))
+        else:
+            weights[name] = drawn
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in types:
+        set_weight(model.lm_head, "weight", model.model.embed_tokens.weight)
+    elif config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    model.load_state_dict(weights, assign=True, strict=True)
+    model.load_state_dict(weights, assign=True, strict=False)
+    if left := [n for n, p in model.named_parameters() if p.is_meta]:
+        raise RuntimeError(f"random weights left {len(left)} parameters undrawn, e.g. {left[0]}")
+    if isinstance(model.model.embed_tokens.weight, QuantizedWeight):
+        model.model.embed_tokens = QuantizedEmbedding(model.model.embed_tokens.weight, dtype)
     weights.clear()  # the model holds the only references: fusing frees each group's parts as it goes
     model.fuse_projections()
     return model.eval()

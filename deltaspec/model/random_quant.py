@@ -1,0 +1,98 @@
+"""`--random-weights --shape NAME --quant TYPE`: which GGUF type each random weight is quantized to.
+
+TYPE is a llama.cpp preset (q4_k_m, q5_k_m, q6_k, q8_0: each tensor's type chosen as llama-quantize chooses it,
+`deltaspec.ops.quant.presets`) or a single block type (q4_k, q8_0, iq4_xs, ...) for every matrix. The model's
+parameters are named as GGUF files name them (`token_embd`, `blk.N.attn_qkv`, `blk.N.ffn_down_exps`, the MTP
+head as NextN blocks after the last layer), so the choice is the one a file of that shape would get. What is not
+a matrix (norms, gates' biases, the conv window, A_log, dt_bias) and the MoE router stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deltaspec.config import ModelConfig
+from deltaspec.errors import DeltaspecError
+from deltaspec.ops.quant.formats import FORMATS, format_of, row_bytes
+from deltaspec.ops.quant.presets import DEFAULT_TYPE, preset_types
+from deltaspec.ops.quant.quantize import quantize
+from deltaspec.ops.quant.weight import QuantizedWeight
+
+GGUF_SUFFIXES = {  # deltaspec parameter (within a layer) -> the GGUF tensor llama.cpp's converter writes
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_up_proj": "ffn_gate_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+MTP_FC = "mtp.fc.weight"
+
+
+def gguf_name(name: str, config: ModelConfig) -> str | None:
+    """The GGUF tensor a weight matrix parameter becomes, or None for what llama.cpp never quantizes."""
+    if name in GLOBAL:
+        return GLOBAL[name]
+    if name == MTP_FC:
+        return f"blk.{config.num_hidden_layers}.nextn.eh_proj.weight"
+    prefix, _, rest = name.partition(".layers.")
+    layer, _, suffix = rest.partition(".")
+    if not rest or suffix not in GGUF_SUFFIXES:
+        return None
+    block = int(layer) + (config.num_hidden_layers if prefix == "mtp" else 0)
+    return f"blk.{block}.{GGUF_SUFFIXES[suffix]}"
+
+
+def parse_quant(quant: str) -> str:
+    """A --quant value as presets and formats spell it (Q4_K_M, Q8_0, ...), or one sentence listing the choices."""
+    key = quant.upper()
+    if key in DEFAULT_TYPE or (key in FORMATS and not format_of(key).is_float):
+        return key
+    choices = ", ".join(p.lower() for p in DEFAULT_TYPE)
+    raise DeltaspecError(f"Unknown --quant {quant!r}; use a preset ({choices}) or a block type such as q4_k or q8_0.")
+
+
+def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str) -> dict[str, str]:
+    """{parameter: GGUF type} for the parameters of `shapes` that are quantized under `quant`."""
+    key = parse_quant(quant)
+    named = {gguf_name(name, config): name for name, shape in shapes.items() if len(shape) >= 2}
+    named.pop(None, None)
+    if key not in DEFAULT_TYPE:
+        block = format_of(key).block_size
+        chosen = {gguf: (key if shapes[name][-1] % block == 0 else "F16") for gguf, name in named.items()}
+    else:
+        n_expert = config.moe.num_experts if config.moe else 0
+        listing = [(gguf, tuple(shapes[name]), "F32") for gguf, name in named.items()]
+        blocks = config.num_hidden_layers + config.num_mtp_layers
+        chosen = preset_types(key, listing, n_layers=blocks, n_expert=n_expert)
+    return {named[gguf]: qtype for gguf, qtype in chosen.items() if not format_of(qtype).is_float}
+
+
+def quantize_random(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
+    """A drawn float32 weight ([rows, cols], or [experts, rows, cols] one expert at a time) as `qtype` blocks."""
+    if weight.dim() == 2:
+        return QuantizedWeight([(qtype, quantize(weight, qtype))], weight.shape[-1])
+    blocks = torch.stack([quantize(expert, qtype) for expert in weight])  # [E, rows, row_bytes]
+    return QuantizedWeight([(qtype, blocks)], weight.shape[-1])
+
+
+def quantized_bytes(shape: torch.Size, qtype: str) -> int:
+    """Bytes of a [..., rows, cols] weight in `qtype` blocks."""
+    return math.prod(shape[:-1]) * row_bytes(qtype, shape[-1])
