@@ -21,6 +21,7 @@ from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence
+from deltaspec.ops.quant.weight import block_types
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.speculator import DraftLength
@@ -120,6 +121,8 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         "dtype": cfg.dtype,
         "state_dtype": cfg.state_dtype,
         **source,
+        "quant": cfg.quant,
+        "weight_blocks": block_types(engine.model),  # GGUF types of the weights kept quantized; [] for float
         "speculative": cfg.speculative,
         "draft_tokens": cfg.draft_tokens if cfg.speculative != "none" else None,
         "commit": commit(),

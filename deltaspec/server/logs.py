@@ -22,7 +22,7 @@ from pathlib import Path
 from deltaspec.cache.memory_plan import GIB
 from deltaspec.engine.engine import Engine
 from deltaspec.model.hf_config import checkpoint_dtype, read_config_json
-from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.ops.quant.weight import block_types
 from deltaspec.server.metrics import TokenTally
 
 log = logging.getLogger("deltaspec.server")
@@ -64,7 +64,7 @@ def model_origin(engine: Engine) -> str:
 def weights_format(engine: Engine) -> str:
     """'safetensors <the checkpoint's dtype>', 'GGUF <the block types kept>', or 'random weights'; and whether
     there is a tokenizer."""
-    kept = sorted({qtype for m in engine.model.modules() if isinstance(m, QuantizedWeight) for qtype in m.qtypes})
+    kept = block_types(engine.model)
     if engine.model_dir is None:
         kind = "random weights"
     elif engine.model_dir.suffix == ".gguf":

@@ -130,6 +130,11 @@ class QuantizedWeight(nn.Module):
         return f"shape={tuple(self.shape)}, types={'+'.join(self.qtypes)}, bytes={self.nbytes}"
 
 
+def block_types(model: nn.Module) -> list[str]:
+    """The GGUF block types of the weights `model` keeps quantized (empty for a float model)."""
+    return sorted({qtype for m in model.modules() if isinstance(m, QuantizedWeight) for qtype in m.qtypes})
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """`x @ weight.T` ([..., in] -> [..., out]), the reference: the matrix dequantized, then one GEMM in x's dtype."""
     return F.linear(weight.ordered_input(x), weight.dequantize(x.dtype))
