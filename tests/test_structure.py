@@ -26,6 +26,7 @@ LAYERS = (
     "llm",
     "evaluate",
     "evaluate_kl",
+    "quantize",
     "server",
     "bench",
     "cli",

@@ -1,5 +1,5 @@
-"""The `deltaspec` subcommands: their arguments, and the small ones' bodies (ppl, kl, plan, serve); generate and chat
-live in `deltaspec.cli.generation`, the bench scenarios in `deltaspec.bench.commands`."""
+"""The `deltaspec` subcommands: their arguments, and the small ones' bodies (ppl, kl, quantize, plan, serve); generate
+and chat live in `deltaspec.cli.generation`, the bench scenarios in `deltaspec.bench.commands`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,22 @@ def cmd_kl(args: argparse.Namespace) -> None:
     text = read_corpus(args.file)
     sources = (args.base, args.base_dtype, args.base_logits, args.save_base)
     print(json.dumps(run_kl(engine_config(args), text, *sources, args.window, args.max_windows), indent=1))
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from deltaspec.quantize.command import run_quantize, summary_text
+
+    summary = run_quantize(
+        args.model_tag,
+        args.out,
+        args.type,
+        args.calibration,
+        args.calibration_windows,
+        args.window,
+        args.dtype,
+        args.device,
+    )
+    print(summary_text(summary))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -116,6 +132,37 @@ def build_parser() -> argparse.ArgumentParser:
     kl.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
     add_engine_flags(kl)
     kl.set_defaults(func=cmd_kl)
+
+    quant = commands.add_parser(
+        "quantize",
+        help="write the model as a GGUF file that llama.cpp loads: float, a llama.cpp preset or one block type, "
+        "optionally with an importance matrix measured on calibration text",
+    )
+    quant.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="float checkpoint: directory, hub id or .gguf (default: the embedded model)",
+    )
+    quant.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write")
+    quant.add_argument(
+        "--type",
+        required=True,
+        help="q4_k_m, q5_k_m, q6_k, q8_0 (llama-quantize's presets), q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, "
+        "iq4_nl, iq4_xs (one type, as llama-quantize --pure), f16, bf16, f32 (as convert_hf_to_gguf.py)",
+    )
+    quant.add_argument(
+        "--calibration", nargs="+", metavar="FILE", help="text files to measure the importance matrix on (imatrix)"
+    )
+    quant.add_argument(
+        "--calibration-windows", type=int, default=None, help="use at most this many windows of it (default: all)"
+    )
+    quant.add_argument("--window", type=int, default=512, help="tokens per calibration window (default: 512)")
+    quant.add_argument("--dtype", default="auto", help="dtype of the calibration run (default: auto)")
+    quant.add_argument(
+        "--device", default="auto", help="device of the calibration run and the quantization (default: auto)"
+    )
+    quant.set_defaults(func=cmd_quantize)
 
     plan = commands.add_parser("plan", help="memory budget of a configuration: weights, KV, GDN states, workspace")
     add_engine_flags(plan)

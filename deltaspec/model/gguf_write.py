@@ -1,0 +1,214 @@
+"""`write_gguf`: a float checkpoint -> a GGUF file that llama.cpp loads, each tensor at the type llama.cpp's tools
+would give it.
+
+Owns the file: the tensors in the converter's order with its names and values (`gguf_write_names`), the
+metadata (`gguf_write_meta`), each tensor's type, its bytes (`deltaspec.ops.quant.quantize`, byte-exact with
+ggml, with the tensor's importance when there is one), and the writing (gguf-py's `GGUFWriter`: tensor infos
+first, then the data streamed tensor by tensor, into `OUT.partial`, renamed to OUT once complete).
+
+The type of a tensor, by `--type`:
+
+- f32, f16, bf16: what `convert_hf_to_gguf.py --outtype` writes: the matrices in that type; 1-D tensors, norms,
+  biases, the MoE routers and the conv window in F32;
+- q4_k_m, q5_k_m, q6_k, q8_0: what `llama-quantize` makes of the converter's f32 file under that preset
+  (`deltaspec.ops.quant.presets`);
+- q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, iq4_nl, iq4_xs: what `llama-quantize --pure` makes of it with
+  that type: every matrix llama-quantize quantizes in that type, or its 32-element stand-in (then F16) when its
+  blocks do not divide the row.
+
+`general.file_type` is the llama.cpp file type those tools write (a pure k-quant: its _M mixture, as
+llama-quantize's Q3_K / Q4_K / Q5_K aliases do). With importance (llama.cpp's imatrix), the file also names the
+calibration text and its chunks in `quantize.imatrix.*`, as llama-quantize does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.gguf_write_meta import add_general, add_gguf_tokenizer, add_hf_tokenizer, add_hyperparameters
+from deltaspec.model.gguf_write_names import TensorConverter, layout_for
+from deltaspec.model.gguf_write_source import Source
+from deltaspec.ops.quant.formats import format_of, row_bytes
+from deltaspec.ops.quant.presets import DEFAULT_TYPE, FALLBACK, allows_quantization, preset_types
+from deltaspec.ops.quant.quantize import quantize
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+PRESETS = tuple(DEFAULT_TYPE)
+PURE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")
+FILE_TYPES = {  # --type -> the llama.cpp file type (gguf.LlamaFileType) the tools write
+    "Q4_K_M": "MOSTLY_Q4_K_M",
+    "Q5_K_M": "MOSTLY_Q5_K_M",
+    "Q6_K": "MOSTLY_Q6_K",
+    "Q8_0": "MOSTLY_Q8_0",
+    "Q4_0": "MOSTLY_Q4_0",
+    "Q4_1": "MOSTLY_Q4_1",
+    "Q5_0": "MOSTLY_Q5_0",
+    "Q5_1": "MOSTLY_Q5_1",
+    "Q2_K": "MOSTLY_Q2_K",
+    "Q3_K": "MOSTLY_Q3_K_M",
+    "Q4_K": "MOSTLY_Q4_K_M",
+    "Q5_K": "MOSTLY_Q5_K_M",
+    "IQ4_NL": "MOSTLY_IQ4_NL",
+    "IQ4_XS": "MOSTLY_IQ4_XS",
+    "F16": "MOSTLY_F16",
+    "BF16": "MOSTLY_BF16",
+    "F32": "ALL_F32",
+}
+CPU = torch.device("cpu")
+CONVERTER_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+
+@dataclass(frozen=True)
+class Importance:
+    """llama.cpp's imatrix: per GGUF tensor, the mean squared input of each column ([cols], or [E, cols] for
+    routed experts), and what it was measured on (`dataset`: the text's name, `chunks`: windows of it)."""
+
+    values: dict[str, torch.Tensor]
+    dataset: str
+    chunks: int
+
+
+def parse_type(name: str) -> str:
+    """A --type value as presets and formats spell it (Q4_K_M, F16, ...), or one sentence listing the choices."""
+    key = name.upper()
+    if key not in FILE_TYPES:
+        raise DeltaspecError(f"Unknown --type {name!r}; use one of {', '.join(t.lower() for t in FILE_TYPES)}.")
+    return key
+
+
+def tensor_types(kind: str, plan: list[tuple[str, tuple[int, ...]]], n_layers: int, n_expert: int) -> dict[str, str]:
+    """{GGUF tensor: type} under --type `kind` (see the module docstring); `plan` is (name, torch shape)."""
+    if kind in FLOAT_TYPES:
+        return {name: _converter_type(name, shape, kind) for name, shape in plan}
+    if kind in PRESETS:
+        return preset_types(kind, [(name, shape, "F32") for name, shape in plan], n_layers=n_layers, n_expert=n_expert)
+    return {name: _pure_type(kind, shape[-1]) if allows_quantization(name, shape) else "F32" for name, shape in plan}
+
+
+def _converter_type(name: str, shape: tuple[int, ...], outtype: str) -> str:
+    """`prepare_tensors`: 1-D tensors, norms, what is not a `.weight`, routers and the conv window stay F32."""
+    if len(shape) <= 1 or not name.endswith(".weight") or name.endswith(CONVERTER_F32):
+        return "F32"
+    return outtype
+
+
+def _pure_type(qtype: str, cols: int) -> str:
+    """llama-quant.cpp `tensor_type_fallback`: `qtype`, its 32-element stand-in, or F16, whichever divides the row."""
+    for candidate in (qtype, FALLBACK.get(qtype, qtype)):
+        if cols % format_of(candidate).block_size == 0:
+            return candidate
+    return "F16"
+
+
+def check_writable(path: Path) -> None:
+    """Refuse, before any long work, an output path that cannot be written."""
+    partial = _partial(path)
+    try:
+        partial.open("wb").close()
+    except OSError as exc:
+        raise DeltaspecError(f"Cannot write the GGUF file {path} ({exc.strerror or exc}).") from None
+    partial.unlink()
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def _converted(source: Source, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF tensors of `source`, in the converter's order."""
+    moe = source.config.moe
+    converter = TensorConverter(layout_for(source.config, source.arch), moe.num_experts if moe else 0)
+    for name, tensor in source.tensors(meta):
+        yield from converter.convert(name, tensor)
+    converter.finish()
+
+
+def _add_info(writer: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: str) -> None:
+    if qtype in ("F32", "F16"):
+        dtype = np.dtype(np.float32 if qtype == "F32" else np.float16)
+        writer.add_tensor_info(name, shape, dtype, math.prod(shape) * dtype.itemsize)
+        return
+    byte_shape = (*shape[:-1], row_bytes(qtype, shape[-1]))
+    raw = gguf.GGMLQuantizationType[qtype]
+    writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=raw)
+
+
+def encode(tensor: torch.Tensor, qtype: str, importance: torch.Tensor | None, device: torch.device) -> np.ndarray:
+    """A GGUF tensor's bytes: float32 / float16 values, or uint8 [..., rows, row_bytes] blocks (BF16 too)."""
+    if qtype == "F32":
+        return tensor.float().numpy()
+    if qtype == "F16":
+        return tensor.float().numpy().astype(np.float16)
+    matrices = tensor.reshape(-1, *tensor.shape[-2:])  # [experts or 1, rows, cols]
+    blocks = [
+        quantize(m.to(device), qtype, None if importance is None else importance.reshape(-1, m.shape[-1])[i])
+        for i, m in enumerate(matrices)
+    ]  # per matrix (expert): [rows, row_bytes]
+    return torch.stack(blocks).cpu().numpy().reshape(*tensor.shape[:-1], -1)
+
+
+def _writer(
+    source: Source, kind: str, plan: list[tuple[str, tuple[int, ...], str]], importance: Importance | None
+) -> gguf.GGUFWriter:
+    """A GGUFWriter holding the file's tensor infos (`plan`: name, torch shape, type) and metadata."""
+    writer = gguf.GGUFWriter(None, source.arch)
+    for name, shape, qtype in plan:
+        _add_info(writer, name, shape, qtype)
+    add_general(writer, source.path if source.gguf_metadata is None else None, source.name)
+    add_hyperparameters(writer, source.hparams, source.num_mtp, gguf.LlamaFileType[FILE_TYPES[kind]])
+    if source.gguf_metadata is None:
+        add_hf_tokenizer(writer, source.path, source.config.vocab_size)
+    else:
+        add_gguf_tokenizer(writer, source.gguf_metadata)
+    if importance is not None:
+        writer.add_string("quantize.imatrix.dataset", importance.dataset)
+        writer.add_uint32("quantize.imatrix.entries_count", len(importance.values))
+        writer.add_uint32("quantize.imatrix.chunks_count", importance.chunks)
+    return writer
+
+
+def write_gguf(
+    source: Source,
+    path: Path,
+    kind: str,
+    importance: Importance | None = None,
+    device: torch.device = CPU,
+    progress: bool = True,
+) -> Counter:
+    """Write `source` to the GGUF file `path` with the tensor types of --type `kind`; returns how many tensors got
+    each type. The tensors are quantized on `device`."""
+    plan = [(name, tuple(tensor.shape)) for name, tensor in _converted(source, meta=True)]
+    moe = source.config.moe
+    types = tensor_types(kind, plan, source.config.num_hidden_layers + source.num_mtp, moe.num_experts if moe else 0)
+    writer = _writer(source, kind, [(name, shape, types[name]) for name, shape in plan], importance)
+    values = importance.values if importance is not None else {}
+    partial = _partial(path)
+    try:
+        writer.write_header_to_file(partial)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        bar = tqdm(total=len(plan), desc=f"Writing {path.name}", unit="tensor", disable=not progress)
+        for (name, tensor), (planned, _) in zip(_converted(source, meta=False), plan, strict=True):
+            assert name == planned, f"{name} arrived where {planned} was planned"
+            bar.set_postfix_str(f"{name} {types[name]}", refresh=False)
+            writer.write_tensor_data(encode(tensor, types[name], values.get(name), device))
+            bar.update()
+        bar.close()
+        writer.close()
+        partial.replace(path)
+    except OSError as exc:
+        raise DeltaspecError(f"Cannot write the GGUF file {path} ({exc.strerror or exc}).") from None
+    finally:
+        writer.close()
+        partial.unlink(missing_ok=True)
+    return Counter(types.values())
