@@ -1,6 +1,7 @@
-"""The Triton product from GGUF blocks against its reference (dequantize, then one GEMM): Q8_0, Q4_K and Q6_K
-weights, 1 to 64 rows, one or several segments of different types, row counts and widths that leave tiles
-partly empty; more rows or other types take the dequantizing path."""
+"""The Triton products from GGUF blocks against their reference (dequantize, then one GEMM): Q8_0, Q4_K and Q6_K
+weights, 1 to 64 rows, every kernel family with one split and several, a permuted input order, one or several
+segments of different types, row counts and widths that leave tiles partly empty; more rows or other types
+take the dequantizing path."""
 
 import pytest
 import torch
@@ -36,10 +37,32 @@ def kernel(kernel_device):
     return quantized_linear
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+FAMILIES = [("Q8_0", "gemv"), ("Q8_0", "tile"), ("Q4_K", "gemv"), ("Q4_K", "dot"), ("Q6_K", "gemv"), ("Q6_K", "tile")]
+
+
+@pytest.mark.parametrize(("qtype", "family"), FAMILIES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_product_matches_the_reference(kernel, kernel_device, qtype, rows, dtype):
+def test_every_kernel_family_matches_the_reference(kernel, kernel_device, qtype, family, rows, split_k, dtype):
+    from deltaspec.ops.triton.quant_matmul import Launch
+
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(2)) if split_k == 2 else None
+    data = random_weight(qtype, 40, 512, seed=rows)
+    weight = QuantizedWeight([(qtype, data)], 512, order).to(kernel_device)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).to(kernel_device, dtype)
+    got = kernel(x, weight, Launch(family, 16, split_k))
+    expected = reference_linear(x, weight)
+    assert got.dtype == dtype and got.shape == (rows, 40)
+    scale = expected.float().abs().max().item()  # bf16 rounds the weights, sums of 512 terms and the output
+    tolerance = {"rtol": 2e-2, "atol": 2e-2 * scale} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_routed_product_matches_the_reference(kernel, kernel_device, qtype, rows, dtype):
     weight = QuantizedWeight([(qtype, random_weight(qtype, 40, 512, seed=rows))], 512).to(kernel_device)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).to(kernel_device, dtype)
     got, expected = kernel(x, weight), reference_linear(x, weight)

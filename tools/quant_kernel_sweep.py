@@ -1,75 +1,91 @@
-"""Sweep the launch settings of the GGUF-block product (`deltaspec/ops/triton/quant_matmul.py`) on CUDA.
+"""Sweep the launches of the GGUF-block products (`deltaspec/ops/triton/quant_matmul.py`) on CUDA.
 
-For the 27B shape's largest decode products in Q4_K, Q6_K and Q8_0, times each (block_n, split_k) at 1, 4 and 16
-rows with CUDA events (median of 50 after warm-up), checks the result against the dequantizing reference, and
-prints the achieved bandwidth (weight bytes / time) next to bf16 `F.linear` on the same matrix. Writes JSON to
-the path given (or stdout).
+For the 27B shape's largest decode products in Q4_K, Q6_K and Q8_0 and row counts 1..64, times every kernel
+family and tile (`Launch`) that applies with `triton.testing.do_bench` (L2 flushed before each call, median),
+checks each result against the dequantizing reference, and records the achieved bandwidth (weight bytes /
+time) next to bf16 `F.linear` on a matrix of the same shape. Prints the best launch per (type, shape, rows)
+and writes everything as JSON to the path given (or stdout).
 
-    python tools/quant_kernel_sweep.py OUT.json
+    python tools/quant_kernel_sweep.py OUT.json [--quick]
 """
 
+import itertools
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from triton.testing import do_bench
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as reference
-from deltaspec.ops.triton.quant_matmul import quantized_linear
+from deltaspec.ops.triton.quant_matmul import Launch, quantized_linear
 from tests.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
-SETTINGS = [(16, 1), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (16, 4), (16, 8)]
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+GEMV_ROWS = 4
 
 
-def timed(fn, repeats: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
+    """The candidate launches for `rows` rows of `qtype`."""
+    splits = (1, 4) if quick else (1, 2, 4, 8)
+    out = []
+    if rows <= GEMV_ROWS:
+        out += [Launch("gemv", n, s, w) for n, s, w in itertools.product((32, 64, 128), splits, (4, 8))]
+    family = "dot" if qtype == "Q4_K" else "tile"
+    widths = (32, 64, 128) if family == "dot" else (16, 32, 64)
+    out += [Launch(family, n, s, w) for n, s, w in itertools.product(widths, splits[:3], (4, 8))]
+    return out
 
 
 def main() -> None:
-    results = []
+    quick = "--quick" in sys.argv
+    path = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
+    results, best = [], []
     for qtype in ("Q4_K", "Q6_K", "Q8_0"):
-        for name, (rows, cols) in SHAPES.items():
-            weight = QuantizedWeight([(qtype, random_weight(qtype, rows, cols, 0))], cols).cuda()
-            dense = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
-            for m in (1, 4, 16):
-                x = torch.randn(m, cols, device="cuda", dtype=torch.bfloat16)
+        for name, (n_out, n_in) in SHAPES.items():
+            weight = QuantizedWeight([(qtype, random_weight(qtype, n_out, n_in, 0))], n_in).cuda()
+            dense = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16)
+            for m in ROWS:
+                x = torch.randn(m, n_in, device="cuda", dtype=torch.bfloat16)
                 expected = reference(x, weight).float()
-                bf16_ms = timed(lambda x=x, dense=dense: F.linear(x, dense))
-                for block_n, split_k in SETTINGS:
-                    got = quantized_linear(x, weight, block_n, split_k).float()
+                bf16_ms = do_bench(lambda x=x, dense=dense: F.linear(x, dense), warmup=5, rep=20, return_mode="median")
+                timed = []
+                for launch in launches(qtype, m, quick):
+                    got = quantized_linear(x, weight, launch).float()
                     error = ((got - expected).abs().max() / expected.abs().max()).item()
-                    ms = timed(lambda x=x, w=weight, n=block_n, k=split_k: quantized_linear(x, w, n, k))
-                    results.append(
-                        {
-                            "qtype": qtype,
-                            "shape": name,
-                            "rows": m,
-                            "block_n": block_n,
-                            "split_k": split_k,
-                            "ms": ms,
-                            "gb_s": weight.nbytes / ms / 1e6,
-                            "bf16_ms": bf16_ms,
-                            "bf16_gb_s": dense.numel() * 2 / bf16_ms / 1e6,
-                            "max_rel_error": error,
-                        }
+                    ms = do_bench(
+                        lambda x=x, launch=launch: quantized_linear(x, weight, launch),
+                        warmup=5,
+                        rep=20,
+                        return_mode="median",
                     )
-                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    text = json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1)
-    if len(sys.argv) > 1:
-        open(sys.argv[1], "w").write(text + "\n")
+                    row = {
+                        "qtype": qtype,
+                        "shape": name,
+                        "rows": m,
+                        **launch.__dict__,
+                        "ms": ms,
+                        "gb_s": weight.nbytes / ms / 1e6,
+                        "bf16_ms": bf16_ms,
+                        "bf16_gb_s": dense.numel() * 2 / bf16_ms / 1e6,
+                        "max_rel_error": error,
+                    }
+                    results.append(row)
+                    timed.append(row)
+                top = min((r for r in timed if r["max_rel_error"] < 0.05), key=lambda r: r["ms"])
+                best.append(top)
+                print(
+                    f"{qtype} {name:8s} rows={m:2d} best {top['family']:4s} n={top['block_n']:3d} "
+                    f"split={top['split_k']} warps={top['num_warps']} {top['ms'] * 1e3:7.1f} us "
+                    f"{top['gb_s']:6.0f} GB/s (bf16 {bf16_ms * 1e3:7.1f} us {row['bf16_gb_s']:6.0f} GB/s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    text = json.dumps({"device": torch.cuda.get_device_name(), "best": best, "results": results}, indent=1)
+    if path:
+        open(path, "w").write(text + "\n")
     else:
         print(text)
 

@@ -1,18 +1,22 @@
-"""`x @ weight.T` straight from GGUF blocks, for the few rows of decode and verify passes (1..64).
+"""`x @ weight.T` straight from GGUF blocks for the few rows of decode and verify passes (1..64), and the
+choice of kernel per block type and row count.
 
-One program owns BLOCK_N output rows (weight rows) and a 1 / SPLIT_K share of the input dimension; it walks
-its share 256 values at a time (one k-quant super-block, or eight Q8_0 blocks), dequantizes that
-[BLOCK_N, 256] tile in registers exactly as `deltaspec.ops.quant.dequant` does (float32, rounded to the
-activations' dtype) and multiplies it by the rows of x on tensor cores (rows padded to 16). The weight's
-bytes are read once; split-K partial sums go to a float32 workspace [SPLIT_K, M, N] that is summed in a
-fixed order, so results do not depend on scheduling. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's
-Q4_K_M, Q6_K and Q8_0 files are made of); other types, and products of more rows, dequantize the matrix
-and use cuBLAS (`quantized_linear`).
+Three kernel families read the blocks in place, never a dequantized copy of the matrix: the CUDA-core
+product of `quant_gemv` (per input row, sub-block sums scaled once), its Q4_K tensor-core product (raw quants
+times x per 32-value sub-block on MMA, scales applied to the [rows, BLOCK_N] result), and the tile kernel
+below, which dequantizes a [BLOCK_N, 256] tile in registers exactly as `deltaspec.ops.quant.dequant` does
+(float32, rounded to the activations' dtype) and multiplies it on tensor cores (rows padded to 16). Each
+splits the input dimension SPLIT_K ways; with one split a program writes its output directly, with more the
+float32 partial sums are added in a fixed order (`finish_kernel`), so results never depend on scheduling.
+`LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
+takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
+made of); other types, and products of more rows, dequantize the matrix and use cuBLAS.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,11 +24,11 @@ import triton.language as tl
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
+from deltaspec.ops.triton import quant_gemv
 
 KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2}
 # Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-SUPER_BYTES = {"Q8_0": 8 * 34, "Q4_K": 144, "Q6_K": 210}  # bytes per 256 values
 MAX_ROWS = 64
 STEP = 256
 
@@ -103,12 +107,16 @@ def _quant_gemm_kernel(
     x_ptr,
     w_ptr,
     w32_ptr,
+    order_ptr,
     part_ptr,
+    out_ptr,
     M,
     N,
     row_bytes,
     stride_xm,
+    stride_om,
     steps_per_split,
+    HAS_ORDER: tl.constexpr,
     QTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -125,43 +133,120 @@ def _quant_gemm_kernel(
     for i in range(steps_per_split):
         step = split * steps_per_split + i
         w = _tile(w_ptr, w32_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] fp32
-        x = tl.load(x_ptr + m[:, None] * stride_xm + (step * 256 + k)[None, :], mask=m_mask[:, None], other=0.0)
+        columns = step * 256 + k
+        if HAS_ORDER:
+            columns = tl.load(order_ptr + columns)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + columns[None, :], mask=m_mask[:, None], other=0.0)
         if IEEE:  # float32 products (no TF32 rounding): float32 activations, or Triton's interpreter
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    out = part_ptr + split * M * N + m[:, None] * N + rows[None, :]
-    tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+    mask = m_mask[:, None] & n_mask[None, :]
+    if tl.num_programs(1) == 1:
+        tl.store(out_ptr + m[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + m[:, None] * N + rows[None, :], acc, mask=mask)
 
 
-def _segment_matmul(x: torch.Tensor, qtype: str, data: torch.Tensor, block_n: int, split_k: int) -> torch.Tensor:
-    """x [M, K] times one segment's rows [N, row_bytes] of `qtype` -> float32 [M, N]."""
-    rows, row_bytes = data.shape
+@dataclass(frozen=True)
+class Launch:
+    """How one segment's product runs: kernel family ("gemv", "dot" for Q4_K's sub-block MMA, "tile"), the
+    weight rows per program, the split of the input dimension and the warps per program."""
+
+    family: str
+    block_n: int
+    split_k: int
+    num_warps: int = 4
+
+
+# (block type, largest row count) -> launch; the first entry whose row count covers the product's is taken
+LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
+    "Q4_K": ((1, Launch("gemv", 64, 4)), (MAX_ROWS, Launch("dot", 64, 4))),
+    "Q6_K": ((1, Launch("gemv", 64, 4)), (MAX_ROWS, Launch("tile", 32, 4))),
+    "Q8_0": ((1, Launch("gemv", 64, 4)), (MAX_ROWS, Launch("tile", 32, 4))),
+}
+
+
+def launch_for(qtype: str, rows: int) -> Launch:
+    """The measured launch for `rows` input rows of a `qtype` segment."""
+    return next(launch for most, launch in LAUNCHES[qtype] if rows <= most)
+
+
+def _split(steps: int, wanted: int) -> int:
+    """The largest split of `steps` super-blocks into at most `wanted` equal shares."""
+    return max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
+
+
+def _segment_matmul(
+    x: torch.Tensor, order: torch.Tensor | None, qtype: str, data: torch.Tensor, out: torch.Tensor, launch: Launch
+) -> None:
+    """out [M, N] (a column slice of the product) = x [M, K] times one segment's rows [N, row_bytes]."""
+    m, n = out.shape
+    n_bytes = data.shape[1]
     steps = x.shape[1] // STEP
-    split = split_k if steps % split_k == 0 else 1
-    parts = torch.empty(split, x.shape[0], rows, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(rows, block_n), split)
-    words = data.view(torch.int32) if row_bytes % 4 == 0 else data  # Q4_K's nibbles are read as 32-bit words
-    _quant_gemm_kernel[grid](
-        x,
-        data,
-        words,
-        parts,
-        x.shape[0],
-        rows,
-        row_bytes,
-        x.stride(0),
-        steps // split,
-        QTYPE=KERNEL_TYPES[qtype],
-        BLOCK_M=max(16, triton.next_power_of_2(x.shape[0])),
-        BLOCK_N=block_n,
-        IEEE=x.dtype == torch.float32 or INTERPRETED,
-    )
-    return parts.sum(0) if split > 1 else parts[0]
+    split = _split(steps, launch.split_k)
+    parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    order = x if order is None else order
+    common = {"HAS_ORDER": order is not x, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps}
+    tiles = triton.cdiv(n, launch.block_n)
+    if launch.family == "gemv":
+        args = (x, order)
+        if qtype == "Q4_K":
+            kernel, args, row_units = quant_gemv.q4_k_gemv_kernel, (*args, data.view(torch.int32)), n_bytes // 4
+        elif qtype == "Q6_K":
+            kernel, args, row_units = quant_gemv.q6_k_gemv_kernel, (*args, data, data.view(torch.int16)), n_bytes
+        else:
+            kernel, args, row_units = quant_gemv.q8_0_gemv_kernel, (*args, data.view(torch.int16)), n_bytes // 2
+        kernel[(tiles, split, m)](*args, parts, out, n, row_units, x.stride(0), out.stride(0), steps // split, **common)
+    else:
+        block_m = max(16, triton.next_power_of_2(m))
+        ieee = x.dtype == torch.float32 or INTERPRETED
+        if launch.family == "dot":
+            quant_gemv.q4_k_dot_kernel[(tiles, split)](
+                x,
+                order,
+                data.view(torch.int32),
+                parts,
+                out,
+                m,
+                n,
+                n_bytes // 4,
+                x.stride(0),
+                out.stride(0),
+                steps // split,
+                BLOCK_M=block_m,
+                IEEE=ieee,
+                **common,
+            )
+        else:
+            words = data.view(torch.int32) if n_bytes % 4 == 0 else data  # Q4_K's nibbles are read as 32-bit words
+            _quant_gemm_kernel[(tiles, split)](
+                x,
+                data,
+                words,
+                order,
+                parts,
+                out,
+                m,
+                n,
+                n_bytes,
+                x.stride(0),
+                out.stride(0),
+                steps // split,
+                QTYPE=KERNEL_TYPES[qtype],
+                BLOCK_M=block_m,
+                IEEE=ieee,
+                **common,
+            )
+    if split > 1:
+        block = 1024
+        quant_gemv.finish_kernel[(triton.cdiv(m * n, block),)](
+            parts, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block
+        )
 
 
 def kernel_handles(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bool:
-    """Whether the block kernel runs this product: few rows of 16- or 32-bit floats, a 2-D weight whose every
+    """Whether the block kernels run this product: few rows of 16- or 32-bit floats, a 2-D weight whose every
     segment is of a kernel type."""
     return (
         0 < rows <= MAX_ROWS
@@ -172,12 +257,19 @@ def kernel_handles(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bo
     )
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, block_n: int = 32, split_k: int = 4) -> torch.Tensor:
-    """`x @ weight.T` ([..., in] -> [..., out]) from the blocks for up to 64 rows, else dequantize + cuBLAS."""
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, launch: Launch | None = None) -> torch.Tensor:
+    """`x @ weight.T` ([..., in] -> [..., out]) from the blocks for up to 64 rows, else dequantize + cuBLAS.
+    `launch` overrides the table (for the sweep)."""
     rows = x.numel() // x.shape[-1]
     if not kernel_handles(weight, rows, x.dtype):
         return dequantize_then_matmul(x, weight)
-    flat = weight.ordered_input(x.reshape(rows, x.shape[-1])).contiguous()
-    outs = [_segment_matmul(flat, qtype, data, block_n, split_k) for qtype, data in weight.segments]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    out = torch.empty(rows, weight.shape[0], device=x.device, dtype=x.dtype)
+    column = 0
+    for qtype, data in weight.segments:
+        n = data.shape[0]
+        _segment_matmul(
+            flat, weight.input_order, qtype, data, out[:, column : column + n], launch or launch_for(qtype, rows)
+        )
+        column += n
+    return out.view(*x.shape[:-1], weight.shape[0])
