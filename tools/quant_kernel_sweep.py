@@ -56,7 +56,7 @@ def main() -> None:
                     got = quantized_linear(x, weight, launch).float()
                     error = ((got - expected).abs().max() / expected.abs().max()).item()
                     ms = do_bench(
-                        lambda x=x, launch=launch: quantized_linear(x, weight, launch),
+                        lambda x=x, weight=weight, launch=launch: quantized_linear(x, weight, launch),
                         warmup=5,
                         rep=20,
                         return_mode="median",
