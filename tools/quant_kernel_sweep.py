@@ -33,10 +33,10 @@ def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
     out = []
     if rows <= GEMV_ROWS:
         out += [Launch("gemv", n, s, w) for n, s, w in itertools.product((32, 64, 128), splits, (4, 8))]
-    family = "dot" if qtype == "Q4_K" else "tile"
-    widths = (32, 64, 128) if family == "dot" else (16, 32, 64)
-    out += [Launch(family, n, s, w) for n, s, w in itertools.product(widths, splits[:3], (4, 8))]
-    return out
+    widths = (32, 64, 128) if qtype == "Q4_K" else (16, 32, 64)
+    pairings = (True, False) if qtype == "Q4_K" else (True,)
+    tiles = itertools.product(widths, splits[:3], (4, 8), pairings)
+    return out + [Launch("tile", n, s, w, p) for n, s, w, p in tiles]
 
 
 def main() -> None:
@@ -78,7 +78,7 @@ def main() -> None:
                 best.append(top)
                 print(
                     f"{qtype} {name:8s} rows={m:2d} best {top['family']:4s} n={top['block_n']:3d} "
-                    f"split={top['split_k']} warps={top['num_warps']} {top['ms'] * 1e3:7.1f} us "
+                    f"split={top['split_k']} warps={top['num_warps']} paired={top['paired']} {top['ms'] * 1e3:7.1f} us "
                     f"{top['gb_s']:6.0f} GB/s (bf16 {bf16_ms * 1e3:7.1f} us {row['bf16_gb_s']:6.0f} GB/s)",
                     file=sys.stderr,
                     flush=True,

@@ -1,13 +1,15 @@
 """`x @ weight.T` from GGUF blocks for one input row at a time (decode), on CUDA cores without tensor cores.
 
-A program owns BLOCK_N weight rows and a 1 / SPLIT_K share of the input dimension and walks it one 256-value
-super-block at a time. Nothing is dequantized into a float tile: each packed word is read once (32-bit loads
+A program owns BLOCK_N weight rows and a share of the input dimension and walks it one 256-value super-block
+at a time. Nothing is dequantized into a float tile: each packed word is read once (32-bit loads
 where the layout is 4-byte aligned, 16-bit otherwise), its quants are unpacked with shifts and masks and turned
 into float32 with the exponent trick (`(q | 0x4B000000)` read as float32 is 2**23 + q, exactly), multiplied
 by the matching activations and summed per sub-block; the sub-block's scale is applied once to that sum, and
 a k-quant's min once to the sum of the activations (the same algebra as `deltaspec.ops.quant.dequant`, in
 float32). Input programs `grid(2)` take the rows of x one by one, so a few rows re-read the weight from L2.
-Partial sums go to a float32 workspace [SPLIT_K, M, N] that `finish` reduces in a fixed order.
+Program `grid(1)` takes super-blocks [s * steps_per_split, (s + 1) * steps_per_split) (the last share may be
+shorter); with several shares the partial sums go to a float32 workspace [shares, M, N] that `finish_kernel`
+reduces in a fixed order.
 """
 
 from __future__ import annotations
@@ -15,17 +17,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MAGIC = 8388608.0  # 2**23: float32 with bits 0x4B000000 | q is MAGIC + q for 0 <= q < 2**23
-
 
 @triton.jit
-def _as_float(q):
+def as_float(q):
     """Small non-negative integers (int32) as float32, exactly, without an int-to-float conversion."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _half_bits(bits):
+def half_bits(bits):
     """The float16 whose bits are the low 16 bits of int32 `bits`, as float32."""
     return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
@@ -59,6 +59,7 @@ def q4_k_gemv_kernel(
     row_words,
     stride_xm,
     stride_om,
+    steps,
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -76,16 +77,16 @@ def q4_k_gemv_kernel(
     word = chunk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8]: word of chunk c, position i
     x_row = x_ptr + m * stride_xm
     acc = tl.zeros((BLOCK_N, 4), dtype=tl.float32)
-    for t in range(steps_per_split):
-        step = split * steps_per_split + t
+    first = split * steps_per_split
+    for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start + step * 36  # [BLOCK_N]
         quants = tl.load(w32_ptr + block[:, None, None] + 4 + word[None, :, :], mask=n_mask[:, None, None], other=0)
         head = tl.load(w32_ptr + block, mask=n_mask, other=0)
         s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
         s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
         s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
-        d = _half_bits(head)
-        dmin = _half_bits(head >> 16)
+        d = half_bits(head)
+        dmin = half_bits(head >> 16)
         # sub-block j's 6-bit scale and min: j < 4 in bytes j of s0 / s1, j >= 4 split over s2 and the top bits
         sc_word = tl.where(
             chunk[None, :] < 2, (s0 & 0x3F3F3F3F)[:, None], ((s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030))[:, None]
@@ -100,87 +101,14 @@ def q4_k_gemv_kernel(
             products = tl.zeros((BLOCK_N, 4, 8), dtype=tl.float32)
             x_sum = tl.zeros((4, 8), dtype=tl.float32)
             for k in tl.static_range(4):
-                q = _as_float((quants >> (hi * 4 + k * 8)) & 0xF)  # [BLOCK_N, 4, 8]
+                q = as_float((quants >> (hi * 4 + k * 8)) & 0xF)  # [BLOCK_N, 4, 8]
                 xv = _x_at(x_row, order_ptr, step * 256 + word // 8 * 64 + hi * 32 + (word % 8) * 4 + k, HAS_ORDER)
                 products += q * xv[None, :, :]
                 x_sum += xv
-            scale = d[:, None] * _as_float((sc_word >> (shift + hi * 8)) & 0xFF)  # [BLOCK_N, 4]
-            low = dmin[:, None] * _as_float((min_word >> (shift + hi * 8)) & 0xFF)
+            scale = d[:, None] * as_float((sc_word >> (shift + hi * 8)) & 0xFF)  # [BLOCK_N, 4]
+            low = dmin[:, None] * as_float((min_word >> (shift + hi * 8)) & 0xFF)
             acc += scale * tl.sum(products, axis=2) - low * tl.sum(x_sum, axis=1)[None, :]
     _store_row(part_ptr, out_ptr, tl.sum(acc, axis=1), rows, n_mask, split, m, N, stride_om)
-
-
-@triton.jit
-def q4_k_dot_kernel(
-    x_ptr,
-    order_ptr,
-    w32_ptr,
-    part_ptr,
-    out_ptr,
-    M,
-    N,
-    row_words,
-    stride_xm,
-    stride_om,
-    steps_per_split,
-    HAS_ORDER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """Q4_K for several rows on tensor cores: per 32-value sub-block, the raw quants times x (one MMA of
-    K = 32), then the sub-block's scale and min applied to that [BLOCK_M, BLOCK_N] product."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rows < N
-    row_start = rows.to(tl.int64) * row_words
-    xm = tl.arange(0, BLOCK_M)
-    m_mask = xm < M
-    lane = tl.arange(0, 32)
-    byte_shift = tl.arange(0, 4) * 8
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(steps_per_split):
-        step = split * steps_per_split + t
-        block = row_start + step * 36
-        head = tl.load(w32_ptr + block, mask=n_mask, other=0)
-        s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
-        s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
-        s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
-        d = _half_bits(head)
-        dmin = _half_bits(head >> 16)
-        for c in tl.static_range(4):
-            quants = tl.load(
-                w32_ptr + block[:, None] + 4 + c * 8 + tl.arange(0, 8)[None, :], mask=n_mask[:, None], other=0
-            )  # [BLOCK_N, 8]
-            for hi in tl.static_range(2):
-                j = c * 2 + hi
-                if j < 4:
-                    sc = (s0 >> (8 * j)) & 63
-                    mn = (s1 >> (8 * j)) & 63
-                else:
-                    sc = ((s2 >> (8 * (j - 4))) & 0xF) | (((s0 >> (8 * (j - 4) + 6)) & 3) << 4)
-                    mn = ((s2 >> (8 * (j - 4) + 4)) & 0xF) | (((s1 >> (8 * (j - 4) + 6)) & 3) << 4)
-                nibbles = (quants[:, :, None] >> (byte_shift[None, None, :] + hi * 4)) & 0xF
-                nibbles = tl.reshape(nibbles, (BLOCK_N, 32))  # value i * 4 + k of the sub-block
-                columns = step * 256 + c * 64 + hi * 32 + lane
-                if HAS_ORDER:
-                    columns = tl.load(order_ptr + columns)
-                x = tl.load(x_ptr + xm[:, None] * stride_xm + columns[None, :], mask=m_mask[:, None], other=0.0)
-                x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
-                if IEEE:
-                    raw = tl.dot(x.to(tl.float32), tl.trans(_as_float(nibbles)), input_precision="ieee")
-                else:  # bf16 bits 0x4300 | q are 128 + q
-                    biased = (nibbles | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                    raw = tl.dot(x.to(tl.bfloat16), tl.trans(biased)) - 128.0 * x_sum[:, None]
-                scale = d * _as_float(sc)
-                low = dmin * _as_float(mn)
-                acc += scale[None, :] * raw - low[None, :] * x_sum[:, None]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if tl.num_programs(1) == 1:
-        tl.store(out_ptr + xm[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + split * M * N + xm[:, None] * N + rows[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -195,6 +123,7 @@ def q6_k_gemv_kernel(
     row_bytes,
     stride_xm,
     stride_om,
+    steps,
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -216,14 +145,14 @@ def q6_k_gemv_kernel(
     scale_slot = tl.arange(0, 2)[:, None] * 8 + tl.arange(0, 2)[None, :]  # [2, 2]: h * 8 + g
     x_row = x_ptr + m * stride_xm
     acc = tl.zeros((BLOCK_N, 2, 2), dtype=tl.float32)
-    for t in range(steps_per_split):
-        step = split * steps_per_split + t
+    first = split * steps_per_split
+    for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start + step * 210  # [BLOCK_N] bytes
         half_words = (block // 2)[:, None, None, None]
         low0 = tl.load(w16_ptr + half_words + half * 32 + pair, mask=mask4, other=0).to(tl.int32)
         low1 = tl.load(w16_ptr + half_words + half * 32 + 16 + pair, mask=mask4, other=0).to(tl.int32)
         high = tl.load(w16_ptr + half_words + 64 + half * 16 + pair, mask=mask4, other=0).to(tl.int32)
-        d = _half_bits(tl.load(w16_ptr + block // 2 + 104, mask=n_mask, other=0).to(tl.int32))
+        d = half_bits(tl.load(w16_ptr + block // 2 + 104, mask=n_mask, other=0).to(tl.int32))
         for q in tl.static_range(4):
             products = tl.zeros((BLOCK_N, 2, 2, 8), dtype=tl.float32)
             for b in tl.static_range(2):
@@ -252,6 +181,7 @@ def q8_0_gemv_kernel(
     row_halves,
     stride_xm,
     stride_om,
+    steps,
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -269,12 +199,12 @@ def q8_0_gemv_kernel(
     word = tl.arange(0, 16)[None, :]
     x_row = x_ptr + m * stride_xm
     acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
-    for t in range(steps_per_split):
-        step = split * steps_per_split + t
+    first = split * steps_per_split
+    for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start[:, None] + step * 136 + block_of_step[None, :] * 17  # [BLOCK_N, 8]
         quants = tl.load(w16_ptr + block[:, :, None] + 1 + word[None, :, :], mask=n_mask[:, None, None], other=0)
         quants = quants.to(tl.int32)
-        d = _half_bits(tl.load(w16_ptr + block, mask=n_mask[:, None], other=0).to(tl.int32))  # [BLOCK_N, 8]
+        d = half_bits(tl.load(w16_ptr + block, mask=n_mask[:, None], other=0).to(tl.int32))  # [BLOCK_N, 8]
         products = tl.zeros((BLOCK_N, 8, 16), dtype=tl.float32)
         for b in tl.static_range(2):
             biased = (((quants >> (8 * b)) & 0xFF) ^ 0x80) | 0x4B000000  # int8 q as the float 2**23 + 128 + q

@@ -1,12 +1,12 @@
 """`x @ weight.T` straight from GGUF blocks for the few rows of decode and verify passes (1..64), and the
 choice of kernel per block type and row count.
 
-Three kernel families read the blocks in place, never a dequantized copy of the matrix: the CUDA-core
-product of `quant_gemv` (per input row, sub-block sums scaled once), its Q4_K tensor-core product (raw quants
-times x per 32-value sub-block on MMA, scales applied to the [rows, BLOCK_N] result), and the tile kernel
-below, which dequantizes a [BLOCK_N, 256] tile in registers exactly as `deltaspec.ops.quant.dequant` does
-(float32, rounded to the activations' dtype) and multiplies it on tensor cores (rows padded to 16). Each
-splits the input dimension SPLIT_K ways; with one split a program writes its output directly, with more the
+Two kernel families read the blocks in place, never a dequantized copy of the matrix: the CUDA-core
+products of `quant_gemv` (one input row per program, sub-block sums scaled once) for decode, and the
+tensor-core tile kernels below for more rows, which dequantize a tile of weight rows in registers exactly as
+`deltaspec.ops.quant.dequant` does (float32, rounded to the activations' dtype) and multiply it by x (rows
+padded to 16): Q4_K one 64-value chunk at a time, Q8_0 and Q6_K one 256-value super-block at a time. Each
+splits the input dimension into shares; with one share a program writes its output directly, with more the
 float32 partial sums are added in a fixed order (`finish_kernel`), so results never depend on scheduling.
 `LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
 takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
@@ -26,7 +26,7 @@ from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
 from deltaspec.ops.triton import quant_gemv
 
-KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2}
+KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2}  # QTYPE of the tile kernels
 # Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 64
@@ -42,10 +42,9 @@ def _fp16_at(ptr, mask):
 
 
 @triton.jit
-def _tile(w_ptr, w32_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_N, 256] of super-block `step` of weight rows `rows`, dequantized in float32. Bytes are read
-    in contiguous runs (32-bit words where the layout is aligned) and unpacked with shifts and reshapes, never
-    gathered value by value."""
+def _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_N, 256] of super-block `step` of Q8_0 or Q6_K weight rows `rows`, dequantized in float32.
+    Bytes are read in contiguous runs and unpacked with shifts and reshapes, never gathered value by value."""
     base = w_ptr + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
     mask = n_mask[:, None]
     if QTYPE == 0:  # Q8_0: 8 blocks of (fp16 d, 32 x int8)
@@ -54,30 +53,6 @@ def _tile(w_ptr, w32_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BL
         quants = tl.load(block[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=mask[:, :, None], other=0)
         values = d[:, :, None] * quants.to(tl.int8, bitcast=True).to(tl.float32)  # [BLOCK_N, 8, 32]
         return tl.reshape(values, (BLOCK_N, 256))
-    elif QTYPE == 1:  # Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-        offset = rows.to(tl.int64) * row_bytes + step * 144  # [BLOCK_N] bytes
-        block = w_ptr + offset
-        d = _fp16_at(block[:, None], mask)  # [BLOCK_N, 1]
-        dmin = _fp16_at(block[:, None] + 2, mask)
-        j = tl.arange(0, 8)[None, :]  # sub-block of 32 values
-        s_j = tl.load(block[:, None] + 4 + j, mask=mask, other=0).to(tl.int32)
-        s_j4 = tl.load(block[:, None] + 8 + j, mask=mask, other=0).to(tl.int32)
-        s_jm4 = tl.load(block[:, None] + 4 + tl.maximum(j - 4, 0), mask=mask, other=0).to(tl.int32)
-        sc = tl.where(j < 4, s_j & 63, (s_j4 & 0xF) | ((s_jm4 >> 6) << 4))  # [BLOCK_N, 8]
-        m = tl.where(j < 4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
-        d1 = d * sc.to(tl.float32)
-        m1 = dmin * m.to(tl.float32)
-        # 32 words of 4 bytes: chunk c (4) of 8 words; byte k of word i holds values c*64 + i*4 + k (low nibble)
-        # and c*64 + 32 + i*4 + k (high nibble)
-        words = tl.load(
-            w32_ptr + ((offset + 16) // 4)[:, None, None] + (tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]),
-            mask=mask[:, :, None],
-            other=0,
-        )  # [BLOCK_N, 4, 8]
-        shifts = tl.arange(0, 2)[:, None] * 4 + tl.arange(0, 4)[None, :] * 8  # [hi, k]
-        nibbles = (words[:, :, None, :, None] >> shifts[None, None, :, None, :]) & 0xF  # [BLOCK_N, 4, 2, 8, 4]
-        quants = tl.reshape(nibbles, (BLOCK_N, 8, 32)).to(tl.float32)  # sub-block c*2 + hi, value i*4 + k
-        return tl.reshape(d1[:, :, None] * quants - m1[:, :, None], (BLOCK_N, 256))
     else:  # Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, fp16 d
         block = base + step * 210
         d = _fp16_at(block + 208, n_mask)  # [BLOCK_N]
@@ -103,10 +78,9 @@ def _tile(w_ptr, w32_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BL
 
 
 @triton.jit
-def _quant_gemm_kernel(
+def _tile_kernel(
     x_ptr,
     w_ptr,
-    w32_ptr,
     order_ptr,
     part_ptr,
     out_ptr,
@@ -115,6 +89,7 @@ def _quant_gemm_kernel(
     row_bytes,
     stride_xm,
     stride_om,
+    steps,
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     QTYPE: tl.constexpr,
@@ -122,6 +97,7 @@ def _quant_gemm_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """Q8_0 or Q6_K on tensor cores: each super-block's [BLOCK_N, 256] tile dequantized, then one product."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,51 +106,141 @@ def _quant_gemm_kernel(
     m_mask = m < M
     k = tl.arange(0, 256)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(steps_per_split):
-        step = split * steps_per_split + i
-        w = _tile(w_ptr, w32_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] fp32
-        columns = step * 256 + k
-        if HAS_ORDER:
-            columns = tl.load(order_ptr + columns)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + columns[None, :], mask=m_mask[:, None], other=0.0)
-        if IEEE:  # float32 products (no TF32 rounding): float32 activations, or Triton's interpreter
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    first = split * steps_per_split
+    for step in range(first, tl.minimum(first + steps_per_split, steps)):
+        w = _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] fp32
+        acc += _times_x(x_ptr, order_ptr, m, m_mask, stride_xm, step * 256 + k, w, HAS_ORDER, IEEE)
+    _store_tile(part_ptr, out_ptr, acc, m, rows, m_mask, n_mask, split, M, N, stride_om)
+
+
+@triton.jit
+def _q4_k_sub_block(s0, s1, s2, j: tl.constexpr):
+    """The 6-bit scale and min of sub-block j of Q4_K super-blocks whose 12 scale bytes are words s0, s1, s2."""
+    if j < 4:
+        return (s0 >> (8 * j)) & 63, (s1 >> (8 * j)) & 63
+    scale = ((s2 >> (8 * (j - 4))) & 0xF) | (((s0 >> (8 * (j - 4) + 6)) & 3) << 4)
+    low = ((s2 >> (8 * (j - 4) + 4)) & 0xF) | (((s1 >> (8 * (j - 4) + 6)) & 3) << 4)
+    return scale, low
+
+
+@triton.jit
+def _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, j: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sub-block j's 32 values [BLOCK_N, 32] in float32 from its chunk's nibble words [BLOCK_N, 8] (low
+    nibbles for even j, high for odd): value i * 4 + k is nibble (byte k of word i) * d * scale - dmin * min."""
+    sc, mn = _q4_k_sub_block(s0, s1, s2, j)
+    scale = d * quant_gemv.as_float(sc)  # [BLOCK_N]
+    low = dmin * quant_gemv.as_float(mn)
+    shifts = tl.arange(0, 4) * 8 + (j % 2) * 4
+    q = quant_gemv.as_float((quants[:, :, None] >> shifts[None, None, :]) & 0xF)  # [BLOCK_N, 8, 4]
+    return tl.reshape(scale[:, None, None] * q - low[:, None, None], (BLOCK_N, 32))
+
+
+@triton.jit
+def _q4_k_tile_kernel(
+    x_ptr,
+    order_ptr,
+    w32_ptr,
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    row_words,
+    stride_xm,
+    stride_om,
+    steps,
+    steps_per_split,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAIRED: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Q4_K on tensor cores, one 64-value chunk (two sub-blocks) at a time: the chunk's 8 nibble words per row
+    are dequantized in registers and multiplied by x, either as one K = 64 product with the two sub-blocks'
+    values interleaved (PAIRED; x is gathered in the same order) or as two K = 32 products."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    row_start = rows.to(tl.int64) * row_words
+    xm = tl.arange(0, BLOCK_M)
+    m_mask = xm < M
+    lane = tl.arange(0, 32)
+    paired = tl.arange(0, 64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = split * steps_per_split
+    for step in range(first, tl.minimum(first + steps_per_split, steps)):
+        block = row_start + step * 36
+        head = tl.load(w32_ptr + block, mask=n_mask, other=0)
+        s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
+        s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
+        s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
+        d = quant_gemv.half_bits(head)
+        dmin = quant_gemv.half_bits(head >> 16)
+        for c in tl.static_range(4):
+            quants = tl.load(
+                w32_ptr + block[:, None] + 4 + c * 8 + tl.arange(0, 8)[None, :], mask=n_mask[:, None], other=0
+            )  # [BLOCK_N, 8]
+            low = _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, 2 * c, BLOCK_N)  # values c * 64 + l
+            high = _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, 2 * c + 1, BLOCK_N)  # values c * 64 + 32 + l
+            if PAIRED:
+                w = tl.reshape(tl.join(low, high), (BLOCK_N, 64))  # column t is value c * 64 + (t % 2) * 32 + t // 2
+                columns = step * 256 + c * 64 + (paired % 2) * 32 + paired // 2
+                acc += _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns, w, HAS_ORDER, IEEE)
+            else:
+                columns = step * 256 + c * 64 + lane
+                acc += _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns, low, HAS_ORDER, IEEE)
+                acc += _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns + 32, high, HAS_ORDER, IEEE)
+    _store_tile(part_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, split, M, N, stride_om)
+
+
+@triton.jit
+def _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns, w, HAS_ORDER: tl.constexpr, IEEE: tl.constexpr):
+    """x[:, columns] [BLOCK_M, K] times w [BLOCK_N, K] transposed (float32 w, rounded to x's dtype first)."""
+    if HAS_ORDER:
+        columns = tl.load(order_ptr + columns)
+    x = tl.load(x_ptr + xm[:, None] * stride_xm + columns[None, :], mask=m_mask[:, None], other=0.0)
+    if IEEE:  # float32 products (no TF32 rounding): float32 activations, or Triton's interpreter
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+    return tl.dot(x, tl.trans(w.to(x.dtype)))
+
+
+@triton.jit
+def _store_tile(part_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, split, M, N, stride_om):
+    """A program's [BLOCK_M, BLOCK_N] result: into the output (its dtype) when one share covers the whole input,
+    else into the float32 workspace [shares, M, N]."""
     mask = m_mask[:, None] & n_mask[None, :]
     if tl.num_programs(1) == 1:
-        tl.store(out_ptr + m[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + xm[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + split * M * N + m[:, None] * N + rows[None, :], acc, mask=mask)
+        tl.store(part_ptr + split * M * N + xm[:, None] * N + rows[None, :], acc, mask=mask)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """How one segment's product runs: kernel family ("gemv", "dot" for Q4_K's sub-block MMA, "tile"), the
-    weight rows per program, the split of the input dimension and the warps per program."""
+    """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores), weight
+    rows per program, how many shares the input dimension is split into, warps per program, and for Q4_K tiles
+    whether a chunk's two sub-blocks make one K = 64 product."""
 
     family: str
     block_n: int
     split_k: int
     num_warps: int = 4
+    paired: bool = True
 
 
-# (block type, largest row count) -> launch; the first entry whose row count covers the product's is taken
+# block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken
 LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
-    "Q4_K": ((1, Launch("gemv", 64, 4)), (MAX_ROWS, Launch("dot", 64, 4))),
-    "Q6_K": ((1, Launch("gemv", 64, 4)), (MAX_ROWS, Launch("tile", 32, 4))),
-    "Q8_0": ((1, Launch("gemv", 64, 4)), (MAX_ROWS, Launch("tile", 32, 4))),
+    "Q4_K": ((1, Launch("gemv", 64, 8)), (16, Launch("tile", 128, 4)), (MAX_ROWS, Launch("tile", 32, 4, paired=False))),
+    "Q6_K": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
+    "Q8_0": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
 }
+FINISH_BLOCK = 1024
 
 
 def launch_for(qtype: str, rows: int) -> Launch:
     """The measured launch for `rows` input rows of a `qtype` segment."""
     return next(launch for most, launch in LAUNCHES[qtype] if rows <= most)
-
-
-def _split(steps: int, wanted: int) -> int:
-    """The largest split of `steps` super-blocks into at most `wanted` equal shares."""
-    return max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
 
 
 def _segment_matmul(
@@ -184,25 +250,31 @@ def _segment_matmul(
     m, n = out.shape
     n_bytes = data.shape[1]
     steps = x.shape[1] // STEP
-    split = _split(steps, launch.split_k)
-    parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    per_share = triton.cdiv(steps, launch.split_k)
+    shares = triton.cdiv(steps, per_share)
+    parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
+    gathered = order is not None
     order = x if order is None else order
-    common = {"HAS_ORDER": order is not x, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps}
-    tiles = triton.cdiv(n, launch.block_n)
+    grid = (triton.cdiv(n, launch.block_n), shares)
+    tail = (x.stride(0), out.stride(0), steps, per_share)
+    common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps}
     if launch.family == "gemv":
-        args = (x, order)
         if qtype == "Q4_K":
-            kernel, args, row_units = quant_gemv.q4_k_gemv_kernel, (*args, data.view(torch.int32)), n_bytes // 4
+            quant_gemv.q4_k_gemv_kernel[(*grid, m)](
+                x, order, data.view(torch.int32), parts, out, n, n_bytes // 4, *tail, **common
+            )
         elif qtype == "Q6_K":
-            kernel, args, row_units = quant_gemv.q6_k_gemv_kernel, (*args, data, data.view(torch.int16)), n_bytes
+            quant_gemv.q6_k_gemv_kernel[(*grid, m)](
+                x, order, data, data.view(torch.int16), parts, out, n, n_bytes, *tail, **common
+            )
         else:
-            kernel, args, row_units = quant_gemv.q8_0_gemv_kernel, (*args, data.view(torch.int16)), n_bytes // 2
-        kernel[(tiles, split, m)](*args, parts, out, n, row_units, x.stride(0), out.stride(0), steps // split, **common)
+            quant_gemv.q8_0_gemv_kernel[(*grid, m)](
+                x, order, data.view(torch.int16), parts, out, n, n_bytes // 2, *tail, **common
+            )
     else:
-        block_m = max(16, triton.next_power_of_2(m))
-        ieee = x.dtype == torch.float32 or INTERPRETED
-        if launch.family == "dot":
-            quant_gemv.q4_k_dot_kernel[(tiles, split)](
+        tile = {"BLOCK_M": max(16, triton.next_power_of_2(m)), "IEEE": x.dtype == torch.float32 or INTERPRETED}
+        if qtype == "Q4_K":
+            _q4_k_tile_kernel[grid](
                 x,
                 order,
                 data.view(torch.int32),
@@ -211,37 +283,18 @@ def _segment_matmul(
                 m,
                 n,
                 n_bytes // 4,
-                x.stride(0),
-                out.stride(0),
-                steps // split,
-                BLOCK_M=block_m,
-                IEEE=ieee,
+                *tail,
+                PAIRED=launch.paired,
+                **tile,
                 **common,
             )
         else:
-            words = data.view(torch.int32) if n_bytes % 4 == 0 else data  # Q4_K's nibbles are read as 32-bit words
-            _quant_gemm_kernel[(tiles, split)](
-                x,
-                data,
-                words,
-                order,
-                parts,
-                out,
-                m,
-                n,
-                n_bytes,
-                x.stride(0),
-                out.stride(0),
-                steps // split,
-                QTYPE=KERNEL_TYPES[qtype],
-                BLOCK_M=block_m,
-                IEEE=ieee,
-                **common,
+            _tile_kernel[grid](
+                x, data, order, parts, out, m, n, n_bytes, *tail, QTYPE=KERNEL_TYPES[qtype], **tile, **common
             )
-    if split > 1:
-        block = 1024
-        quant_gemv.finish_kernel[(triton.cdiv(m * n, block),)](
-            parts, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block
+    if shares > 1:
+        quant_gemv.finish_kernel[(triton.cdiv(m * n, FINISH_BLOCK),)](
+            parts, out, m, n, out.stride(0), SPLIT_K=shares, BLOCK=FINISH_BLOCK
         )
 
 
@@ -259,7 +312,7 @@ def kernel_handles(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bo
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, launch: Launch | None = None) -> torch.Tensor:
     """`x @ weight.T` ([..., in] -> [..., out]) from the blocks for up to 64 rows, else dequantize + cuBLAS.
-    `launch` overrides the table (for the sweep)."""
+    `launch` overrides the table (tests and the sweep)."""
     rows = x.numel() // x.shape[-1]
     if not kernel_handles(weight, rows, x.dtype):
         return dequantize_then_matmul(x, weight)
@@ -268,8 +321,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, launch: Launch | 
     column = 0
     for qtype, data in weight.segments:
         n = data.shape[0]
-        _segment_matmul(
-            flat, weight.input_order, qtype, data, out[:, column : column + n], launch or launch_for(qtype, rows)
-        )
+        segment_out = out[:, column : column + n]
+        _segment_matmul(flat, weight.input_order, qtype, data, segment_out, launch or launch_for(qtype, rows))
         column += n
     return out.view(*x.shape[:-1], weight.shape[0])
