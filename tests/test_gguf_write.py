@@ -9,6 +9,7 @@ import gzip
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import gguf
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaspec.cli import main
+from deltaspec.errors import DeltaspecError
 from deltaspec.evaluate_kl import kl_divergence
 from deltaspec.llm import LLM
 from deltaspec.model.gguf_file import read_gguf
@@ -246,6 +248,38 @@ def test_a_float_gguf_file_is_quantized_like_its_checkpoint(tmp_path):
     assert {n: d.split(":")[0] for n, d in digests.items() if n in names} == {n: want[n].split(":")[0] for n in names}
     assert {n for n in names if digests[n] != want[n]} <= {n for n in names if want[n].startswith("F32")}
     assert digests["general.file_type"] == want["general.file_type"]
+
+
+def test_the_sampling_defaults_travel_in_the_file(checkpoints, tmp_path):
+    """As llama.cpp's converter does, the checkpoint's generation_config.json becomes `general.sampling.*`
+    (temperature, top_p, top_k), quantizing a float GGUF keeps them, and a loaded GGUF takes them
+    as its sampling defaults."""
+    model = tmp_path / "model"
+    shutil.copytree(checkpoints["qwen35"], model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    first, again = tmp_path / "first.gguf", tmp_path / "again.gguf"
+    assert main(["quantize", str(model), str(first), "--type", "bf16"]) == 0
+    assert main(["quantize", str(first), str(again), "--type", "q4_0"]) == 0
+    for path in (first, again):
+        fields = gguf.GGUFReader(path).fields
+        assert fields["general.sampling.top_k"].types == [gguf.GGUFValueType.INT32]
+        llm = LLM(str(path), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64)
+        params = llm.get_default_sampling_params()
+        assert params.temperature == pytest.approx(0.6) and params.top_p == pytest.approx(0.95)
+        assert params.top_k == 20 and params.min_p == 0.0
+
+
+def test_gguf_sampling_keys_map_to_sampling_params():
+    from deltaspec.model.generation_config import gguf_sampling_defaults
+
+    metadata = {"general.sampling.temp": 0.7, "general.sampling.top_k": -1, "general.sampling.penalty_repeat": 1.1}
+    assert gguf_sampling_defaults(Path("m.gguf"), metadata) == {
+        "temperature": 0.7,
+        "top_k": 0,
+        "repetition_penalty": 1.1,
+    }
+    with pytest.raises(DeltaspecError, match="m.gguf sets general.sampling.top_p to 'x'"):
+        gguf_sampling_defaults(Path("m.gguf"), {"general.sampling.top_p": "x"})
 
 
 def quantize_error(capsys, *args: str) -> str:

@@ -51,13 +51,16 @@ def engine_tokenizer(planned: Planned) -> Tokenizer | None:
 
 
 def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:
-    """The checkpoint's sampling defaults (`generation_config.json`), checked as `SamplingParams` would check them;
-    none for random weights."""
-    defaults = sampling_defaults(planned.model_dir)
+    """The checkpoint's sampling defaults (`generation_config.json`, or a GGUF file's `general.sampling.*`),
+    checked as `SamplingParams` would check them; none for random weights."""
+    if planned.gguf is not None:
+        defaults, source = planned.gguf.sampling_defaults, "GGUF file's general.sampling metadata"
+    else:
+        defaults, source = sampling_defaults(planned.model_dir), FILE_NAME
     try:
         SamplingParams(**defaults)
     except DeltaspecError as exc:
-        raise DeltaspecError(f"The checkpoint's {FILE_NAME} sets an invalid sampling default: {exc}") from None
+        raise DeltaspecError(f"The checkpoint's {source} sets an invalid sampling default: {exc}") from None
     return defaults
 
 

@@ -1,4 +1,5 @@
-"""The model's own sampling defaults, read from its `generation_config.json`.
+"""The model's own sampling defaults, read from its `generation_config.json` (or a GGUF file's
+`general.sampling.*` metadata, which llama.cpp's converter writes from that file).
 
 vLLM applies a checkpoint's generation config to every request that does not set a field itself
 (`--generation-config auto`, its default); deltaspec does the same for `temperature`, `top_p`, `top_k`,
@@ -26,6 +27,13 @@ SAMPLING_FIELDS = {  # generation_config.json key -> SamplingParams field
     "max_new_tokens": "max_tokens",
 }
 INTEGER_FIELDS = ("top_k", "max_new_tokens")
+GGUF_FIELDS = {  # GGUF metadata key (gguf-py's Keys.General.SAMPLING_*) -> SamplingParams field
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 
 
 def _value(path: Path, key: str, value: object) -> float | int:
@@ -49,4 +57,17 @@ def sampling_defaults(model_dir: Path | None) -> dict[str, float | int]:
     defaults = {name: _value(path, key, raw[key]) for key, name in SAMPLING_FIELDS.items() if raw.get(key) is not None}
     if raw.get("do_sample") is False:
         defaults["temperature"] = 0.0  # transformers' generate ignores the temperature then
+    return defaults
+
+
+def gguf_sampling_defaults(path: Path, metadata: dict) -> dict[str, float | int]:
+    """The `SamplingParams` fields a GGUF file's `general.sampling.*` keys set. As in llama.cpp, a top_k of 0 or
+    less means no top-k cut (deltaspec's 0)."""
+    defaults = {}
+    for key, name in GGUF_FIELDS.items():
+        if metadata.get(key) is not None:
+            field = "top_k" if name == "top_k" else key
+            defaults[name] = _value(path, field, metadata[key])
+    if defaults.get("top_k", 1) < 0:
+        defaults["top_k"] = 0
     return defaults

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deltaspec.model.generation_config import gguf_sampling_defaults
 from deltaspec.model.gguf_config import config_from_gguf
 from deltaspec.model.gguf_names import hf_tensors
 from deltaspec.model.gguf_raw import GGUFTensor, read_raw
@@ -23,15 +24,21 @@ __all__ = ["GGUFCheckpoint", "GGUFTensor", "read_gguf"]
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     """A GGUF checkpoint: a transformers-style config dict, the tensors by Hugging Face name, the tokenizer
-    (None when the file has no tokenizer metadata)."""
+    (None when the file has no tokenizer metadata), and the sampling defaults its `general.sampling.*` keys set."""
 
     config: dict[str, Any]
     tensors: dict[str, GGUFTensor]
     tokenizer: Tokenizer | None
+    sampling_defaults: dict[str, float | int]
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
     """Read the GGUF checkpoint at `path` (a `.gguf` file, or the first part of a split one)."""
     raw = read_raw(Path(path))
     config = config_from_gguf(raw)
-    return GGUFCheckpoint(config=config, tensors=hf_tensors(raw, config), tokenizer=tokenizer_from_gguf(raw))
+    return GGUFCheckpoint(
+        config=config,
+        tensors=hf_tensors(raw, config),
+        tokenizer=tokenizer_from_gguf(raw),
+        sampling_defaults=gguf_sampling_defaults(Path(path), raw.metadata),
+    )

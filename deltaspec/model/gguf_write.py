@@ -35,7 +35,13 @@ import torch
 from tqdm import tqdm
 
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.gguf_write_meta import add_general, add_gguf_tokenizer, add_hf_tokenizer, add_hyperparameters
+from deltaspec.model.gguf_write_meta import (
+    add_general,
+    add_gguf_sampling,
+    add_gguf_tokenizer,
+    add_hf_tokenizer,
+    add_hyperparameters,
+)
 from deltaspec.model.gguf_write_names import TensorConverter, layout_for
 from deltaspec.model.gguf_write_source import Source
 from deltaspec.ops.quant.formats import format_of, row_bytes
@@ -165,6 +171,8 @@ def _writer(
     for name, shape, qtype in plan:
         _add_info(writer, name, shape, qtype)
     add_general(writer, source.path if source.gguf_metadata is None else None, source.name)
+    if source.gguf_metadata is not None:
+        add_gguf_sampling(writer, source.gguf_metadata)
     add_hyperparameters(writer, source.hparams, source.num_mtp, gguf.LlamaFileType[FILE_TYPES[kind]])
     if source.gguf_metadata is None:
         add_hf_tokenizer(writer, source.path, source.config.vocab_size)

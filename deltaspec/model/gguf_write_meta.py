@@ -60,6 +60,23 @@ def add_general(writer: gguf.GGUFWriter, model_dir: Path | None, name: str | Non
     metadata.set_gguf_meta_model(writer)
 
 
+SAMPLING_INTEGERS = ("general.sampling.top_k", "general.sampling.penalty_last_n", "general.sampling.mirostat")
+
+
+def add_gguf_sampling(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:
+    """The `general.sampling.*` keys of a GGUF file's metadata (the model's sampling defaults), with the value
+    types gguf-py's writer gives them, as llama-quantize keeps them."""
+    for key, value in metadata.items():
+        if not key.startswith("general.sampling."):
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif key in SAMPLING_INTEGERS:
+            writer.add_int32(key, int(value))
+        else:
+            writer.add_float32(key, float(value))
+
+
 def first(hparams: dict[str, Any], keys: tuple[str, ...]) -> Any:
     """`find_hparam(keys, optional=True)`: the value of the first key present, else None."""
     return next((hparams[k] for k in keys if k in hparams), None)
