@@ -146,3 +146,33 @@ def test_bytes_per_step_count_the_blocks_and_one_embedding_row():
     row = embedding.nbytes // embedding.shape[0]
     expected = llm.engine.plan.weights - embedding.nbytes + row  # the plan counts every weight once, no MTP
     assert bytes_per_step(llm.engine, context=10)["weights"] == expected
+
+
+def test_qwen3_next_with_differently_quantized_qkv_and_gate(tmp_path):
+    """llama-quantize's Q4_K_M gives a Qwen3-Next `attn_qkv` Q6_K where it gives `attn_v` more bits, and
+    `attn_gate` Q4_K: `in_proj_qkvz` is rebuilt with each key-head group's rows in their own type, and the
+    logits equal the dequantized model's."""
+    import gguf
+
+    from deltaspec.model.gguf_write import write_gguf
+    from deltaspec.model.gguf_write_source import open_source
+    from tests.tiny_models import write_checkpoint
+    from tools.make_gguf_write_oracles import give_qwen_pre_tokenizer
+
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    hf_dir = write_checkpoint(
+        tmp_path / "hf", "qwen3_next", seed=0, tokenizer=True, vocab_size=400, hidden_size=256,
+        intermediate_size=256, num_hidden_layers=8, layer_types=layers * 2, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, eos_token_id=379,
+    )  # fmt: skip
+    give_qwen_pre_tokenizer(hf_dir, "qwen2")
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(open_source(str(hf_dir)), path, "Q4_K_M", progress=False)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert (types["blk.0.attn_qkv.weight"], types["blk.0.attn_gate.weight"]) == ("Q6_K", "Q4_K")
+    llm = LLM(str(path), dtype="float64", device="cpu", max_num_seqs=2, max_model_len=128)
+    fused = llm.engine.model.model.layers[0].linear_attn.in_proj.weight  # in_proj_qkvz | in_proj_ba
+    assert fused.qtypes[:4] == ("Q6_K", "Q4_K") * 2  # two key-head groups, each [q, k, v] then z
+    quantized = forward_in_chunks(llm.engine, PROMPT, [len(PROMPT)])
+    dequantize_model(llm.engine.model)
+    torch.testing.assert_close(quantized, forward_in_chunks(llm.engine, PROMPT, [len(PROMPT)]), rtol=0, atol=1e-9)

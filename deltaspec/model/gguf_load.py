@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.gguf_raw import GGUFRows
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.model.weights import target_name
@@ -102,7 +103,12 @@ def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool) -> tuple[i
     for name, tensor in checkpoint.tensors.items():
         if target_name(name, with_mtp=True) is None:
             continue
-        size = tensor.data.nbytes if tensor.qtype not in FLOAT_TYPES else int(np.prod(tensor.shape)) * dtype.itemsize
+        if isinstance(tensor, GGUFRows):
+            size = tensor.nbytes
+        elif tensor.qtype in FLOAT_TYPES:
+            size = int(np.prod(tensor.shape)) * dtype.itemsize
+        else:
+            size = tensor.data.nbytes
         if name.startswith("mtp."):
             mtp += size if with_mtp else 0
         else:
@@ -111,6 +117,8 @@ def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool) -> tuple[i
 
 
 def _weight_of(tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | QuantizedWeight:
+    if isinstance(tensor, GGUFRows):  # parts of different types: one segment each (adjacent ones merged)
+        return QuantizedWeight.cat([quantized_tensor(part, device) for part in tensor.parts])
     if tensor.qtype in FLOAT_TYPES:
         return float_tensor(tensor, dtype, device)
     return quantized_tensor(tensor, device)

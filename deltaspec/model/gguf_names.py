@@ -31,7 +31,7 @@ import numpy as np
 from deltaspec.config import LINEAR_ATTENTION
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.gguf_config import architecture_of
-from deltaspec.model.gguf_raw import GGUFTensor, RawGGUF, block_layout
+from deltaspec.model.gguf_raw import GGUFRows, GGUFTensor, RawGGUF, block_layout
 
 FLOAT_QTYPES = ("F32", "F16", "F64")  # numpy float arrays; BF16 stays raw bytes like the quantized types
 BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -277,9 +277,10 @@ V_HEAD_FIXES: dict[str, Callable[[str, GGUFTensor, Layout], GGUFTensor]] = {
 }
 
 
-def _qkvz(raw: RawGGUF, layout: Layout, block: int, qkv: GGUFTensor) -> GGUFTensor:
+def _qkvz(raw: RawGGUF, layout: Layout, block: int, qkv: GGUFTensor) -> GGUFTensor | GGUFRows:
     """Qwen3-Next `in_proj_qkvz`: `attn_qkv` ([all q | all k | all v]) and `attn_gate` (z) gathered back into
-    per-key-head groups [q, k, v, z] (the inverse of conversion/qwen.py `Qwen3NextModel.modify_tensors`)."""
+    per-key-head groups [q, k, v, z] (the inverse of conversion/qwen.py `Qwen3NextModel.modify_tensors`); two
+    quantized tensors of different types stay in their own types as the parts of a `GGUFRows`."""
     qkv_name, z_name = f"blk.{block}.attn_qkv.weight", f"blk.{block}.attn_gate.weight"
     z = raw.tensors.get(z_name)
     if z is None:
@@ -287,27 +288,27 @@ def _qkvz(raw: RawGGUF, layout: Layout, block: int, qkv: GGUFTensor) -> GGUFTens
     hk, dk, r, dv = layout.hk, layout.dk, layout.hv // layout.hk, layout.dv
     _expect_rows(qkv_name, qkv, 2 * hk * dk + layout.hv * dv)
     _expect_rows(z_name, z, layout.hv * dv)
-    if qkv.qtype != z.qtype:
-        if not {qkv.qtype, z.qtype} <= {*FLOAT_QTYPES, "BF16"}:
-            raise DeltaspecError(
-                f"{raw.path} stores {qkv_name} as {qkv.qtype} but {z_name} as {z.qtype}, so deltaspec cannot "
-                "rebuild their rows into one in_proj_qkvz."
-            )
+    floats = {*FLOAT_QTYPES, "BF16"}
+    if qkv.qtype != z.qtype and {qkv.qtype, z.qtype} <= floats:
         qkv = GGUFTensor("F32", qkv.shape, _float32(qkv_name, qkv))
         z = GGUFTensor("F32", z.shape, _float32(z_name, z))
-    v0, z0 = 2 * hk * dk, 2 * hk * dk + layout.hv * dv
-    rows = np.concatenate(
-        [
-            np.concatenate(
-                [
-                    np.arange(g * dk, (g + 1) * dk),
-                    hk * dk + np.arange(g * dk, (g + 1) * dk),
-                    v0 + np.arange(g * r * dv, (g + 1) * r * dv),
-                    z0 + np.arange(g * r * dv, (g + 1) * r * dv),
-                ]
-            )
-            for g in range(hk)
-        ]
-    )
-    both = replace(qkv, shape=(z0 + layout.hv * dv, *qkv.shape[1:]), data=np.concatenate([qkv.data, z.data]))
+    elif qkv.qtype != z.qtype and {qkv.qtype, z.qtype} & floats:
+        raise DeltaspecError(
+            f"{raw.path} stores {qkv_name} as {qkv.qtype} but {z_name} as {z.qtype}; deltaspec rebuilds "
+            "in_proj_qkvz from two float or two quantized tensors."
+        )
+    v0 = 2 * hk * dk
+
+    def qkv_rows(g: int) -> np.ndarray:  # key-head group g's q, k and v rows of attn_qkv
+        q = np.arange(g * dk, (g + 1) * dk)
+        return np.concatenate([q, hk * dk + q, v0 + np.arange(g * r * dv, (g + 1) * r * dv)])
+
+    def z_rows(g: int) -> np.ndarray:  # its z rows of attn_gate
+        return np.arange(g * r * dv, (g + 1) * r * dv)
+
+    if qkv.qtype != z.qtype:  # rows stay in their own types: one part per group and tensor
+        parts = [_take_rows(t, rows(g)) for g in range(hk) for t, rows in ((qkv, qkv_rows), (z, z_rows))]
+        return GGUFRows(tuple(parts))
+    rows = np.concatenate([np.concatenate([qkv_rows(g), v0 + layout.hv * dv + z_rows(g)]) for g in range(hk)])
+    both = replace(qkv, shape=(v0 + 2 * layout.hv * dv, *qkv.shape[1:]), data=np.concatenate([qkv.data, z.data]))
     return _take_rows(both, rows)
