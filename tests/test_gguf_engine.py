@@ -95,14 +95,16 @@ def test_text_generation_uses_the_files_tokenizer():
     assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "mtp", "mtp+ngram"])
+@pytest.mark.parametrize("speculative", ["ngram", "mtp", "mtp+ngram", "draft", "draft+ngram"])
 def test_speculative_greedy_equals_plain_greedy_on_a_quantized_model(speculative):
+    """Every drafter; the draft model is a GGUF file too (the Qwen3.5-MoE q8_0 fixture, same tokenizer)."""
     prompts = [{"prompt_token_ids": PROMPT * 2}, {"prompt_token_ids": [9, 8, 7, 9, 8, 7, 9, 8]}]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm_of("qwen35-q8_0").generate(prompts, params)]
-    spec = llm_of("qwen35-q8_0", speculative=speculative, draft_tokens=3)
+    draft = {"draft_model": fixture("qwen35moe-q8_0")} if speculative.startswith("draft") else {}
+    spec = llm_of("qwen35-q8_0", speculative=speculative, draft_tokens=3, **draft)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
-    if speculative != "ngram":
+    if speculative.startswith("mtp"):
         assert spec.engine.model.mtp is not None
 
 

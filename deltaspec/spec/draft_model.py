@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from deltaspec.cache.manager import CacheManager
+from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.batch import Scheduled, build_batch
 from deltaspec.execution.sequence import Sequence
+from deltaspec.model.gguf_load import load_gguf_model
 from deltaspec.model.hf_config import parse_model_config, read_config_json
 from deltaspec.model.weights import load_model
 from deltaspec.ops.dispatch import ops_for
@@ -69,6 +72,18 @@ def as_drafts(requests: list[DraftRequest], drafts: dict[str, tuple[list[int], l
     return out
 
 
+def draft_checkpoint(path: Path) -> tuple[dict, ModelConfig, Any]:
+    """The draft model at `path` (a checkpoint directory or a GGUF file): its raw config, parsed config and, for
+    a GGUF file, the file's contents (a `GGUFCheckpoint`; None for a directory)."""
+    if path.suffix == ".gguf":
+        from deltaspec.model.gguf_file import read_gguf  # the gguf package is imported only for GGUF files
+
+        checkpoint = read_gguf(path)
+        return checkpoint.config, parse_model_config(checkpoint.config), checkpoint
+    raw = read_config_json(path)
+    return raw, parse_model_config(raw), None
+
+
 class DraftModelDrafter:
     name = "draft"
     needs_hidden = False
@@ -85,17 +100,18 @@ class DraftModelDrafter:
         block_size: int,
         seed: int,
     ):
-        raw = read_config_json(model_dir)
-        self.config = parse_model_config(raw)
+        raw, self.config, gguf = draft_checkpoint(model_dir)
         if self.config.vocab_size != target_vocab:
             raise DeltaspecError(
                 f"The draft model at {model_dir} has a vocabulary of {self.config.vocab_size} "
                 f"tokens but the target has {target_vocab}; a draft model must share its tokenizer."
             )
         self.device = device
-        self.model = load_model(
-            model_dir, self.config, raw, dtype, device, ops_for(device), progress=False, with_mtp=False
-        )
+        ops = ops_for(device)
+        if gguf is not None:
+            self.model = load_gguf_model(gguf, self.config, dtype, device, ops, progress=False, with_mtp=False)
+        else:
+            self.model = load_model(model_dir, self.config, raw, dtype, device, ops, progress=False, with_mtp=False)
         self.block_size = block_size
         blocks = max_seqs * -(-max_model_len // block_size)
         self.cache = CacheManager(

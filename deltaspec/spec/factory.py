@@ -11,10 +11,10 @@ import torch
 from deltaspec.cache.memory_plan import DrafterMemory, plan_memory, weight_bytes
 from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.hf_config import parse_model_config, read_config_json
+from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.weights import checkpoint_files, resolve_model_path, target_name
 from deltaspec.spec.combined import CombinedDrafter
-from deltaspec.spec.draft_model import DraftModelDrafter
+from deltaspec.spec.draft_model import DraftModelDrafter, draft_checkpoint
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.ngram import NgramDrafter
 
@@ -62,12 +62,16 @@ def drafter_memory(
         return DrafterMemory(config.speculative, weights=mtp_weights, kv_per_token=kv, shares_pool=True)
     if uses(config.speculative, "draft"):
         path = draft_model_dir(config, target_dir)
-        draft_config = parse_model_config(read_config_json(path))
-        files = checkpoint_files(path)
+        _, draft_config, gguf = draft_checkpoint(path)
+        if gguf is not None:
+            weights = gguf_weight_bytes(gguf, dtype, with_mtp=False)[0]
+        else:
+            files = checkpoint_files(path)
+            weights = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         plan = plan_memory(
             draft_config,
             len(draft_config.attention_layer_ids),
-            weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None),
+            weights,
             dtype,
             state_dtype,
             streams=1,
