@@ -67,12 +67,14 @@ def test_quantized_logits_equal_the_dequantized_model(name):
     torch.testing.assert_close(quantized, reference, rtol=0, atol=1e-9)
 
 
-def test_f32_file_gives_the_hf_checkpoints_logits(tmp_path):
-    """The f32 fixture is the HF checkpoint it was converted from: same logits as loading that checkpoint."""
+@pytest.mark.parametrize("family", ["qwen35", "qwen35moe", "qwen3next"])
+def test_f32_file_gives_the_hf_checkpoints_logits(tmp_path, family):
+    """The f32 fixture is the HF checkpoint it was converted from: same logits as loading that checkpoint (for
+    Qwen3-Next, whose file's GDN projections load as separate ones, against the grouped ones of its checkpoint)."""
     from tools.make_gguf_fixtures import write_hf_checkpoint
 
-    hf_dir = write_hf_checkpoint(tmp_path / "qwen35", "qwen35")
-    from_file = forward_in_chunks(llm_of("qwen35-f32").engine, PROMPT, [len(PROMPT)])
+    hf_dir = write_hf_checkpoint(tmp_path / family, family)
+    from_file = forward_in_chunks(llm_of(f"{family}-f32").engine, PROMPT, [len(PROMPT)])
     from_hf = LLM(str(hf_dir), dtype="float64", device="cpu", max_num_seqs=2, max_model_len=128).engine
     torch.testing.assert_close(from_file, forward_in_chunks(from_hf, PROMPT, [len(PROMPT)]), rtol=0, atol=1e-5)
 
@@ -152,8 +154,8 @@ def test_bytes_per_step_count_the_blocks_and_one_embedding_row():
 
 def test_qwen3_next_with_differently_quantized_qkv_and_gate(tmp_path):
     """llama-quantize's Q4_K_M gives a Qwen3-Next `attn_qkv` Q6_K where it gives `attn_v` more bits, and
-    `attn_gate` Q4_K: `in_proj_qkvz` is rebuilt with each key-head group's rows in their own type, and the
-    logits equal the dequantized model's."""
+    `attn_gate` Q4_K: they load as separate projections, each whole in its own type (the fused input projection
+    is two segments, `ssm_ba`'s rows joining the Q4_K one), and the logits equal the dequantized model's."""
     import gguf
 
     from deltaspec.model.gguf_write import write_gguf
@@ -173,8 +175,8 @@ def test_qwen3_next_with_differently_quantized_qkv_and_gate(tmp_path):
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert (types["blk.0.attn_qkv.weight"], types["blk.0.attn_gate.weight"]) == ("Q6_K", "Q4_K")
     llm = LLM(str(path), dtype="float64", device="cpu", max_num_seqs=2, max_model_len=128)
-    fused = llm.engine.model.model.layers[0].linear_attn.in_proj.weight  # in_proj_qkvz | in_proj_ba
-    assert fused.qtypes[:4] == ("Q6_K", "Q4_K") * 2  # two key-head groups, each [q, k, v] then z
+    fused = llm.engine.model.model.layers[0].linear_attn.in_proj.weight  # in_proj_qkv | z | b | a
+    assert fused.qtypes == ("Q6_K", "Q4_K")
     quantized = forward_in_chunks(llm.engine, PROMPT, [len(PROMPT)])
     dequantize_model(llm.engine.model)
     torch.testing.assert_close(quantized, forward_in_chunks(llm.engine, PROMPT, [len(PROMPT)]), rtol=0, atol=1e-9)

@@ -75,7 +75,7 @@ def test_config_round_trips(family, hf_dirs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_tensor_is_recovered_from_f32(family, hf_dirs):
     expected = hf_tensors(hf_dirs[family])
-    tensors = read_gguf(DATA / f"{family}-f32.gguf").tensors
+    tensors = read_gguf(DATA / f"{family}-f32.gguf", grouped_qkvz=True).tensors
     assert sorted(tensors) == sorted(expected)
     for name, want in expected.items():
         got = tensors[name]
@@ -84,6 +84,25 @@ def test_every_tensor_is_recovered_from_f32(family, hf_dirs):
             np.testing.assert_allclose(got.data, want, rtol=0, atol=ONE_ULP, err_msg=name)
         else:
             np.testing.assert_array_equal(got.data, want, err_msg=name)
+
+
+def test_qwen3_next_gdn_projections_load_as_separate_ones(hf_dirs):
+    """The engine reads a Qwen3-Next file's attn_qkv, attn_gate and ssm_ba as Qwen3.5's in_proj_qkv / z / b / a:
+    the checkpoint's per-key-head groups [q, k, v, z] and [b, a] taken apart."""
+    config = hf_config(hf_dirs["qwen3next"])
+    hk, r = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    expected = hf_tensors(hf_dirs["qwen3next"])
+    tensors = read_gguf(DATA / "qwen3next-f32.gguf").tensors
+    layer = "model.layers.0.linear_attn."
+    assert layer + "in_proj_qkvz.weight" not in tensors and layer + "in_proj_ba.weight" not in tensors
+    qkvz = expected[layer + "in_proj_qkvz.weight"].reshape(hk, 2 * dk + 2 * r * dv, -1)
+    q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+    b, a = np.split(expected[layer + "in_proj_ba.weight"].reshape(hk, 2 * r, -1), [r], axis=1)
+    flat = [x.reshape(-1, x.shape[-1]) for x in (q, k, v, z, b, a)]
+    np.testing.assert_array_equal(tensors[layer + "in_proj_qkv.weight"].data, np.concatenate(flat[:3]))
+    for name, want in zip(("in_proj_z", "in_proj_b", "in_proj_a"), flat[3:]):
+        np.testing.assert_array_equal(tensors[layer + f"{name}.weight"].data, want, err_msg=name)
 
 
 def test_f32_matrices_are_views_of_the_file():
@@ -95,7 +114,7 @@ def test_f32_matrices_are_views_of_the_file():
 @pytest.mark.parametrize(("family", "outtype"), ENCODED_TYPES)
 def test_f16_bf16_q8_0_match_within_their_precision(family, outtype, hf_dirs):
     expected = hf_tensors(hf_dirs[family])
-    tensors = read_gguf(DATA / f"{family}-{outtype}.gguf").tensors
+    tensors = read_gguf(DATA / f"{family}-{outtype}.gguf", grouped_qkvz=True).tensors
     assert sorted(tensors) == sorted(expected)
     qtypes = set()
     for name, want in expected.items():
@@ -269,7 +288,10 @@ def test_value_change_on_a_quantized_tensor_is_refused(tmp_path):
         read_gguf(path)
 
 
-def test_qkvz_parts_of_different_types_are_refused(tmp_path):
+def test_qkvz_parts_of_a_float_and_a_quantized_type_are_not_grouped(tmp_path):
+    """The engine reads them as separate projections; only the grouped reading (for writing a file back, which
+    needs float tensors anyway) cannot put one float and one quantized part into one in_proj_qkvz."""
+
     def gate_as_f16(name, data, qtype):
         if name == "blk.0.attn_gate.weight":
             values = gguf.quants.dequantize(data, qtype).astype(np.float16)
@@ -277,10 +299,13 @@ def test_qkvz_parts_of_different_types_are_refused(tmp_path):
         return [(name, data, qtype)]
 
     path = rewrite(DATA / "qwen3next-q8_0.gguf", tmp_path / "mixed.gguf", gate_as_f16)
+    separate = read_gguf(path).tensors
+    assert separate["model.layers.0.linear_attn.in_proj_z.weight"].qtype == "F16"
+    assert separate["model.layers.0.linear_attn.in_proj_qkv.weight"].qtype == "Q8_0"
     with pytest.raises(
         DeltaspecError, match=r"stores blk\.0\.attn_qkv\.weight as Q8_0 but blk\.0\.attn_gate\.weight as F16"
     ):
-        read_gguf(path)
+        read_gguf(path, grouped_qkvz=True)
 
 
 def test_unknown_tensor_is_named(tmp_path):

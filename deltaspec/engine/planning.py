@@ -40,7 +40,7 @@ from deltaspec.execution.graph_buckets import graph_rows_of
 from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.hybrid import HybridModel
-from deltaspec.model.random_quant import parse_quant, quantized_bytes, tensor_types
+from deltaspec.model.random_quant import parse_quant, quantized_bytes, quantized_config, tensor_types
 from deltaspec.model.shapes import parameter_counts, shape_config
 from deltaspec.model.weights import checkpoint_files, count_mtp_layers, model_dir_for, target_name
 from deltaspec.ops.dispatch import REFERENCE
@@ -143,7 +143,7 @@ def random_quantized_bytes(config: ModelConfig, dtype: torch.dtype, quant: str, 
     """Bytes of a random-weight model quantized under `quant` (as `random_model` builds it): the target's and
     (0 unless `with_mtp`) its MTP head's; the weights it keeps in float count in `dtype`."""
     with torch.device("meta"):
-        model = HybridModel(config, REFERENCE, dtype, "meta", num_mtp_layers=config.num_mtp_layers)
+        model = HybridModel(quantized_config(config), REFERENCE, dtype, "meta", num_mtp_layers=config.num_mtp_layers)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)

@@ -32,13 +32,15 @@ class GGUFCheckpoint:
     sampling_defaults: dict[str, float | int]
 
 
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Read the GGUF checkpoint at `path` (a `.gguf` file, or the first part of a split one)."""
+def read_gguf(path: str | Path, grouped_qkvz: bool = False) -> GGUFCheckpoint:
+    """Read the GGUF checkpoint at `path` (a `.gguf` file, or the first part of a split one); a Qwen3-Next file's
+    GDN input projections as separate ones (as the engine loads them), or with `grouped_qkvz` as its Hugging Face
+    checkpoint groups them (`gguf_names`)."""
     raw = read_raw(Path(path))
     config = config_from_gguf(raw)
     return GGUFCheckpoint(
         config=config,
-        tensors=hf_tensors(raw, config),
+        tensors=hf_tensors(raw, config, grouped_qkvz),
         tokenizer=tokenizer_from_gguf(raw),
         sampling_defaults=gguf_sampling_defaults(Path(path), raw.metadata),
     )

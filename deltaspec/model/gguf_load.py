@@ -4,11 +4,14 @@ Every tensor comes in deltaspec's (Hugging Face) naming. Float tensors (F32, F16
 parameters in the engine's dtype; quantized matrices stay as their GGUF blocks (`QuantizedWeight`), moved to
 the device as they are, and the embedding table becomes a `QuantizedEmbedding` that dequantizes only the rows
 it gathers. A routed-expert tensor stacks the experts ([E, rows, row_bytes]); gate and up are stacked per
-expert into the model's `gate_up_proj`. Projections are fused afterwards as for any checkpoint (a fused
-weight's parts keep their own types as segments).
+expert into the model's `gate_up_proj`. A Qwen3-Next file's GDN input projections come as separate ones, so
+its model is built with Qwen3.5's projection layout (`gguf_names`). Projections are fused afterwards as for any
+checkpoint (a fused weight's parts keep their own types as segments).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -16,7 +19,6 @@ from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.gguf_raw import GGUFRows
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.model.weights import target_name
@@ -56,6 +58,8 @@ def load_gguf_model(
 ) -> HybridModel:
     """The model of `checkpoint` (a `GGUFCheckpoint`) on `device`: quantized weights kept as blocks, float ones in
     `dtype`; the MTP head only `with_mtp`."""
+    if not any(name.endswith("in_proj_qkvz.weight") for name in checkpoint.tensors):
+        config = replace(config, gdn_layout="qwen3_5")  # a Qwen3-Next file's GDN projections read as separate ones
     with torch.device("meta"):
         model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers if with_mtp else 0)
     modules = dict(model.named_modules())
@@ -103,12 +107,7 @@ def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool) -> tuple[i
     for name, tensor in checkpoint.tensors.items():
         if target_name(name, with_mtp=True) is None:
             continue
-        if isinstance(tensor, GGUFRows):
-            size = tensor.nbytes
-        elif tensor.qtype in FLOAT_TYPES:
-            size = int(np.prod(tensor.shape)) * dtype.itemsize
-        else:
-            size = tensor.data.nbytes
+        size = tensor.data.nbytes if tensor.qtype not in FLOAT_TYPES else int(np.prod(tensor.shape)) * dtype.itemsize
         if name.startswith("mtp."):
             mtp += size if with_mtp else 0
         else:
@@ -117,8 +116,6 @@ def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool) -> tuple[i
 
 
 def _weight_of(tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | QuantizedWeight:
-    if isinstance(tensor, GGUFRows):  # parts of different types: one segment each (adjacent ones merged)
-        return QuantizedWeight.cat([quantized_tensor(part, device) for part in tensor.parts])
     if tensor.qtype in FLOAT_TYPES:
         return float_tensor(tensor, dtype, device)
     return quantized_tensor(tensor, device)

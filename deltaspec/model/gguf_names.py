@@ -13,8 +13,12 @@ does to the names and values of Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints:
   `A_log`, `dt_bias`, and the columns of `out_proj`: rows are put back (a row gather, exact for any type);
   `out_proj`'s columns are put back for float tensors and for quantized ones whose blocks do not straddle value
   heads (whole blocks move within each row), else left as stored with `GGUFTensor.input_order` set;
-- Qwen3-Next's `in_proj_qkvz` was split into `attn_qkv` ([all q | all k | all v]) and `attn_gate` (z): the
-  rows are gathered back into the per-key-head groups [q, k, v, z];
+- Qwen3-Next's `in_proj_qkvz` was split into `attn_qkv` ([all q | all k | all v]) and `attn_gate` (z). For
+  the engine they load as Qwen3.5's separate projections (`in_proj_qkv`, `in_proj_z`, and `ssm_ba`'s per-group
+  [b, a] rows as `in_proj_b` / `in_proj_a`; the GDN module computes the same), so each file tensor stays whole
+  in its own type — llama-quantize's Q4_K_M gives `attn_qkv` more bits than `attn_gate` in a third of the
+  layers. With `grouped_qkvz` (to write a GGUF file back, from float tensors) the rows are gathered back into
+  Hugging Face's per-key-head groups [q, k, v, z];
 - routed experts were stacked into `ffn_{gate,up,down}_exps` [E, rows, cols]: they stay stacked, as
   `mlp.experts.{gate,up,down}_proj`; optional fusions (`ffn_gate_up_exps`, an attention `attn_qkv`) are split
   back into row slices.
@@ -31,7 +35,7 @@ import numpy as np
 from deltaspec.config import LINEAR_ATTENTION
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.gguf_config import architecture_of
-from deltaspec.model.gguf_raw import GGUFRows, GGUFTensor, RawGGUF, block_layout
+from deltaspec.model.gguf_raw import GGUFTensor, RawGGUF, block_layout
 
 FLOAT_QTYPES = ("F32", "F16", "F64")  # numpy float arrays; BF16 stays raw bytes like the quantized types
 BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -119,17 +123,20 @@ def layout_of(raw: RawGGUF, config: dict) -> Layout:
     )
 
 
-def hf_tensors(raw: RawGGUF, config: dict) -> dict[str, GGUFTensor]:
-    """Every tensor of `raw` under its Hugging Face name (see the module docstring)."""
+def hf_tensors(raw: RawGGUF, config: dict, grouped_qkvz: bool = False) -> dict[str, GGUFTensor]:
+    """Every tensor of `raw` under its Hugging Face name (see the module docstring); Qwen3-Next's GDN input
+    projections grouped as its checkpoints keep them only with `grouped_qkvz`."""
     layout = layout_of(raw, config)
     out: dict[str, GGUFTensor] = {}
     for name, tensor in raw.tensors.items():
-        for hf_name, hf_tensor in _convert(raw, layout, name, tensor):
+        for hf_name, hf_tensor in _convert(raw, layout, name, tensor, grouped_qkvz):
             out[hf_name] = hf_tensor
     return out
 
 
-def _convert(raw: RawGGUF, layout: Layout, name: str, tensor: GGUFTensor) -> list[tuple[str, GGUFTensor]]:
+def _convert(
+    raw: RawGGUF, layout: Layout, name: str, tensor: GGUFTensor, grouped_qkvz: bool
+) -> list[tuple[str, GGUFTensor]]:
     """The Hugging Face tensor(s) the GGUF tensor `name` holds (none: it is converted with another one)."""
     if name in GLOBAL_NAMES:
         hf_name, value = GLOBAL_NAMES[name]
@@ -149,11 +156,18 @@ def _convert(raw: RawGGUF, layout: Layout, name: str, tensor: GGUFTensor) -> lis
     if rest == "attn_qkv.weight":
         if not linear:
             return _split_rows(name, tensor, prefix + "self_attn.{}_proj.weight", layout)
-        if layout.arch == "qwen3next":
+        if layout.arch == "qwen3next" and grouped_qkvz:
             return [(prefix + "linear_attn.in_proj_qkvz.weight", _qkvz(raw, layout, block, tensor))]
         return [(prefix + "linear_attn.in_proj_qkv.weight", _qkv(name, tensor, layout))]
-    if rest == "attn_gate.weight" and layout.arch == "qwen3next":
+    if layout.arch == "qwen3next" and grouped_qkvz and rest == "attn_gate.weight":
         return []  # gathered into in_proj_qkvz with attn_qkv
+    if layout.arch == "qwen3next" and not grouped_qkvz and rest == "ssm_ba.weight":
+        r = layout.hv // layout.hk
+        groups = np.arange(layout.hk)[:, None] * 2 * r + np.arange(r)[None, :]  # [Hk, r]: b rows of each group
+        return [
+            (prefix + "linear_attn.in_proj_b.weight", _take_rows(tensor, groups.reshape(-1))),
+            (prefix + "linear_attn.in_proj_a.weight", _take_rows(tensor, (groups + r).reshape(-1))),
+        ]
     if rest == "ffn_gate_up_exps.weight":
         half = tensor.shape[1] // 2
         return [
@@ -277,10 +291,9 @@ V_HEAD_FIXES: dict[str, Callable[[str, GGUFTensor, Layout], GGUFTensor]] = {
 }
 
 
-def _qkvz(raw: RawGGUF, layout: Layout, block: int, qkv: GGUFTensor) -> GGUFTensor | GGUFRows:
+def _qkvz(raw: RawGGUF, layout: Layout, block: int, qkv: GGUFTensor) -> GGUFTensor:
     """Qwen3-Next `in_proj_qkvz`: `attn_qkv` ([all q | all k | all v]) and `attn_gate` (z) gathered back into
-    per-key-head groups [q, k, v, z] (the inverse of conversion/qwen.py `Qwen3NextModel.modify_tensors`); two
-    quantized tensors of different types stay in their own types as the parts of a `GGUFRows`."""
+    per-key-head groups [q, k, v, z] (the inverse of conversion/qwen.py `Qwen3NextModel.modify_tensors`)."""
     qkv_name, z_name = f"blk.{block}.attn_qkv.weight", f"blk.{block}.attn_gate.weight"
     z = raw.tensors.get(z_name)
     if z is None:
@@ -288,27 +301,27 @@ def _qkvz(raw: RawGGUF, layout: Layout, block: int, qkv: GGUFTensor) -> GGUFTens
     hk, dk, r, dv = layout.hk, layout.dk, layout.hv // layout.hk, layout.dv
     _expect_rows(qkv_name, qkv, 2 * hk * dk + layout.hv * dv)
     _expect_rows(z_name, z, layout.hv * dv)
-    floats = {*FLOAT_QTYPES, "BF16"}
-    if qkv.qtype != z.qtype and {qkv.qtype, z.qtype} <= floats:
+    if qkv.qtype != z.qtype:
+        if not {qkv.qtype, z.qtype} <= {*FLOAT_QTYPES, "BF16"}:
+            raise DeltaspecError(
+                f"{raw.path} stores {qkv_name} as {qkv.qtype} but {z_name} as {z.qtype}, so deltaspec cannot "
+                "rebuild their rows into one in_proj_qkvz."
+            )
         qkv = GGUFTensor("F32", qkv.shape, _float32(qkv_name, qkv))
         z = GGUFTensor("F32", z.shape, _float32(z_name, z))
-    elif qkv.qtype != z.qtype and {qkv.qtype, z.qtype} & floats:
-        raise DeltaspecError(
-            f"{raw.path} stores {qkv_name} as {qkv.qtype} but {z_name} as {z.qtype}; deltaspec rebuilds "
-            "in_proj_qkvz from two float or two quantized tensors."
-        )
-    v0 = 2 * hk * dk
-
-    def qkv_rows(g: int) -> np.ndarray:  # key-head group g's q, k and v rows of attn_qkv
-        q = np.arange(g * dk, (g + 1) * dk)
-        return np.concatenate([q, hk * dk + q, v0 + np.arange(g * r * dv, (g + 1) * r * dv)])
-
-    def z_rows(g: int) -> np.ndarray:  # its z rows of attn_gate
-        return np.arange(g * r * dv, (g + 1) * r * dv)
-
-    if qkv.qtype != z.qtype:  # rows stay in their own types: one part per group and tensor
-        parts = [_take_rows(t, rows(g)) for g in range(hk) for t, rows in ((qkv, qkv_rows), (z, z_rows))]
-        return GGUFRows(tuple(parts))
-    rows = np.concatenate([np.concatenate([qkv_rows(g), v0 + layout.hv * dv + z_rows(g)]) for g in range(hk)])
-    both = replace(qkv, shape=(v0 + 2 * layout.hv * dv, *qkv.shape[1:]), data=np.concatenate([qkv.data, z.data]))
+    v0, z0 = 2 * hk * dk, 2 * hk * dk + layout.hv * dv
+    rows = np.concatenate(
+        [
+            np.concatenate(
+                [
+                    np.arange(g * dk, (g + 1) * dk),
+                    hk * dk + np.arange(g * dk, (g + 1) * dk),
+                    v0 + np.arange(g * r * dv, (g + 1) * r * dv),
+                    z0 + np.arange(g * r * dv, (g + 1) * r * dv),
+                ]
+            )
+            for g in range(hk)
+        ]
+    )
+    both = replace(qkv, shape=(z0 + layout.hv * dv, *qkv.shape[1:]), data=np.concatenate([qkv.data, z.data]))
     return _take_rows(both, rows)

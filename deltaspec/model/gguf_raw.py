@@ -38,27 +38,6 @@ class GGUFTensor:
     input_order: np.ndarray | None = None
 
 
-@dataclass(frozen=True, eq=False)
-class GGUFRows:
-    """A matrix whose rows are the rows of `parts` in order, the parts of different quantized types: Qwen3-Next's
-    `in_proj_qkvz` gathered from an `attn_qkv` and an `attn_gate` that llama-quantize gave different types (its
-    Q4_K_M and Q5_K_M presets give `attn_qkv` more bits in some layers)."""
-
-    parts: tuple[GGUFTensor, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (sum(part.shape[0] for part in self.parts), *self.parts[0].shape[1:])
-
-    @property
-    def qtype(self) -> str:
-        return "+".join(dict.fromkeys(part.qtype for part in self.parts))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.data.nbytes for part in self.parts)
-
-
 @dataclass(frozen=True)
 class RawGGUF:
     """The file(s) as stored: metadata of the first part, tensors of all parts by GGUF name."""

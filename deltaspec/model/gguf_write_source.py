@@ -113,7 +113,7 @@ def _gguf_source(path: Path) -> Source:
         raise DeltaspecError(
             f"{path} holds {', '.join(quantized)} tensors; quantizing starts from a float (F32, F16 or BF16) file."
         )
-    checkpoint = read_gguf(path)
+    checkpoint = read_gguf(path, grouped_qkvz=True)
     config = parse_model_config(checkpoint.config)
     return Source(
         path,
@@ -127,7 +127,7 @@ def _gguf_source(path: Path) -> Source:
 
 
 def _gguf_tensors(path: Path, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    tensors = read_gguf(path).tensors
+    tensors = read_gguf(path, grouped_qkvz=True).tensors  # Hugging Face's layout, as the writer takes it
     for name in sorted(tensors):
         tensor = tensors[name]
         dtype = torch.float16 if tensor.qtype == "F16" else torch.float32

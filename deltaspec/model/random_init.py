@@ -20,7 +20,7 @@ from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
-from deltaspec.model.random_quant import quantize_random, tensor_types
+from deltaspec.model.random_quant import quantize_random, quantized_config, tensor_types
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.weight import QuantizedWeight
 
@@ -73,7 +73,10 @@ def random_model(
 ) -> HybridModel:
     """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint (the
     shape's MTP head only `with_mtp`); with `quant`, each weight matrix is drawn in float32 and quantized to the
-    type `random_quant.tensor_types` gives it as soon as it is drawn, so the float model never exists whole."""
+    type `random_quant.tensor_types` gives it as soon as it is drawn, so the float model never exists whole (and
+    Qwen3-Next's GDN projections are separate, as a GGUF file's load)."""
+    if quant:
+        config = quantized_config(config)
     with torch.device("meta"):
         model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers if with_mtp else 0)
     gen = torch.Generator(device=device)

@@ -10,6 +10,7 @@ a matrix (norms, gates' biases, the conv window, A_log, dt_bias) and the MoE rou
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -69,66 +70,37 @@ def parse_quant(quant: str) -> str:
     raise DeltaspecError(f"Unknown --quant {quant!r}; use a preset ({choices}) or a block type such as q4_k or q8_0.")
 
 
-Segments = tuple[tuple[str, int], ...]  # a matrix's rows in order: (GGUF type, rows), ...
-QKVZ = "linear_attn.in_proj_qkvz.weight"
+def quantized_config(config: ModelConfig) -> ModelConfig:
+    """The config a quantized random model is built with: a Qwen3-Next shape's GDN input projections separate
+    (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), as a GGUF file of it loads (`gguf_names`), so each
+    takes its own file tensor's type."""
+    return replace(config, gdn_layout="qwen3_5")
 
 
-def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str) -> dict[str, Segments]:
-    """{parameter: its row segments} for the parameters of `shapes` that are quantized under `quant`: one segment
-    of one type, except a Qwen3-Next `in_proj_qkvz` whose `attn_qkv` and `attn_gate` the preset gives different
-    types, which keeps each key-head group's q|k|v rows and z rows in their own types, as a loaded GGUF file
-    does (`gguf_names._qkvz`)."""
+def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str) -> dict[str, str]:
+    """{parameter: GGUF type} for the parameters of `shapes` that are quantized under `quant`."""
     key = parse_quant(quant)
     named = {gguf_name(name, config): name for name, shape in shapes.items() if len(shape) >= 2}
     named.pop(None, None)
-    value_rows = config.linear_num_value_heads * config.linear_value_head_dim
-    listing, gates = [], {}  # gates: attn_qkv GGUF name -> its attn_gate twin, for a fused in_proj_qkvz
-    for gguf, name in named.items():
-        rows, cols = shapes[name][-2:]
-        if name.endswith(QKVZ):
-            gates[gguf] = gguf.replace("attn_qkv", "attn_gate")
-            listing.append((gates[gguf], (value_rows, cols)))
-            rows -= value_rows
-        listing.append((gguf, (*shapes[name][:-2], rows, cols)))
     if key not in DEFAULT_TYPE:
         block = format_of(key).block_size
-        chosen = {gguf: (key if shape[-1] % block == 0 else "F16") for gguf, shape in listing}
+        chosen = {gguf: (key if shapes[name][-1] % block == 0 else "F16") for gguf, name in named.items()}
     else:
         n_expert = config.moe.num_experts if config.moe else 0
+        listing = [(gguf, tuple(shapes[name]), "F32") for gguf, name in named.items()]
         blocks = config.num_hidden_layers + config.num_mtp_layers
-        chosen = preset_types(key, [(g, shape, "F32") for g, shape in listing], n_layers=blocks, n_expert=n_expert)
-    out = {}
-    for gguf, name in named.items():
-        qtype = chosen[gguf]
-        if format_of(qtype).is_float:
-            continue
-        out[name] = ((qtype, shapes[name][-2]),)
-        if gguf in gates and chosen[gates[gguf]] != qtype:
-            out[name] = _grouped_qkvz(config, qtype, chosen[gates[gguf]])
-    return out
+        chosen = preset_types(key, listing, n_layers=blocks, n_expert=n_expert)
+    return {named[gguf]: qtype for gguf, qtype in chosen.items() if not format_of(qtype).is_float}
 
 
-def _grouped_qkvz(config: ModelConfig, qkv_type: str, z_type: str) -> Segments:
-    """in_proj_qkvz's segments when attn_qkv and attn_gate differ in type: per key-head group [q, k, v] then z."""
-    r = config.linear_num_value_heads // config.linear_num_key_heads
-    qkv_rows = 2 * config.linear_key_head_dim + r * config.linear_value_head_dim
-    z_rows = r * config.linear_value_head_dim
-    return ((qkv_type, qkv_rows), (z_type, z_rows)) * config.linear_num_key_heads
+def quantize_random(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
+    """A drawn float32 weight ([rows, cols], or [experts, rows, cols] one expert at a time) as `qtype` blocks."""
+    if weight.dim() == 2:
+        return QuantizedWeight([(qtype, quantize(weight, qtype))], weight.shape[-1])
+    blocks = torch.stack([quantize(expert, qtype) for expert in weight])  # [E, rows, row_bytes]
+    return QuantizedWeight([(qtype, blocks)], weight.shape[-1])
 
 
-def quantize_random(weight: torch.Tensor, segments: Segments) -> QuantizedWeight:
-    """A drawn float32 weight ([rows, cols], or [experts, rows, cols] one expert at a time) as the blocks of its
-    row `segments`."""
-    if weight.dim() == 3:
-        ((qtype, _),) = segments
-        blocks = torch.stack([quantize(expert, qtype) for expert in weight])  # [E, rows, row_bytes]
-        return QuantizedWeight([(qtype, blocks)], weight.shape[-1])
-    parts = torch.split(weight, [rows for _, rows in segments])
-    return QuantizedWeight(
-        [(qtype, quantize(part, qtype)) for (qtype, _), part in zip(segments, parts)], weight.shape[-1]
-    )
-
-
-def quantized_bytes(shape: torch.Size, segments: Segments) -> int:
-    """Bytes of a [..., rows, cols] weight kept as the blocks of its row `segments`."""
-    return math.prod(shape[:-2]) * sum(rows * row_bytes(qtype, shape[-1]) for qtype, rows in segments)
+def quantized_bytes(shape: torch.Size, qtype: str) -> int:
+    """Bytes of a [..., rows, cols] weight in `qtype` blocks."""
+    return math.prod(shape[:-1]) * row_bytes(qtype, shape[-1])
