@@ -161,7 +161,7 @@ def test_qwen3_next_with_differently_quantized_qkv_and_gate(tmp_path):
     from deltaspec.model.gguf_write import write_gguf
     from deltaspec.model.gguf_write_source import open_source
     from tests.tiny_models import write_checkpoint
-    from tools.make_gguf_write_oracles import give_qwen_pre_tokenizer
+    from tools.make_gguf_fixtures import give_qwen_pre_tokenizer
 
     layers = ["linear_attention"] * 3 + ["full_attention"]
     hf_dir = write_checkpoint(

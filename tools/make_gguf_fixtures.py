@@ -83,7 +83,14 @@ def write_hf_checkpoint(directory: Path, family: str) -> Path:
     write_checkpoint(directory, kind, seed=0, tokenizer=True, **overrides)
     if mtp_layers:
         add_mtp_weights(directory, num_layers=mtp_layers)
-    tokenizer_file = directory / "tokenizer.json"
+    give_qwen_pre_tokenizer(directory, pre)
+    return directory
+
+
+def give_qwen_pre_tokenizer(hf_dir: Path, pre: str) -> None:
+    """Make the tiny tokenizer of `hf_dir` split text as llama.cpp's pre-tokenizer `pre` ("qwen2" or "qwen35")
+    does: that regex and the NFC normalizer, so that GGUF files can be written of the checkpoint."""
+    tokenizer_file = hf_dir / "tokenizer.json"
     tokenizer = json.loads(tokenizer_file.read_text())
     tokenizer["normalizer"] = {"type": "NFC"}
     tokenizer["pre_tokenizer"] = {
@@ -94,7 +101,6 @@ def write_hf_checkpoint(directory: Path, family: str) -> Path:
         ],
     }
     tokenizer_file.write_text(json.dumps(tokenizer, ensure_ascii=False, indent=2))
-    return directory
 
 
 def convert(llama_cpp: Path, hf_dir: Path, pre: str, outfile: Path, outtype: str, *extra: str) -> None:

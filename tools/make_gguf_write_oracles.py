@@ -63,7 +63,7 @@ def digest(data: bytes) -> str:
 def write_case(directory: Path, case: str) -> tuple[Path, str]:
     """The Hugging Face checkpoint of `case` (built in `directory`, or the embedded model) and its pre-tokenizer."""
     from tests.tiny_models import write_checkpoint
-    from tools.make_gguf_fixtures import FIXTURES, write_hf_checkpoint
+    from tools.make_gguf_fixtures import FIXTURES, give_qwen_pre_tokenizer, write_hf_checkpoint
 
     if case == "default":
         return ROOT / "deltaspec" / "default_model" / "target", "qwen2"
@@ -73,24 +73,6 @@ def write_case(directory: Path, case: str) -> tuple[Path, str]:
     hf_dir = write_checkpoint(directory / case, "qwen3_5_moe", seed=0, tokenizer=True, **WIDE_MOE)
     give_qwen_pre_tokenizer(hf_dir, "qwen35")
     return hf_dir, "qwen35"
-
-
-def give_qwen_pre_tokenizer(hf_dir: Path, pre: str) -> None:
-    """Make the tiny tokenizer of `hf_dir` split text as llama.cpp's pre-tokenizer `pre` ("qwen2" or "qwen35")
-    does: that regex and the NFC normalizer, so that GGUF files can be written of the checkpoint."""
-    from tools.make_gguf_fixtures import QWEN_SPLIT
-
-    tokenizer_file = hf_dir / "tokenizer.json"
-    tokenizer = json.loads(tokenizer_file.read_text())
-    tokenizer["normalizer"] = {"type": "NFC"}
-    tokenizer["pre_tokenizer"] = {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN_SPLIT[pre]}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        ],
-    }
-    tokenizer_file.write_text(json.dumps(tokenizer, ensure_ascii=False, indent=2))
 
 
 def synthetic_importance(tensors: list[tuple[str, tuple[int, ...]]]) -> dict[str, np.ndarray]:

@@ -32,7 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.make_gguf_write_oracles import WIDE_MOE, give_qwen_pre_tokenizer, run, write_case  # noqa: E402
+from tools.make_gguf_fixtures import give_qwen_pre_tokenizer  # noqa: E402
+from tools.make_gguf_write_oracles import WIDE_MOE, run, write_case  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "gguf"
 OUT = DATA / "llama_logits.npz"
