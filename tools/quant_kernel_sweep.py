@@ -3,10 +3,11 @@
 For the 27B shape's largest decode products in Q4_K, Q6_K and Q8_0 and row counts 1..64, times every kernel
 family and tile (`Launch`) that applies with `triton.testing.do_bench` (L2 flushed before each call, median),
 checks each result against the dequantizing reference, and records the achieved bandwidth (weight bytes /
-time) next to bf16 `F.linear` on a matrix of the same shape. Prints the best launch per (type, shape, rows)
-and writes everything as JSON to the path given (or stdout).
+time) next to bf16 `F.linear` on a matrix of the same shape; also the one-pass dequantization that prefill
+products take (`quant_dequant`, bandwidth counting the blocks read and the bf16 matrix written). Prints the
+best launch per (type, shape, rows) and writes everything as JSON to the path given (or stdout).
 
-    python tools/quant_kernel_sweep.py OUT.json [--quick]
+    python tools/quant_kernel_sweep.py OUT.json [--quick] [--rows=1,2,4]
 """
 
 import itertools
@@ -19,6 +20,7 @@ from triton.testing import do_bench
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as reference
+from deltaspec.ops.triton.quant_dequant import dequantize
 from deltaspec.ops.triton.quant_matmul import Launch, quantized_linear
 from tests.test_kernels_quant import random_weight
 
@@ -33,21 +35,35 @@ def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
     out = []
     if rows <= GEMV_ROWS:
         out += [Launch("gemv", n, s, w) for n, s, w in itertools.product((32, 64, 128), splits, (4, 8))]
+    if rows == 1:  # tensor-core tiles pad one row to 16: never the fastest
+        return out
     widths = (32, 64, 128) if qtype == "Q4_K" else (16, 32, 64)
     pairings = (True, False) if qtype == "Q4_K" else (True,)
     tiles = itertools.product(widths, splits[:3], (4, 8), pairings)
     return out + [Launch("tile", n, s, w, p) for n, s, w, p in tiles]
 
 
+def dequantize_timing(qtype: str, name: str, weight: QuantizedWeight) -> dict:
+    """The one-pass dequantization of `weight` to bfloat16: time, and bandwidth over blocks read + matrix written."""
+    (_, data), *_ = weight.segments
+    ms = do_bench(lambda: dequantize(data, qtype, torch.bfloat16), warmup=5, rep=20, return_mode="median")
+    moved = weight.nbytes + data.shape[0] * weight.in_features * 2
+    print(f"{qtype} {name:8s} dequantize {ms * 1e3:7.1f} us {moved / ms / 1e6:6.0f} GB/s", file=sys.stderr, flush=True)
+    return {"qtype": qtype, "shape": name, "dequantize_ms": ms, "gb_s": moved / ms / 1e6}
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    rows_flag = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rows=")), None)
+    row_counts = tuple(int(r) for r in rows_flag.split(",")) if rows_flag else ROWS
     path = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
-    results, best = [], []
+    results, best, dequantized = [], [], []
     for qtype in ("Q4_K", "Q6_K", "Q8_0"):
         for name, (n_out, n_in) in SHAPES.items():
             weight = QuantizedWeight([(qtype, random_weight(qtype, n_out, n_in, 0))], n_in).cuda()
             dense = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16)
-            for m in ROWS:
+            dequantized.append(dequantize_timing(qtype, name, weight))
+            for m in row_counts:
                 x = torch.randn(m, n_in, device="cuda", dtype=torch.bfloat16)
                 expected = reference(x, weight).float()
                 bf16_ms = do_bench(lambda x=x, dense=dense: F.linear(x, dense), warmup=5, rep=20, return_mode="median")
@@ -78,12 +94,15 @@ def main() -> None:
                 best.append(top)
                 print(
                     f"{qtype} {name:8s} rows={m:2d} best {top['family']:4s} n={top['block_n']:3d} "
-                    f"split={top['split_k']} warps={top['num_warps']} paired={top['paired']} {top['ms'] * 1e3:7.1f} us "
+                    f"split={top['split_k']} warps={top['num_warps']} paired={top['paired']} "
+                    f"{top['ms'] * 1e3:7.1f} us "
                     f"{top['gb_s']:6.0f} GB/s (bf16 {bf16_ms * 1e3:7.1f} us {row['bf16_gb_s']:6.0f} GB/s)",
                     file=sys.stderr,
                     flush=True,
                 )
-    text = json.dumps({"device": torch.cuda.get_device_name(), "best": best, "results": results}, indent=1)
+    text = json.dumps(
+        {"device": torch.cuda.get_device_name(), "best": best, "dequantize": dequantized, "results": results}, indent=1
+    )
     if path:
         open(path, "w").write(text + "\n")
     else:

@@ -10,7 +10,8 @@ splits the input dimension into shares; with one share a program writes its outp
 float32 partial sums are added in a fixed order (`finish_kernel`), so results never depend on scheduling.
 `LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
 takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
-made of); other types, and products of more rows, dequantize the matrix and use cuBLAS.
+made of); other types, and products of more rows, dequantize the matrix in one pass (`quant_dequant`) and
+use cuBLAS.
 """
 
 from __future__ import annotations
@@ -19,62 +20,18 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
-from deltaspec.ops.triton import quant_gemv
+from deltaspec.ops.triton import quant_dequant, quant_gemv
+from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, STEP, _q4_k_half_chunk, _tile
 
-KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2}  # QTYPE of the tile kernels
 # Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 64
-STEP = 256
-
-
-@triton.jit
-def _fp16_at(ptr, mask):
-    """The little-endian float16 stored at byte pointer(s) `ptr`, as float32 (0 where masked)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_N, 256] of super-block `step` of Q8_0 or Q6_K weight rows `rows`, dequantized in float32.
-    Bytes are read in contiguous runs and unpacked with shifts and reshapes, never gathered value by value."""
-    base = w_ptr + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
-    mask = n_mask[:, None]
-    if QTYPE == 0:  # Q8_0: 8 blocks of (fp16 d, 32 x int8)
-        block = base[:, None] + step * 272 + tl.arange(0, 8)[None, :] * 34  # [BLOCK_N, 8]
-        d = _fp16_at(block, mask)
-        quants = tl.load(block[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=mask[:, :, None], other=0)
-        values = d[:, :, None] * quants.to(tl.int8, bitcast=True).to(tl.float32)  # [BLOCK_N, 8, 32]
-        return tl.reshape(values, (BLOCK_N, 256))
-    else:  # Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, fp16 d
-        block = base + step * 210
-        d = _fp16_at(block + 208, n_mask)  # [BLOCK_N]
-        lane = tl.arange(0, 32)
-        low = tl.load(
-            block[:, None, None, None]
-            + (tl.arange(0, 2)[:, None, None] * 64 + tl.arange(0, 2)[None, :, None] * 32)
-            + lane[None, None, :],
-            mask=mask[:, :, None, None],
-            other=0,
-        ).to(tl.int32)  # [BLOCK_N, half, quarter % 2, 32]
-        high = tl.load(
-            block[:, None, None] + 128 + tl.arange(0, 2)[:, None] * 32 + lane[None, :], mask=mask[:, :, None], other=0
-        ).to(tl.int32)  # [BLOCK_N, half, 32]
-        low4 = (low[:, :, None, :, :] >> (tl.arange(0, 2) * 4)[None, None, :, None, None]) & 0xF  # [N, h, q//2, q%2, l]
-        high2 = (high[:, :, None, :] >> (tl.arange(0, 4) * 2)[None, None, :, None]) & 3  # [N, h, q, l]
-        quants = tl.reshape(low4, (BLOCK_N, 2, 4, 32)) | (high2 << 4)
-        scales = tl.load(block[:, None] + 192 + tl.arange(0, 16)[None, :], mask=mask, other=0)
-        scales = tl.reshape(scales.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, 2, 4, 2, 1))  # [N, h, q, l//16]
-        dsc = d[:, None, None, None, None] * scales
-        values = dsc * tl.reshape((quants - 32).to(tl.float32), (BLOCK_N, 2, 4, 2, 16))
-        return tl.reshape(values, (BLOCK_N, 256))
 
 
 @triton.jit
@@ -111,28 +68,6 @@ def _tile_kernel(
         w = _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] fp32
         acc += _times_x(x_ptr, order_ptr, m, m_mask, stride_xm, step * 256 + k, w, HAS_ORDER, IEEE)
     _store_tile(part_ptr, out_ptr, acc, m, rows, m_mask, n_mask, split, M, N, stride_om)
-
-
-@triton.jit
-def _q4_k_sub_block(s0, s1, s2, j: tl.constexpr):
-    """The 6-bit scale and min of sub-block j of Q4_K super-blocks whose 12 scale bytes are words s0, s1, s2."""
-    if j < 4:
-        return (s0 >> (8 * j)) & 63, (s1 >> (8 * j)) & 63
-    scale = ((s2 >> (8 * (j - 4))) & 0xF) | (((s0 >> (8 * (j - 4) + 6)) & 3) << 4)
-    low = ((s2 >> (8 * (j - 4) + 4)) & 0xF) | (((s1 >> (8 * (j - 4) + 6)) & 3) << 4)
-    return scale, low
-
-
-@triton.jit
-def _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, j: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Sub-block j's 32 values [BLOCK_N, 32] in float32 from its chunk's nibble words [BLOCK_N, 8] (low
-    nibbles for even j, high for odd): value i * 4 + k is nibble (byte k of word i) * d * scale - dmin * min."""
-    sc, mn = _q4_k_sub_block(s0, s1, s2, j)
-    scale = d * quant_gemv.as_float(sc)  # [BLOCK_N]
-    low = dmin * quant_gemv.as_float(mn)
-    shifts = tl.arange(0, 4) * 8 + (j % 2) * 4
-    q = quant_gemv.as_float((quants[:, :, None] >> shifts[None, None, :]) & 0xF)  # [BLOCK_N, 8, 4]
-    return tl.reshape(scale[:, None, None] * q - low[:, None, None], (BLOCK_N, 32))
 
 
 @triton.jit
@@ -310,12 +245,25 @@ def kernel_handles(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bo
     )
 
 
+def _dequantize_then_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """More rows than the block kernels take, or other block types: each segment dequantized in one pass
+    (`quant_dequant`), then one cuBLAS product; stacked experts and float64 take the reference."""
+    if len(weight.shape) != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return dequantize_then_matmul(x, weight)
+    dense = torch.empty(weight.shape, device=x.device, dtype=x.dtype)  # [out, in]
+    row = 0
+    for qtype, data in weight.segments:
+        quant_dequant.dequantize(data, qtype, x.dtype, out=dense[row : row + data.shape[0]])
+        row += data.shape[0]
+    return F.linear(weight.ordered_input(x), dense)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, launch: Launch | None = None) -> torch.Tensor:
     """`x @ weight.T` ([..., in] -> [..., out]) from the blocks for up to 64 rows, else dequantize + cuBLAS.
     `launch` overrides the table (tests and the sweep)."""
     rows = x.numel() // x.shape[-1]
     if not kernel_handles(weight, rows, x.dtype):
-        return dequantize_then_matmul(x, weight)
+        return _dequantize_then_matmul(x, weight)
     flat = x.reshape(rows, x.shape[-1]).contiguous()
     out = torch.empty(rows, weight.shape[0], device=x.device, dtype=x.dtype)
     column = 0
