@@ -174,7 +174,8 @@ class EngineConfig:
         default="none",
         metadata={
             "help": "drafter for speculative decoding: none, ngram (prompt lookup over the sequence's own tokens), "
-            "mtp (the checkpoint's MTP head), draft (a small model, --draft-model), mtp+ngram, draft+ngram"
+            "mtp (the checkpoint's MTP head), draft (a small model, --draft-model), block (a DFlash-style block "
+            "drafter, --draft-model), mtp+ngram, draft+ngram, block+ngram"
         },
     )
     draft_tokens: int = field(
@@ -185,7 +186,10 @@ class EngineConfig:
     )
     draft_model: str | None = field(
         default=None,
-        metadata={"help": "draft model directory or hub id for speculative=draft (default: the embedded model's own)"},
+        metadata={
+            "help": "draft model directory or hub id for speculative=draft (default: the embedded model's own), or the "
+            "block drafter's (DFlash layout) for speculative=block"
+        },
     )
     enable_prefix_caching: bool = field(
         default=True,

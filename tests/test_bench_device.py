@@ -1,4 +1,4 @@
-"""The device benchmarks (decode, verify, concurrency, prefill, spec-oracle) run on the CPU with the embedded
+"""The device benchmarks (decode, verify, concurrency, prefill, spec-oracle, drafter) run on the CPU with the embedded
 model or a small shape; their JSON has the fields the issue asks for, related by DESIGN §6's definitions.
 Speeds are not checked (CI machines vary), only that they are positive and consistent."""
 
@@ -83,6 +83,19 @@ def _with_small_shape(init):
         init(self, *args, **kwargs)
 
     return patched
+
+
+def test_bench_drafter_times_a_random_block_drafter_sized_for_the_shape(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(EngineConfig, "__init__", _with_small_shape(EngineConfig.__init__))
+    argv = ["drafter", *SMALL_27B, "--speculative", "block", "--draft-tokens", "3", "--context", "8"]
+    r = bench([*argv, "--max-tokens", "8", "--runs", "1"], tmp_path, capsys)
+    assert r["speculative"] == "block" and r["draft_tokens"] == 3 and r["shape"] == "qwen3.5-27b"
+    assert r["propose_ms"] > 0 and r["plain_step_ms"] > 0 and r["verify_pass_ms"] > 0
+    assert r["draft_fraction_of_step"] == pytest.approx(r["propose_ms"] / r["plain_step_ms"])
+    assert r["per_run"][0]["proposals"] >= 2
+    assert main(["bench", "drafter", *SMALL_27B, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "bench drafter times a drafter: give --speculative" in err and "Traceback" not in err
 
 
 def test_bench_verify_reports_each_row_count_and_its_ratio(tmp_path, capsys):

@@ -76,14 +76,14 @@ POISON = 4242  # a token id that makes the injected fault fire
 
 def poisoned_forward(engine, poison: int = POISON):
     """Fault injection into a real engine's model: any pass whose rows include `poison` raises."""
-    forward = engine.model.forward
+    run = engine.model.run  # the runner's entry: the pass's hidden states and tapped features
 
-    def forward_or_raise(batch, caches):
+    def run_or_raise(batch, caches):
         if bool((batch.token_ids == poison).any()):
             raise RuntimeError("injected fault")
-        return forward(batch, caches)
+        return run(batch, caches)
 
-    engine.model.forward = forward_or_raise
+    engine.model.run = run_or_raise
 
 
 @pytest.mark.parametrize("speculative", ["none", "ngram"])

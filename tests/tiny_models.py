@@ -140,3 +140,76 @@ def add_mtp_weights(directory: Path, num_layers: int = 1, seed: int = 1) -> None
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     config["mtp_num_hidden_layers"] = num_layers
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_block_drafter(
+    directory: Path,
+    target: Path,
+    seed: int = 0,
+    num_layers: int = 2,
+    block_size: int = 16,
+    target_layer_ids: tuple[int, ...] = (0, 2),
+    mask_token_id: int = 3,
+    **overrides,
+) -> Path:
+    """Save a random block drafter for the checkpoint at `target` in the layout of z-lab's DFlash drafters
+    (`config.json` with `dflash_config`, top-level `fc` / `hidden_norm` / `layers.N.*` / `norm` tensors; the
+    embeddings and LM head are the target's)."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    h = cfg["hidden_size"]
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "num_target_layers": cfg["num_hidden_layers"],
+        "num_hidden_layers": num_layers,
+        "hidden_size": h,
+        "intermediate_size": 80,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "layer_types": ["full_attention"] * num_layers,
+        "vocab_size": cfg["vocab_size"],
+    }
+    config.update(overrides)
+    heads, kv, d, inter = (
+        config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+    )
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.15):
+        return torch.randn(*shape, generator=gen) * scale
+
+    def norm(dim):
+        return 1.0 + rand(dim, scale=0.1)  # Qwen3 norms: plain weights around 1
+
+    tensors = {"fc.weight": rand(h, len(target_layer_ids) * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        tensors.update(
+            {
+                p + "input_layernorm.weight": norm(h),
+                p + "post_attention_layernorm.weight": norm(h),
+                p + "self_attn.q_proj.weight": rand(heads * d, h),
+                p + "self_attn.k_proj.weight": rand(kv * d, h),
+                p + "self_attn.v_proj.weight": rand(kv * d, h),
+                p + "self_attn.o_proj.weight": rand(h, heads * d),
+                p + "self_attn.q_norm.weight": norm(d),
+                p + "self_attn.k_norm.weight": norm(d),
+                p + "mlp.gate_proj.weight": rand(inter, h),
+                p + "mlp.up_proj.weight": rand(inter, h),
+                p + "mlp.down_proj.weight": rand(h, inter),
+            }
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory

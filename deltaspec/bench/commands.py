@@ -1,6 +1,7 @@
-"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|longctx|spec-oracle|profile`: run a scenario
-and write JSON. serve and agents run against an in-process server or --url; the device benchmarks (decode, verify,
-concurrency, prefill, longctx, spec-oracle, profile) drive the engine directly and never import the server."""
+"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|longctx|spec-oracle|profile|drafter`: run a
+scenario and write JSON. serve and agents run against an in-process server or --url; the device benchmarks (decode,
+verify, concurrency, prefill, longctx, spec-oracle, profile, drafter) drive the engine directly and never import
+the server."""
 
 from __future__ import annotations
 
@@ -247,8 +248,22 @@ def cmd_bench_profile(args: argparse.Namespace, engine_config) -> None:
     )
 
 
+def cmd_bench_drafter(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.drafter_cost import bench_drafter
+
+    r = bench_drafter(engine_config, args.context, args.max_tokens, args.runs)
+    write_device_report(
+        r,
+        args,
+        f"{r['speculative']} drafter call {r['propose_ms']:.2f} ms = {100 * r['draft_fraction_of_step']:.1f} % of a "
+        f"{r['plain_step_ms']:.2f} ms decode step; verify pass of {1 + r['draft_tokens']} rows "
+        f"{r['verify_pass_ms']:.2f} ms ({r['verify_ratio']:.2f}x)",
+    )
+
+
 def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
-    """decode, verify, concurrency, prefill, longctx, spec-oracle, profile: the engine on this device, no server."""
+    """decode, verify, concurrency, prefill, longctx, spec-oracle, profile, drafter: the engine on this device, no
+    server."""
 
     def common(parser, max_tokens: int | None = 64, context: bool = True, runs: bool = True):
         if context:
@@ -318,6 +333,11 @@ def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
     )
     common(oracle)
     oracle.set_defaults(func=lambda args: cmd_bench_spec_oracle(args, engine_config(args)))
+    drafter = scenarios.add_parser(
+        "drafter", help="one drafter call's time against a target decode step, at a fixed --draft-tokens"
+    )
+    common(drafter, max_tokens=32)
+    drafter.set_defaults(func=lambda args: cmd_bench_drafter(args, engine_config(args)))
     prof = scenarios.add_parser("profile", help="kernel time breakdown of decode steps of C streams")
     prof.add_argument("--streams", type=int, default=1, help="streams decoding together (default: 1)")
     prof.add_argument("--steps", type=int, default=8, help="profiled decode steps (default: 8)")

@@ -1,7 +1,8 @@
 """vLLM's `--speculative-config` JSON, read as deltaspec's `--speculative`, `--draft-tokens` and `--draft-model`.
 
-Methods: ngram, mtp (and vLLM's model-specific MTP names such as qwen3_next_mtp), draft_model (or draft), and
-deltaspec's own mtp+ngram and draft+ngram; without a method, a `model` means draft_model, as in vLLM. Keys
+Methods: ngram, mtp (and vLLM's model-specific MTP names such as qwen3_next_mtp), draft_model (or draft), dflash
+(or block: a block drafter, whose directory is `model`), and deltaspec's own mtp+ngram, draft+ngram and
+block+ngram; without a method, a `model` means draft_model, as in vLLM. Keys
 deltaspec cannot honour (vLLM's prompt_lookup_min/max set the n-gram sizes, which deltaspec fixes at 2 to 5)
 are refused rather than ignored.
 """
@@ -15,7 +16,7 @@ from deltaspec.errors import DeltaspecError
 EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 5}'
 KEYS = ("method", "model", "num_speculative_tokens")
 FLAGS = {"speculative": "--speculative", "draft_model": "--draft-model", "draft_tokens": "--draft-tokens"}
-METHODS = "ngram, mtp (or a vLLM *_mtp name), draft_model, mtp+ngram or draft+ngram"
+METHODS = "ngram, mtp (or a vLLM *_mtp name), draft_model, dflash, mtp+ngram, draft+ngram or block+ngram"
 SPECULATIVE_CONFIG_HELP = (
     f"vLLM's speculative config as JSON, e.g. '{EXAMPLE}': method ({METHODS}), model (the draft model), "
     "num_speculative_tokens; the same as --speculative, --draft-model and --draft-tokens"
@@ -30,6 +31,8 @@ def _method(method: object) -> str:
             return method
         if method == "draft_model":
             return "draft"
+        if method == "dflash":
+            return "block"
         if "mtp" in method:
             return "mtp"
     raise DeltaspecError(f"--speculative-config has method {method!r}, which deltaspec does not run; use {METHODS}.")
@@ -63,10 +66,10 @@ def speculative_fields(text: str, given: dict) -> dict:
     if "model" in raw:
         if not isinstance(raw["model"], str) or not raw["model"]:
             raise DeltaspecError(f"--speculative-config's model must be a directory or hub id, got {raw['model']!r}.")
-        if "draft" not in chosen["speculative"]:
+        if "draft" not in chosen["speculative"] and "block" not in chosen["speculative"]:
             raise DeltaspecError(
                 f"--speculative-config gives a model, which method {raw['method']!r} does not use; drop it, or use "
-                "method draft_model."
+                "method draft_model or dflash."
             )
         chosen["draft_model"] = raw["model"]
     if "num_speculative_tokens" in raw:

@@ -23,6 +23,7 @@ from deltaspec.engine.planning import plan_for
 from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.setup import (
     engine_cache,
+    engine_drafter,
     engine_model,
     engine_sampling_defaults,
     engine_tokenizer,
@@ -37,8 +38,6 @@ from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator
 from deltaspec.spec.drafter import Drafter
-from deltaspec.spec.factory import make_drafter
-from deltaspec.spec.mtp import MTPDrafter
 from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
 from deltaspec.spec.speculator import DraftLength, Speculator
 
@@ -66,7 +65,7 @@ class Engine:
         self.plan, self.config, self.model_config = planned.plan, planned.config, planned.model_config
         self.model_dir, self.max_model_len = planned.model_dir, planned.config.max_model_len
         self.device, self.dtype = torch.device(self.config.device), parse_dtype(self.config.dtype)
-        ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
+        ops = self.ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
         self.model = engine_model(planned, ops, progress)
         self.tokenizer = engine_tokenizer(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
@@ -88,12 +87,12 @@ class Engine:
         self._seed_counter = itertools.count(self.config.seed)
 
     def _speculator(self, drafter: Drafter | None, policy: DraftLength | None, costs: VerifyCostTable):
-        def mtp() -> MTPDrafter:  # the MTP head drafts from this engine's model, caches and running sequences
-            return MTPDrafter(self.model, self.cache, self._running, self.device, self.config.seed)
-
-        drafter = drafter or make_drafter(self.config, self.model_dir, self.model_config.vocab_size, mtp)
+        drafter = drafter or engine_drafter(
+            self.config, self.model_dir, self.model_config, self.model, self.cache, self._running, self.ops
+        )
         if drafter is None:
             return None
+        self.model.feature_layers = tuple(getattr(drafter, "target_layers", ()))
         policy = policy or DraftLengthPolicy(max_k=self.config.draft_tokens, table=costs)
         return Speculator(drafter, policy, self.cache, self.max_model_len, self.model_config.vocab_size)
 

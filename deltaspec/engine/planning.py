@@ -202,5 +202,7 @@ def _random_shape(config: EngineConfig) -> ModelConfig:
     if config.quant:
         parse_quant(config.quant)
     if uses(config.speculative, "draft") and not config.draft_model:
-        raise DeltaspecError("speculative='draft' with --random-weights needs --draft-model PATH; or use mtp or ngram.")
+        raise DeltaspecError(
+            "speculative='draft' with --random-weights needs --draft-model PATH; or use mtp, block or ngram."
+        )
     return replace(shape_config(config.shape, config.shape_overrides), eos_token_ids=())

@@ -1,10 +1,12 @@
 """The parts an engine is built from, as its plan says: the model (a checkpoint or random weights), the
 tokenizer of a random-weight model, the checkpoint's sampling defaults, the caches, the measured GEMM routing
-(and the verify costs read from it), and the CUDA graphs of decode and verify passes."""
+(and the verify costs read from it), the drafter, and the CUDA graphs of decode and verify passes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,8 @@ from deltaspec.engine.planning import Planned
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.graph_buckets import uses_cuda_graphs
+from deltaspec.execution.sequence import Sequence
+from deltaspec.model.block_drafter import load_block_drafter, random_block_drafter
 from deltaspec.model.generation_config import FILE_NAME, sampling_defaults
 from deltaspec.model.gguf_load import load_gguf_model
 from deltaspec.model.hybrid import HybridModel
@@ -22,6 +26,10 @@ from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
 from deltaspec.model.weights import default_model_path, load_model
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.sample.params import SamplingParams
+from deltaspec.spec.block import BlockDrafter
+from deltaspec.spec.drafter import Drafter
+from deltaspec.spec.factory import make_drafter
+from deltaspec.spec.mtp import MTPDrafter
 from deltaspec.spec.policy import VerifyCostTable
 
 ROUTED_WEIGHT_ELEMENTS = 1 << 22  # weights of at least 4 M elements get a measured GEMM route
@@ -111,6 +119,33 @@ def route_gemms(
     router = GemmRouter(shapes, dtype, device, show_progress=progress)
     model.use_ops(replace(ops, linear=router.linear))
     return VerifyCostTable(router.relative_costs(max(config.draft_tokens + 1, 2)))
+
+
+def engine_drafter(
+    config: EngineConfig,
+    model_dir: Path | None,
+    model_config: ModelConfig,
+    model: HybridModel,
+    cache: CacheManager,
+    running: Callable[[str], Sequence],
+    ops: OpTable,
+) -> Drafter | None:
+    """The drafter `config.speculative` asks for (None for none). The MTP head drafts from the engine's model,
+    caches and running sequences (`running` finds one by id); a block drafter reads the engine's model's layer
+    outputs, embeddings and LM head (a random-weight model without --draft-model gets a random one sized for it)."""
+    device, dtype = torch.device(config.device), parse_dtype(config.dtype)
+
+    def mtp() -> MTPDrafter:
+        return MTPDrafter(model, cache, running, device, config.seed)
+
+    def block(path: Path | None) -> BlockDrafter:
+        if path is None:
+            net = random_block_drafter(model_config, ops, dtype, device, config.seed)
+        else:
+            net = load_block_drafter(path, model_config, ops, dtype, device)
+        return BlockDrafter(net, model, device, config.seed)
+
+    return make_drafter(config, model_dir, model_config.vocab_size, mtp, block)
 
 
 def graph_runner(

@@ -46,6 +46,7 @@ class Bucket:
     graph: torch.cuda.CUDAGraph
     inputs: StaticInputs
     hidden: torch.Tensor  # [B * R, hidden]
+    features: torch.Tensor | None  # [B * R, taps * hidden] the model's `feature_layers` outputs, if it taps any
     logits: torch.Tensor  # [B * R, vocab]
     greedy: torch.Tensor  # [B * R] argmax of each row's logits
 
@@ -53,10 +54,11 @@ class Bucket:
 @dataclass
 class GraphPass:
     """What one replay gives the runner. The real rows (each sequence's rows, back to back) lie at `rows` of
-    the bucket's outputs; `hidden` is a copy of them, `logits` and `greedy` are the graph's own buffers, which
-    the next replay overwrites (copy what must outlive it)."""
+    the bucket's outputs; `hidden` and `features` are copies of them, `logits` and `greedy` are the graph's own
+    buffers, which the next replay overwrites (copy what must outlive it)."""
 
     hidden: torch.Tensor  # [real rows, hidden], a copy
+    features: torch.Tensor | None  # [real rows, taps * hidden], a copy; None when the model taps no layers
     logits: torch.Tensor  # [B * R, vocab], the graph's buffer
     greedy: torch.Tensor  # [B * R] argmax of each bucket row, the graph's buffer
     rows: torch.Tensor  # [real rows] long: the bucket row of each real row
@@ -120,7 +122,8 @@ class CudaGraphRunner:
         bucket.graph.replay()
         self.replays[key] += 1
         rows = torch.tensor([b * key[1] + i for b, n in enumerate(num_rows) for i in range(n)], device=self.device)
-        return GraphPass(bucket.hidden.index_select(0, rows), bucket.logits, bucket.greedy, rows)
+        features = None if bucket.features is None else bucket.features.index_select(0, rows)
+        return GraphPass(bucket.hidden.index_select(0, rows), features, bucket.logits, bucket.greedy, rows)
 
     def _fill(self, inputs: StaticInputs, schedule: list[Scheduled], rows: int) -> list[int]:
         """Write the pass's inputs into the bucket's static tensors; returns each sequence's real rows."""
@@ -199,13 +202,13 @@ class CudaGraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                    self.model.compute_logits(self.model(batch, self.caches)).argmax(-1)
+                    self.model.compute_logits(self.model.run(batch, self.caches)[0]).argmax(-1)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.model(batch, self.caches)
+                hidden, features = self.model.run(batch, self.caches)
                 logits = self.model.compute_logits(hidden)
                 greedy = logits.argmax(-1)
-        bucket = Bucket(graph, inputs, hidden, logits, greedy)
+        bucket = Bucket(graph, inputs, hidden, features, logits, greedy)
         self.buckets[(size, rows)] = bucket
         return bucket

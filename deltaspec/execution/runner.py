@@ -32,6 +32,7 @@ class SeqOutput:
     verifying: bool  # it verified drafts: its rows are the last sampled token and the drafts
     logged: bool  # its rows went into the replay log (a verify pass) instead of advancing its state
     hidden: torch.Tensor  # [rows, hidden] final hidden state of each row
+    features: torch.Tensor | None  # [rows, taps * hidden] the model's `feature_layers` outputs; None without them
     argmax: list[int]  # argmax of each token row
     logits: torch.Tensor | None  # [token rows, vocab], only when the argmax is not enough
     prompt_logits: torch.Tensor | None  # [prompt rows, vocab], when the sequence asked for prompt logprobs
@@ -74,18 +75,20 @@ class Runner:
                 schedule,
                 starts,
                 replay.hidden,
+                replay.features,
                 replay.greedy.index_select(0, picks).tolist(),
                 key[1] > 1,
                 lambda lo, hi: replay.logits.index_select(0, picks[lo:hi]),
                 lambda lo, hi: replay.logits.index_select(0, replay.rows[lo:hi]),
             )
         batch = build_batch(schedule, self.block_size, self.device)
-        hidden = self.model(batch, self.caches)  # [T, hidden]
+        hidden, features = self.model.run(batch, self.caches)  # [T, hidden], [T, taps * hidden] or None
         logits = self.model.compute_logits(hidden[self._token_rows_at(starts, schedule)])  # [token rows, vocab]
         return self._outputs(
             schedule,
             starts,
             hidden,
+            features,
             logits.argmax(-1).tolist(),
             None,
             lambda lo, hi: logits[lo:hi],
@@ -102,15 +105,16 @@ class Runner:
         schedule: list[Scheduled],
         starts: list[int],
         hidden: torch.Tensor,
+        features: torch.Tensor | None,
         argmax: list[int],
         all_logged: bool | None,
         token_logits: Callable[[int, int], torch.Tensor],
         row_logits: Callable[[int, int], torch.Tensor],
     ) -> list[SeqOutput]:
-        """Split a pass's outputs by sequence. `hidden` holds the real rows back to back (sequence i from
-        `starts[i]`); `argmax` and `token_logits(lo, hi)` cover the token rows in schedule order;
-        `row_logits(lo, hi)` are the logits of rows lo..hi-1 of `hidden`. `all_logged` says whether a graph
-        bucket logged every sequence (None: an eager pass, which logs exactly the verifying ones)."""
+        """Split a pass's outputs by sequence. `hidden` (and `features`, when the model taps layers) holds the real
+        rows back to back (sequence i from `starts[i]`); `argmax` and `token_logits(lo, hi)` cover the token rows in
+        schedule order; `row_logits(lo, hi)` are the logits of rows lo..hi-1 of `hidden`. `all_logged` says whether a
+        graph bucket logged every sequence (None: an eager pass, which logs exactly the verifying ones)."""
         outputs, taken = [], 0
         for item, start in zip(schedule, starts):
             seq, count = item.seq, len(token_rows(item))
@@ -128,6 +132,7 @@ class Runner:
                     bool(seq.draft),
                     logged,
                     hidden[start : start + item.num_rows],
+                    None if features is None else features[start : start + item.num_rows],
                     argmax[taken : taken + count],
                     logits,
                     prompt_logits,

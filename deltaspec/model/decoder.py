@@ -50,11 +50,24 @@ class DecoderLayer(nn.Module):
 
 
 def run_blocks(
-    layers: nn.ModuleList, h: torch.Tensor, final_norm: RMSNorm, batch: ForwardBatch, caches: ModelCaches, cos, sin
-) -> torch.Tensor:
-    """h [T, hidden] through `layers`, then `final_norm` -> [T, hidden]."""
+    layers: nn.ModuleList,
+    h: torch.Tensor,
+    final_norm: RMSNorm,
+    batch: ForwardBatch,
+    caches: ModelCaches,
+    cos,
+    sin,
+    taps: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """h [T, hidden] through `layers`, then `final_norm` -> ([T, hidden], the output of each layer in `taps`
+    as transformers' `hidden_states[i + 1]` gives it: the residual stream after the layer, un-normed, except after
+    the last layer, where it is normed; [T, hidden] each, in the order of `taps`)."""
     x, residual = layers[0].input_layernorm(h), h
+    tapped = {}
     for i, layer in enumerate(layers):
-        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        last = i + 1 == len(layers)
+        next_norm = final_norm if last else layers[i + 1].input_layernorm
         x, residual = layer(x, residual, batch, caches, cos, sin, next_norm)
-    return x
+        if i in taps:
+            tapped[i] = x if last else residual
+    return x, [tapped[i] for i in taps]

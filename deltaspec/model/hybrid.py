@@ -1,8 +1,9 @@
 """The hybrid decoder: embeddings, GDN / attention blocks, final norm, LM head, optional MTP head.
 
 `HybridModel.forward(batch, caches)` runs every sequence of a `ForwardBatch` in one pass and
-returns the final (normed) hidden state of every row; `compute_logits` applies the LM head to
-the rows the caller needs. Parameter names follow the Hugging Face checkpoint names
+returns the final (normed) hidden state of every row (`run` also returns the outputs of the layers
+a block drafter reads, `feature_layers`); `compute_logits` applies the LM head to the rows the
+caller needs. Parameter names follow the Hugging Face checkpoint names
 (`model.layers.N...`, `lm_head.weight`, `mtp...`) so that loading is a name lookup.
 """
 
@@ -66,6 +67,7 @@ class HybridModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, ops)
         self.mtp = MTPHead(config, num_mtp_layers, len(config.attention_layer_ids), ops) if num_mtp_layers else None
         self.rotary = RotaryTable(config, dtype, device)
+        self.feature_layers: tuple[int, ...] = ()  # layers whose outputs `run` returns, for a block drafter
 
     @property
     def num_kv_layers(self) -> int:
@@ -108,10 +110,17 @@ class HybridModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """All rows of `batch` through the stack -> final hidden states [T, hidden]."""
+        return self.run(batch, caches)[0]
+
+    def run(self, batch: ForwardBatch, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All rows of `batch` through the stack -> (final hidden states [T, hidden], the outputs of the layers in
+        `feature_layers` side by side [T, len(feature_layers) * hidden], or None when it is empty)."""
         cos, sin = self.rotary(batch.positions)
-        return run_blocks(
-            self.model.layers, self.model.embed_tokens(batch.token_ids), self.model.norm, batch, caches, cos, sin
+        embeds = self.model.embed_tokens(batch.token_ids)
+        hidden, taps = run_blocks(
+            self.model.layers, embeds, self.model.norm, batch, caches, cos, sin, self.feature_layers
         )
+        return hidden, torch.cat(taps, dim=-1) if taps else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]."""

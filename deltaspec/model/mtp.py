@@ -34,4 +34,4 @@ class MTPHead(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches, cos, sin):
         """embeds, hidden [T, hidden] -> MTP hidden states [T, hidden]."""
         h = self.fc(torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1))
-        return run_blocks(self.layers, h, self.norm, batch, caches, cos, sin)
+        return run_blocks(self.layers, h, self.norm, batch, caches, cos, sin)[0]

@@ -19,6 +19,7 @@ class CombinedDrafter:
         self.neural, self.ngram = neural, ngram
         self.name = f"{neural.name}+{ngram.name}"
         self.needs_hidden = neural.needs_hidden or ngram.needs_hidden
+        self.target_layers = tuple(getattr(neural, "target_layers", ()))
 
     def observe(self, seq_id: str, first_position: int, hidden) -> None:
         for drafter in (self.neural, self.ngram):

@@ -1,4 +1,4 @@
-"""The `Drafter` protocol: what every speculative drafter (ngram, mtp, draft) implements.
+"""The `Drafter` protocol: what every speculative drafter (ngram, mtp, draft, block) implements.
 
 A drafter proposes draft tokens for a batch of sequences; the target model verifies them in one
 forward; the Speculator (`deltaspec.spec.speculator`) then tells the drafter what was committed.
@@ -57,6 +57,10 @@ The contract, precisely:
 
 `needs_hidden`: whether the drafter reads the target's hidden states (`observe`).
 
+`target_layers` (optional; absent or empty = the final hidden states): target layers whose outputs (the
+residual stream after each, un-normed) the drafter reads instead. The engine has every pass return them, and
+`observe` then receives them side by side, [n, len(target_layers) * H], in this order (the block drafter).
+
 Drafters are driven from the engine loop thread only; they need not be thread-safe.
 """
 
@@ -107,8 +111,8 @@ class Draft:
 @runtime_checkable
 class Drafter(Protocol):
     """A speculative drafter. Implementations: `ngram` (deltaspec.spec.ngram), `mtp` (deltaspec.spec.mtp),
-    `draft` (deltaspec.spec.draft_model), a neural drafter with ngram (deltaspec.spec.combined), and the
-    benchmarks' `oracle` (deltaspec.spec.oracle)."""
+    `draft` (deltaspec.spec.draft_model), `block` (deltaspec.spec.block), a neural drafter with ngram
+    (deltaspec.spec.combined), and the benchmarks' `oracle` (deltaspec.spec.oracle)."""
 
     name: str
     needs_hidden: bool

@@ -1,5 +1,5 @@
-"""The drafter an `EngineConfig` asks for (`speculative`: none, ngram, mtp, draft, or a neural one + ngram), and
-the device memory it will hold, for the memory planner."""
+"""The drafter an `EngineConfig` asks for (`speculative`: none, ngram, mtp, draft, block, or a neural one + ngram),
+and the device memory it will hold, for the memory planner."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from deltaspec.cache.memory_plan import DrafterMemory, plan_memory, weight_bytes
 from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.block_drafter import BlockDrafterConfig, block_drafter_config
 from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.weights import checkpoint_files, resolve_model_path, target_name
 from deltaspec.spec.combined import CombinedDrafter
@@ -18,7 +19,7 @@ from deltaspec.spec.draft_model import DraftModelDrafter, draft_checkpoint
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.ngram import NgramDrafter
 
-CHOICES = ("none", "ngram", "mtp", "draft", "mtp+ngram", "draft+ngram")
+CHOICES = ("none", "ngram", "mtp", "draft", "block", "mtp+ngram", "draft+ngram", "block+ngram")
 
 
 def check_choice(speculative: str) -> None:
@@ -27,39 +28,62 @@ def check_choice(speculative: str) -> None:
 
 
 def uses(speculative: str, drafter: str) -> bool:
-    """Whether the `speculative` setting runs `drafter` ("mtp", "draft" or "ngram")."""
+    """Whether the `speculative` setting runs `drafter` ("mtp", "draft", "block" or "ngram")."""
     return drafter in speculative.split("+")
 
 
-def default_draft_model(target_dir: Path | None) -> Path | None:
-    """The shipped draft model next to the embedded default target, if `target_dir` is that target."""
+def default_draft_model(target_dir: Path | None, kind: str = "draft") -> Path | None:
+    """The shipped drafter of `kind` ("draft" or "block") next to the embedded default target, if `target_dir` is
+    that target and ships one."""
     if target_dir is None:
         return None
-    draft = target_dir.parent / "draft"
+    draft = target_dir.parent / kind
     return draft if target_dir.name == "target" and (draft / "config.json").is_file() else None
 
 
-def draft_model_dir(config: EngineConfig, target_dir: Path | None) -> Path:
-    path = resolve_model_path(config.draft_model) if config.draft_model else default_draft_model(target_dir)
+def draft_model_dir(config: EngineConfig, target_dir: Path | None, kind: str = "draft") -> Path:
+    """The drafter checkpoint of `kind` ("draft": a draft model; "block": a block drafter): --draft-model, or the
+    one shipped with the embedded default model."""
+    path = resolve_model_path(config.draft_model) if config.draft_model else default_draft_model(target_dir, kind)
     if path is None:
+        what = "draft model" if kind == "draft" else "block drafter (a DFlash-layout directory)"
         raise DeltaspecError(
-            "speculative='draft' needs --draft-model PATH (only the embedded default model ships its own draft model)."
+            f"speculative={kind!r} needs --draft-model PATH to a {what}; the embedded default model ships "
+            f"{'its own draft model' if kind == 'draft' else 'no block drafter yet'}."
         )
     return path
+
+
+def block_drafter_dir(config: EngineConfig, target_dir: Path | None) -> Path | None:
+    """The block drafter's directory; None for a random-weight model without --draft-model, which drafts with a
+    random drafter sized for its shape (benchmarks of the drafter's cost)."""
+    if config.random_weights and not config.draft_model:
+        return None
+    return draft_model_dir(config, target_dir, "block")
 
 
 def drafter_memory(
     config: EngineConfig, target_dir: Path | None, model_config: ModelConfig, mtp_weights: int
 ) -> DrafterMemory:
     """Device memory of the drafter of a resolved `config`: the MTP head's weights (`mtp_weights` bytes) and
-    KV, or a draft model's weights, KV pages and state slots (a slot and its snapshot per stream). The n-gram
-    drafter's index lives in host memory (a few hundred bytes per context token) and is not counted."""
+    KV, a draft model's weights, KV pages and state slots (a slot and its snapshot per stream), or a block
+    drafter's weights and context keys and values (every stream's whole context). The n-gram drafter's index
+    lives in host memory (a few hundred bytes per context token) and is not counted."""
     check_choice(config.speculative)
     dtype, state_dtype = parse_dtype(config.dtype), parse_dtype(config.state_dtype)
     if uses(config.speculative, "mtp"):
         size = torch.empty(0, dtype=dtype).element_size()
         kv = model_config.num_mtp_layers * 2 * model_config.num_key_value_heads * model_config.head_dim * size
         return DrafterMemory(config.speculative, weights=mtp_weights, kv_per_token=kv, shares_pool=True)
+    if uses(config.speculative, "block"):
+        path = block_drafter_dir(config, target_dir)
+        if path is None:
+            block = BlockDrafterConfig.sized_for(model_config)
+            weights = block.num_parameters() * torch.empty(0, dtype=dtype).element_size()
+        else:
+            block = block_drafter_config(path)
+            weights = weight_bytes(checkpoint_files(path), dtype, skip=lambda name: False)
+        return DrafterMemory(config.speculative, weights=weights, kv_per_token=block.kv_bytes_per_token(dtype))
     if uses(config.speculative, "draft"):
         path = draft_model_dir(config, target_dir)
         _, draft_config, gguf = draft_checkpoint(path)
@@ -92,16 +116,24 @@ def drafter_memory(
 
 
 def make_drafter(
-    config: EngineConfig, target_dir: Path | None, target_vocab: int, mtp: Callable[[], Drafter]
+    config: EngineConfig,
+    target_dir: Path | None,
+    target_vocab: int,
+    mtp: Callable[[], Drafter],
+    block: Callable[[Path | None], Drafter],
 ) -> Drafter | None:
     """None for "none"; a clear error for an unknown drafter, a missing draft model or MTP head.
-    `mtp` builds the MTP drafter (it lives on the engine's own model and caches)."""
+    `mtp` builds the MTP drafter (it lives on the engine's own model and caches), `block` the block drafter from
+    its checkpoint directory, or a random one sized for the model when that is None (it reads the engine's
+    model's features, embeddings and LM head)."""
     check_choice(config.speculative)
     if config.speculative == "none":
         return None
     drafters: list[Drafter] = []
     if uses(config.speculative, "mtp"):
         drafters.append(mtp())
+    if uses(config.speculative, "block"):
+        drafters.append(block(block_drafter_dir(config, target_dir)))
     if uses(config.speculative, "draft"):
         drafters.append(
             DraftModelDrafter(

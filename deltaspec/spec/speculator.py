@@ -153,13 +153,15 @@ class Speculator:
             self._notify(self.drafter.on_commit, seq.request_id, verdict.accepted, seq.num_tokens)
 
     def observe(self, outputs: list[SeqOutput]) -> None:
-        """Hand a drafter that reads the target's hidden states those of every committed row."""
+        """Hand a drafter that reads the target's hidden states those of every committed row: the outputs of its
+        `target_layers` when it names some (the pass returned them as `features`), else the final ones."""
         if not self.drafter.needs_hidden:
             return
         for out in outputs:
             committed = out.seq.num_computed - out.first_position
+            states = out.hidden if out.features is None else out.features
             if not out.seq.finished and committed > 0:
-                self._notify(self.drafter.observe, out.seq.request_id, out.first_position, out.hidden[:committed])
+                self._notify(self.drafter.observe, out.seq.request_id, out.first_position, states[:committed])
 
     def _notify(self, notice: Callable, seq_id: str, *args) -> None:
         """Give the drafter a notice; if it raises, it forgets the sequence and drafts for it from scratch."""
