@@ -187,6 +187,33 @@ def test_dflash_config_variants_parse():
     assert BlockDrafterConfig.from_json(config.to_json(36), "y") == config
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 32768},
+        {"factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+        {"factor": 2.0, "original_max_position_embeddings": 8192, "mscale": 0.707, "mscale_all_dim": 1.0},
+    ],
+)
+def test_yarn_rope_is_transformers_yarn(scaling):
+    """Qwen3.6 targets' drafters scale RoPE with YaRN: frequencies and cos / sin scale as transformers has them."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from deltaspec.ops.rope import YarnScaling
+
+    params = {"rope_type": "yarn", "rope_theta": 1e7, **scaling}
+    hf = Qwen3Config(head_dim=128, max_position_embeddings=131072, rope_parameters=params)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    yarn = YarnScaling.from_config(params, 131072)
+    torch.testing.assert_close(yarn.inv_frequencies(128, 1e7, torch.float32, "cpu"), expected, rtol=1e-6, atol=0)
+    assert yarn.scale() == pytest.approx(attention_factor, rel=1e-12)
+    raw = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 96}
+    dflash = {"mask_token_id": 1, "target_layer_ids": [2]}
+    config = BlockDrafterConfig.from_json({**raw, "rope_scaling": params, "dflash_config": dflash}, "x")
+    assert config.yarn == yarn and BlockDrafterConfig.from_json(config.to_json(8), "y") == config
+
+
 def test_block_drafter_errors_are_clear(checkpoints, drafter_dir, tmp_path):
     target = checkpoints["qwen3_5_r2"]
     with pytest.raises(DeltaspecError, match="needs --draft-model PATH to a block drafter"):
@@ -197,7 +224,7 @@ def test_block_drafter_errors_are_clear(checkpoints, drafter_dir, tmp_path):
         ({"hidden_size": 32}, "hidden size 32"),
         ({"dflash_config": {"mask_token_id": 10**6, "target_layer_ids": [0]}}, "outside the target's vocabulary"),
         ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, 9]}}, r"reads target layers \[9\]"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' RoPE scaling"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "'longrope' RoPE scaling"),
     ]
     config = json.loads((drafter_dir / "config.json").read_text())
     for i, (change, message) in enumerate(cases):

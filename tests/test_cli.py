@@ -265,6 +265,11 @@ def test_hidden_aliases_still_work():
         ('{"method": "draft_model", "model": "org/small", "num_speculative_tokens": 6}', ("draft", 6, "org/small")),
         ('{"model": "org/small"}', ("draft", 4, "org/small")),
         ('{"method": "draft+ngram"}', ("draft+ngram", 4, None)),
+        (
+            '{"method": "dflash", "model": "z-lab/q-DFlash", "num_speculative_tokens": 15}',
+            ("block", 15, "z-lab/q-DFlash"),
+        ),
+        ('{"method": "block+ngram", "model": "dir"}', ("block+ngram", 4, "dir")),
     ],
 )
 def test_speculative_config_maps_to_the_drafter_flags(json_text, expected):

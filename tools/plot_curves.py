@@ -38,7 +38,13 @@ def main() -> None:
         curve = json.loads(mtp.read_text())
         axes[1].plot(curve["step"], curve["train_top1"], label="MTP top-1 at +2 (train batches)")
         axes[1].plot(curve["step"], [min(x, 8) / 8 for x in curve["train_loss"]], label="MTP loss / 8")
-        axes[1].set(xlabel="step", title="MTP head (target frozen)", ylim=(0, 1))
+    block = args.curves / "block_curve.json"
+    if block.is_file():
+        curve = json.loads(block.read_text())
+        axes[1].plot(curve["step"], curve["train_top1"], label="block drafter top-1 at +1 (train batches)")
+        axes[1].plot(curve["step"], [min(x, 8) / 8 for x in curve["train_loss"]], label="block drafter loss / 8")
+    if mtp.is_file() or block.is_file():
+        axes[1].set(xlabel="step", title="Drafters on the frozen target", ylim=(0, 1))
         axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -29,34 +30,30 @@ from train_model import lr_at, sample_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deltaspec.model.block_drafter import BlockDrafterConfig, BlockDrafterModel, default_target_layers  # noqa: E402
+from deltaspec.model.block_drafter import BlockDrafterConfig, BlockDrafterModel  # noqa: E402
+from deltaspec.model.hf_config import parse_model_config, read_config_json  # noqa: E402
 from deltaspec.ops.dispatch import ops_for  # noqa: E402
 
 
-def new_drafter(target, args, device) -> BlockDrafterModel:
-    tc = target.config
-    layers = args.layers
-    config = BlockDrafterConfig(
-        hidden_size=tc.hidden_size,
-        intermediate_size=args.intermediate or tc.intermediate_size,
-        num_layers=layers,
-        num_heads=tc.num_attention_heads,
-        num_kv_heads=tc.num_key_value_heads,
-        head_dim=tc.head_dim,
-        rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=args.rope_theta,
-        block_size=args.block_size,
-        target_layer_ids=tuple(args.taps) if args.taps else default_target_layers(tc.num_hidden_layers, layers),
-        mask_token_id=tc.vocab_size - 1 if args.mask_token is None else args.mask_token,
-        target_hidden_size=tc.hidden_size,
-        causal=(False,) * layers,
-        sliding_window=(None,) * layers,
+def new_drafter(args, device, final_norm: torch.Tensor) -> BlockDrafterModel:
+    """A drafter shaped like DFlash's for the target (`BlockDrafterConfig.sized_for`) with the flags' changes,
+    weights drawn with std 0.02, norms at 1 but the last, which starts as the target's final norm
+    (`final_norm`: its zero-centred weight), so the shared LM head sees hidden states of the scale it knows."""
+    target = parse_model_config(read_config_json(args.target))
+    config = BlockDrafterConfig.sized_for(target, args.block_size, args.layers)
+    config = replace(
+        config,
+        intermediate_size=args.intermediate or config.intermediate_size,
+        rope_theta=args.rope_theta or config.rope_theta,
+        target_layer_ids=tuple(args.taps) if args.taps else config.target_layer_ids,
+        mask_token_id=config.mask_token_id if args.mask_token is None else args.mask_token,
     )
     net = BlockDrafterModel(config, ops_for(device, reference_only=True), torch.float32, device)
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         for name, p in net.named_parameters():
             p.copy_(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=gen) * 0.02)
+        net.norm.weight.copy_(1.0 + final_norm.float().cpu())
     return net.to(device)
 
 
@@ -141,7 +138,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=0, help="MLP width (default: the target's)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--mask-token", type=int, default=None, help="default: the last vocabulary id")
-    ap.add_argument("--rope-theta", type=float, default=100000.0)
+    ap.add_argument("--rope-theta", type=float, default=None, help="default: the target's")
     ap.add_argument("--tokens", type=float, default=24e6, help="training tokens read by the target")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -150,6 +147,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--eval-stride", type=int, default=32, help="held-out anchor spacing")
+    ap.add_argument("--eval-tokens", type=int, default=1 << 18, help="held-out tokens read per stream")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -160,10 +158,10 @@ def main() -> None:
     device = torch.device(args.device)
     target = tf.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
     target.requires_grad_(False)
-    net = new_drafter(target, args, device)
+    net = new_drafter(args, device, target.model.norm.weight)
     width = args.block_size
     train = load_tokens(args.pack / "train.bin")
-    heldout = {name: load_tokens(args.pack / f"heldout_{name}.bin") for name in ("code", "chat")}
+    heldout = {name: load_tokens(args.pack / f"heldout_{name}.bin")[: args.eval_tokens] for name in ("code", "chat")}
     steps = max(int(args.tokens // (args.batch * args.seq_len)), 1)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

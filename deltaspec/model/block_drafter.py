@@ -21,7 +21,7 @@ not yet computed by the target:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.model.layers import Linear
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.norms import compute_dtype
-from deltaspec.ops.rope import cos_sin, inv_frequencies
+from deltaspec.ops.rope import YarnScaling, cos_sin, inv_frequencies
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -63,6 +63,7 @@ class BlockDrafterConfig:
     target_hidden_size: int
     causal: tuple[bool, ...]  # per layer: block queries see only earlier block keys
     sliding_window: tuple[int | None, ...]  # per layer: keys at most this far back (None: all)
+    yarn: YarnScaling | None = None  # RoPE scaling (None: plain RoPE)
 
     @classmethod
     def from_json(cls, raw: dict, where: str) -> BlockDrafterConfig:
@@ -75,12 +76,14 @@ class BlockDrafterConfig:
             return raw[key]
 
         rope = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        scaling = raw.get("rope_scaling") or rope
+        rope_kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_kind not in ("default", "yarn"):
             raise DeltaspecError(
-                f"The block drafter at {where} uses {scaling.get('rope_type', scaling.get('type'))!r} RoPE scaling; "
-                "deltaspec reads drafters with plain RoPE only."
+                f"The block drafter at {where} uses {rope_kind!r} RoPE scaling; deltaspec reads drafters with plain or "
+                "YaRN RoPE."
             )
+        max_positions = int(raw.get("max_position_embeddings", 4096))
         hidden, layers = int(need("hidden_size")), int(need("num_hidden_layers"))
         heads = int(need("num_attention_heads"))
         ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
@@ -107,6 +110,7 @@ class BlockDrafterConfig:
             target_hidden_size=int(raw.get("target_hidden_size", hidden)),
             causal=tuple(causal_all or kind == "sliding_attention" for kind in kinds),
             sliding_window=tuple(int(window) if kind == "sliding_attention" and window else None for kind in kinds),
+            yarn=YarnScaling.from_config(scaling, max_positions) if rope_kind == "yarn" else None,
         )
 
     def to_json(self, num_target_layers: int) -> dict:
@@ -127,7 +131,7 @@ class BlockDrafterConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": None if self.yarn is None else {"rope_type": "yarn", **asdict(self.yarn)},
             "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
             "sliding_window": next((w for w in self.sliding_window if w is not None), None),
             "is_causal": all(self.causal) and not any(sliding),
@@ -189,6 +193,13 @@ class BlockDrafterConfig:
         """Context keys and values one committed position holds, over all layers."""
         size = torch.empty(0, dtype=dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * size
+
+
+def rope_frequencies(config: BlockDrafterConfig, dtype: torch.dtype, device) -> torch.Tensor:
+    """The drafter's RoPE inverse frequencies in the compute dtype (YaRN-scaled when its config says so)."""
+    if config.yarn is None:
+        return inv_frequencies(config.head_dim, config.rope_theta, compute_dtype(dtype), device)
+    return config.yarn.inv_frequencies(config.head_dim, config.rope_theta, compute_dtype(dtype), device)
 
 
 class PlainRMSNorm(nn.Module):
@@ -285,15 +296,12 @@ class BlockDrafterModel(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config, ops) for _ in range(config.num_layers))
         self.norm = PlainRMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.dtype = dtype
-        self.register_buffer(
-            "inv_freq",
-            inv_frequencies(config.head_dim, config.rope_theta, compute_dtype(dtype), device),
-            persistent=False,
-        )
+        self.rope_scale = 1.0 if config.yarn is None else config.yarn.scale()
+        self.register_buffer("inv_freq", rope_frequencies(config, dtype, device), persistent=False)
 
     def rope(self, positions: torch.Tensor):
         """cos, sin [T, head_dim] for positions [T] (full-width RoPE)."""
-        return cos_sin(positions, self.inv_freq, self.dtype)
+        return cos_sin(positions, self.inv_freq, self.dtype, self.rope_scale)
 
     def context_keys_values(
         self, features: torch.Tensor, positions: torch.Tensor
@@ -358,7 +366,7 @@ def random_block_drafter(
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    model.inv_freq = inv_frequencies(config.head_dim, config.rope_theta, compute_dtype(dtype), device)
+    model.inv_freq = rope_frequencies(config, dtype, device)
     return model.requires_grad_(False)
 
 
@@ -400,5 +408,5 @@ def load_block_drafter(
             )
         loaded[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(loaded, strict=False, assign=True)
-    model.inv_freq = inv_frequencies(config.head_dim, config.rope_theta, compute_dtype(dtype), device)
+    model.inv_freq = rope_frequencies(config, dtype, device)
     return model.requires_grad_(False)
