@@ -3,7 +3,7 @@
 from deltaspec.errors import DeltaspecError
 from deltaspec.llm import LLM
 from deltaspec.outputs import CompletionOutput, RequestOutput
-from deltaspec.sample.params import SamplingParams
+from deltaspec.sample.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DeltaspecError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "DeltaspecError"]
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
-"""The device benchmarks (decode, verify, concurrency, prefill, spec-oracle, drafter) run on the CPU with the embedded
-model or a small shape; their JSON has the fields the issue asks for, related by DESIGN §6's definitions.
+"""The device benchmarks (decode, verify, concurrency, prefill, spec-oracle, drafter, structured) run on the CPU
+with the embedded model or a small shape; their JSON has the fields the issue asks for, related by DESIGN §6's
+definitions.
 Speeds are not checked (CI machines vary), only that they are positive and consistent."""
 
 import json
@@ -96,6 +97,17 @@ def test_bench_drafter_times_a_random_block_drafter_sized_for_the_shape(tmp_path
     assert main(["bench", "drafter", *SMALL_27B, "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "bench drafter times a drafter: give --speculative" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("constraint", ["json", "text"])
+def test_bench_structured_reports_both_speeds_and_the_constraint_time(tmp_path, capsys, constraint):
+    argv = ["structured", "--concurrency", "1,3", "--constraint", constraint, "--context", "4", "--max-tokens", "6"]
+    r = bench([*argv, "--runs", "1", "--speculative", "ngram", "--draft-tokens", "2"], tmp_path, capsys)
+    assert [row["streams"] for row in r["rows"]] == [1, 3] and r["constraint"] == constraint
+    for row in r["rows"]:
+        assert row["plain_tok_s"] > 0 and row["constrained_tok_s"] > 0 and row["constraint_ms_per_step"] > 0
+        assert row["constraint_ms_per_step"] < row["constrained_step_ms"]
+        assert row["slowdown"] == pytest.approx(row["plain_tok_s"] / row["constrained_tok_s"])
 
 
 def test_bench_verify_reports_each_row_count_and_its_ratio(tmp_path, capsys):

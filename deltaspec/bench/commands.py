@@ -1,7 +1,7 @@
-"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|longctx|spec-oracle|profile|drafter`: run a
-scenario and write JSON. serve and agents run against an in-process server or --url; the device benchmarks (decode,
-verify, concurrency, prefill, longctx, spec-oracle, profile, drafter) drive the engine directly and never import
-the server."""
+"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|longctx|spec-oracle|profile|drafter|
+structured`: run a scenario and write JSON. serve and agents run against an in-process server or --url; the device
+benchmarks (decode, verify, concurrency, prefill, longctx, spec-oracle, profile, drafter, structured) drive the
+engine directly and never import the server."""
 
 from __future__ import annotations
 
@@ -261,9 +261,22 @@ def cmd_bench_drafter(args: argparse.Namespace, engine_config) -> None:
     )
 
 
+def cmd_bench_structured(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.structured_cost import bench_structured
+
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    r = bench_structured(engine_config, concurrency, args.context, args.max_tokens, args.runs, args.constraint)
+    lines = [
+        f"C={row['streams']}: {row['plain_tok_s']:.1f} -> {row['constrained_tok_s']:.1f} tok/s "
+        f"({row['slowdown']:.2f}x), constraint {row['constraint_ms_per_step']:.2f} ms per step"
+        for row in r["rows"]
+    ]
+    write_device_report(r, args, "\n".join(lines))
+
+
 def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
-    """decode, verify, concurrency, prefill, longctx, spec-oracle, profile, drafter: the engine on this device, no
-    server."""
+    """decode, verify, concurrency, prefill, longctx, spec-oracle, profile, drafter, structured: the engine on this
+    device, no server."""
 
     def common(parser, max_tokens: int | None = 64, context: bool = True, runs: bool = True):
         if context:
@@ -338,6 +351,15 @@ def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
     )
     common(drafter, max_tokens=32)
     drafter.set_defaults(func=lambda args: cmd_bench_drafter(args, engine_config(args)))
+    structured = scenarios.add_parser(
+        "structured", help="decode tok/s with and without a structured-output constraint, and its cost per step"
+    )
+    structured.add_argument("--concurrency", default="1,32", help="stream counts (default: 1,32)")
+    structured.add_argument(
+        "--constraint", choices=("text", "json"), default="json", help="regex [a-z ]+ or a JSON schema (default)"
+    )
+    common(structured)
+    structured.set_defaults(func=lambda args: cmd_bench_structured(args, engine_config(args)))
     prof = scenarios.add_parser("profile", help="kernel time breakdown of decode steps of C streams")
     prof.add_argument("--streams", type=int, default=1, help="streams decoding together (default: 1)")
     prof.add_argument("--steps", type=int, default=8, help="profiled decode steps (default: 8)")

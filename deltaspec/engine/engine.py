@@ -37,6 +37,7 @@ from deltaspec.execution.sequence import Sequence
 from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator
+from deltaspec.sample.structured import StructuredCompiler
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
 from deltaspec.spec.speculator import DraftLength, Speculator
@@ -83,6 +84,7 @@ class Engine:
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self.eos_ids = frozenset(set(self.model_config.eos_token_ids) | tokenizer_eos)
         self.stops = StopChecker(self.tokenizer, self.max_model_len)
+        self.structured = StructuredCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.logprob_text = LogprobText(self.tokenizer)
         self._seed_counter = itertools.count(self.config.seed)
 
@@ -136,6 +138,7 @@ class Engine:
             self.eos_ids,
             generator=None if params.greedy else make_generator(seed, self.device),
             history_len=history_len,
+            grammar=self.structured.state(params.structured_outputs) if params.structured_outputs else None,
         )
 
     def add_request(

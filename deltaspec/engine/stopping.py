@@ -1,5 +1,6 @@
 """When a sequence stops: eos, stop token ids, stop strings (matched on the decoded text and cut there),
-max_tokens and the context length — checked after each appended token."""
+a structured-output constraint that is complete with nothing to follow, max_tokens and the context length —
+checked after each appended token (which first advances the sequence's constraint)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ class StopChecker:
         """Whether `seq` stops at `token`, its newest output token; sets its finish and stop reasons."""
         params = seq.params
         n = len(seq.output_ids)
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
+            if seq.grammar.finished and token not in seq.eos_ids:
+                seq.finish_reason = "stop"
+                return True
         if n >= params.min_tokens:
             if not params.ignore_eos and token in seq.eos_ids:
                 seq.finish_reason = "stop"

@@ -11,6 +11,7 @@ import torch
 
 from deltaspec.cache.replay import ReplayCursor
 from deltaspec.sample.params import SamplingParams
+from deltaspec.sample.structured import GrammarState
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Sequence:
     expected_cached: int = 0  # tokens a checkpoint held when the sequence arrived (a scheduling estimate)
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to leave prefix checkpoints at
     history_len: int = 0  # prompt tokens a follow-up will share: a chat's history without its generation prompt
+    grammar: GrammarState | None = None  # where its output stands in its structured_outputs constraint
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,10 +107,12 @@ class Sequence:
 
     @property
     def plain_greedy(self) -> bool:
-        """The next token is the argmax of the raw logits: greedy, no penalties, no logprobs, min_tokens met."""
+        """The next token is the argmax of the raw logits: greedy, no penalties, no logprobs, min_tokens met, no
+        constraint."""
         p = self.params
         return (
             p.greedy
+            and self.grammar is None
             and p.repetition_penalty == 1.0
             and not p.presence_penalty
             and not p.frequency_penalty

@@ -172,6 +172,14 @@ class Tokenizer:
         """Whether the checkpoint ships a chat template."""
         return bool(self._chat_templates)
 
+    def chat_templates(self) -> list[str]:
+        """The checkpoint's chat template texts (the default one and any named ones)."""
+        return list(self._chat_templates.values())
+
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as tokenizer.json text (for llguidance's tokenizer)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text are encoded as single ids. Goes through the
         batch entry point of `tokenizers`, which releases the GIL while it runs (plain `encode` holds it), so a

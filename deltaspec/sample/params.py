@@ -31,6 +31,49 @@ def _require(ok: bool, field: str, rule: str, value: object) -> None:
         raise DeltaspecError(f"{field} must be {rule}, got {value!r}.")
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must be (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema (`json`, a
+    dict or its JSON text), any JSON object (`json_object`), a regular expression (`regex`, Rust regex syntax),
+    one of some strings (`choice`), or a Lark grammar (`grammar`, llguidance's dialect)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise DeltaspecError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice or grammar; "
+                f"got {', '.join(given) or 'none'}."
+            )
+        _require(
+            isinstance(self.json_object, bool), "structured_outputs.json_object", "true or false", self.json_object
+        )
+        _require(
+            self.json is None or isinstance(self.json, (dict, str)),
+            "structured_outputs.json",
+            "a JSON schema (an object or its JSON text)",
+            self.json,
+        )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, str) and value != ""),
+                f"structured_outputs.{name}",
+                "a non-empty string",
+                value,
+            )
+        if self.choice is not None:
+            ok = isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) for c in self.choice)
+            _require(bool(ok), "structured_outputs.choice", "a non-empty list of strings", self.choice)
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request and when to stop; see vLLM's `SamplingParams`."""
@@ -53,6 +96,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (deltaspec.sample.structured)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -131,6 +175,12 @@ class SamplingParams:
         for field in ("skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, field)
             _require(isinstance(value, bool), field, "true or false", value)
+        _require(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "a StructuredOutputsParams or None",
+            self.structured_outputs,
+        )
 
     @property
     def greedy(self) -> bool:

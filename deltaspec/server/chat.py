@@ -49,6 +49,7 @@ from deltaspec.server.reasoning import ReasoningStream, split_reasoning
 from deltaspec.server.respond import Submitted
 from deltaspec.server.samples import Sample, engine_error, merged, sampling_params, submit, usage_of
 from deltaspec.server.streaming import DONE, sse
+from deltaspec.server.structured import compile_or_400, forced_tool_calls, structured_outputs
 from deltaspec.server.tool_calls import ToolCallStream, parse_tool_calls
 
 ENDPOINT = "chat"
@@ -317,8 +318,17 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
         rest = max(ctx.max_model_len - len(prompt_ids), 1)
         max_tokens = min(rest, ctx.sampling_defaults.get("max_tokens", rest))
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, top, ctx.sampling_defaults)
-    fmt = ChatFormat(tokenizer, prompt.rstrip().endswith("<think>"), tools, top)
+    thinking = prompt.rstrip().endswith("<think>")
+    structured, forced = structured_outputs(req), forced_tool_calls(tokenizer, tools, req.tool_choice, thinking)
+    if structured is not None and forced is not None:
+        raise APIError(
+            400,
+            "tool_choice forces a tool call and the request also constrains its output; give one.",
+            param="tool_choice",
+        )
+    compile_or_400(ctx.engine.engine.structured, structured or forced, "tool_choice" if forced else None)
+    params = sampling_params(req, max_tokens, top, ctx.sampling_defaults, structured or forced)
+    fmt = ChatFormat(tokenizer, thinking, tools, top)
     return ChatPlan(req, prompt, prompt_ids, params, fmt, history_len)
 
 

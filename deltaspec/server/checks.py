@@ -1,7 +1,7 @@
 """Request rules shared by both endpoints that pydantic types cannot say: n and the per-request sequence cap,
-`max_tokens`, seeds that stay 64-bit for every sample, and fields that would change what a request means
-but are not implemented (`response_format` and a few vLLM/OpenAI extensions), which are refused rather
-than ignored. Each broken rule is a 400 naming the field and what would work.
+`max_tokens`, seeds that stay 64-bit for every sample, and fields that would change what a request means but
+are not implemented (`logit_bias`, `suffix`, `functions`), which are refused rather than ignored. Each broken
+rule is a 400 naming the field and what would work.
 """
 
 from __future__ import annotations
@@ -11,29 +11,11 @@ from deltaspec.server.errors import APIError, shown
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Fields that, ignored, would silently give another answer than the one asked for; empty values are accepted.
-_NOT_IMPLEMENTED = (
-    "logit_bias",
-    "suffix",
-    "functions",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
+_NOT_IMPLEMENTED = ("logit_bias", "suffix", "functions")
 
 
 def reject_unimplemented(data: dict) -> None:
     """400 for a request field this server does not implement and must not ignore (checked on the raw body)."""
-    response_format = data.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        raise APIError(
-            400,
-            f"response_format {shown(kind)} is not supported (this server has no structured output); "
-            'send the request without response_format or with {"type": "text"}.',
-            param="response_format",
-        )
     for name in _NOT_IMPLEMENTED:
         if data.get(name) not in (None, "", [], {}):
             raise APIError(400, f"{name} is not supported by this server; send the request without it.", param=name)

@@ -31,6 +31,7 @@ from deltaspec.server.protocol import CompletionChoice, CompletionRequest, Compl
 from deltaspec.server.respond import Submitted
 from deltaspec.server.samples import Sample, abort_unfinished, engine_error, merged, sampling_params, submit, usage_of
 from deltaspec.server.streaming import DONE, sse
+from deltaspec.server.structured import compile_or_400, structured_outputs
 
 ENDPOINT = "completions"
 DEFAULT_MAX_TOKENS = 16
@@ -118,12 +119,15 @@ def check_completion(ctx: ServerContext, req: CompletionRequest) -> None:
 async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
     check_completion(ctx, req)
     prompts = await asyncio.to_thread(prompts_of, ctx, req.prompt)
+    structured = structured_outputs(req)
+    await asyncio.to_thread(compile_or_400, ctx.engine.engine.structured, structured, None)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     arrival = time.time()
     samples: list[Sample] = []
     try:
         for p, prompt in enumerate(prompts):
-            params = sampling_params(req, max_tokens_of(ctx, req, prompt), req.logprobs, ctx.sampling_defaults)
+            max_tokens = max_tokens_of(ctx, req, prompt)
+            params = sampling_params(req, max_tokens, req.logprobs, ctx.sampling_defaults, structured)
             samples += submit(ctx.engine, request_id, prompt.text, prompt.token_ids, params, req.n, p * req.n)
     except APIError:
         abort_unfinished(ctx.engine, samples)

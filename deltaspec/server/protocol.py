@@ -2,7 +2,8 @@
 
 Owns field names, types and defaults of `/v1/chat/completions`, `/v1/completions` and `/v1/models`
 requests and responses (stream chunks included), plus vLLM's sampling extensions (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, ...) and deltaspec's `vote`. Requests validate
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, ...), structured output (`response_format`,
+`structured_outputs`, `guided_*`) and deltaspec's `vote`. Requests validate
 strictly: `true` is not an integer, `"3"` is not a number (an integer is a number). Unknown request
 fields are ignored, as vLLM does, except those that would change what a request means (`checks.py`).
 Rules that need the engine (context length, `max_n`) live in the endpoint modules, not here.
@@ -24,6 +25,42 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` request object: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def params(self) -> dict:
+        """The keyword arguments of `StructuredOutputsParams`."""
+        return {
+            "json": self.json_,
+            "json_object": self.json_object,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+        }
 
 
 class SamplingFields(_Request):
@@ -50,6 +87,13 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output (deltaspec.server.structured): one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class TextPart(_Request):

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from deltaspec.engine.async_engine import SHUTDOWN_ERROR, AsyncEngine, EngineStopping, RequestDelta, RequestStream
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
-from deltaspec.sample.params import SamplingParams
+from deltaspec.sample.params import SamplingParams, StructuredOutputsParams
 from deltaspec.server.errors import APIError
 from deltaspec.server.metrics import TokenTally
 from deltaspec.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
@@ -35,10 +35,15 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, defaults: dict[str, float | int]
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    defaults: dict[str, float | int],
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine parameters of one sample (n = 1): the request's fields, and for the ones it leaves unset the
-    model's `defaults` (its generation config), else vLLM's; a bad value is a 400 naming the field."""
+    model's `defaults` (its generation config), else vLLM's; `structured` constrains the output; a bad value is a
+    400 naming the field."""
     unset = {name: defaults[name] for name in MODEL_DEFAULT_FIELDS if getattr(req, name) is None and name in defaults}
     given = {name: getattr(req, name) for name in MODEL_DEFAULT_FIELDS if getattr(req, name) is not None}
     try:
@@ -57,6 +62,7 @@ def sampling_params(
             frequency_penalty=req.frequency_penalty,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured,
         )
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None

@@ -1,10 +1,11 @@
 """Speculator (DESIGN §3, §5): everything speculative about a step, on behalf of the engine.
 
 It owns the drafter (one drafter, or a neural one with n-gram behind `CombinedDrafter`), the draft-length
-policy, verification (greedy from the pass's argmax, lossless rejection sampling from logits, penalties and
-min_tokens applied per verify row), the rollback of rejected rows (through the cache manager, which alone
-moves the replay-log cursor), acceptance statistics, and the drafter's notices (hidden states, commits,
-finishes).
+policy, verification (greedy from the pass's argmax, lossless rejection sampling from logits, penalties,
+min_tokens and the structured-output mask applied per verify row; a constrained sequence's draft is cut at its
+first token the constraint refuses, after it for a sampled draft), the rollback of rejected rows (through the
+cache manager, which alone moves the replay-log cursor), acceptance statistics, and the drafter's notices
+(hidden states, commits, finishes).
 
 Per step the engine calls `propose(running)` before scheduling; after the pass, `verify(outputs)` for the
 sequences that verified drafts (it changes nothing: the tokens to append and the accepted count of each),
@@ -32,6 +33,7 @@ from deltaspec.execution.runner import SeqOutput
 from deltaspec.execution.sequence import Sequence
 from deltaspec.sample.logprobs import gather_logprobs
 from deltaspec.sample.sampler import apply_penalties
+from deltaspec.sample.structured import apply_bitmask
 from deltaspec.spec.drafter import Draft, Drafter, DraftRequest
 from deltaspec.spec.verify import verify_greedy_tokens, verify_sampling
 
@@ -60,11 +62,15 @@ class Verdict:
 
 
 def row_logits(out: SeqOutput) -> torch.Tensor:
-    """The verify rows' logits [1 + k, V] with the request's penalties and min_tokens mask applied per row: row i
-    continues the output with the first i drafts, so its counts include the earlier draft rows of the pass."""
+    """The verify rows' logits [1 + k, V] with the request's penalties, min_tokens mask and structured-output mask
+    applied per row: row i continues the output with the first i drafts, so its counts include the earlier draft
+    rows of the pass, and its mask is the constraint's after them."""
     seq, rows = out.seq, out.logits.shape[0]
     outputs = [seq.output_ids + seq.draft[:i] for i in range(rows)]
-    return apply_penalties(out.logits, [seq.prompt_ids] * rows, outputs, [seq.params] * rows, [seq.eos_ids] * rows)
+    logits = apply_penalties(out.logits, [seq.prompt_ids] * rows, outputs, [seq.params] * rows, [seq.eos_ids] * rows)
+    if seq.grammar is not None:
+        logits = apply_bitmask(logits, seq.grammar.draft_masks(seq.draft[: rows - 1]))
+    return logits
 
 
 class Speculator:
@@ -103,7 +109,19 @@ class Speculator:
             if len(draft.tokens) > request.max_tokens or any(not 0 <= t < self.vocab_size for t in draft.tokens):
                 log.error("the %s drafter proposed an invalid draft for %s; dropped", self.name, seq.request_id)
                 continue
-            seq.draft, seq.draft_probs = list(draft.tokens), draft.probs
+            seq.draft, seq.draft_probs = self._within_constraint(seq, list(draft.tokens), draft.probs)
+
+    @staticmethod
+    def _within_constraint(seq: Sequence, tokens: list[int], probs: torch.Tensor | None):
+        """The draft cut at its first token the sequence's constraint refuses (or its first end-of-sequence token).
+        A sampled draft keeps that token: verification always rejects it and draws the replacement from
+        norm(max(0, p - q)), as losslessness needs (drawing from p there would favour what q under-proposes)."""
+        if seq.grammar is None:
+            return tokens, probs
+        keep = seq.grammar.valid_prefix(tokens)
+        if probs is not None and keep < len(tokens):
+            keep += 1
+        return tokens[:keep], None if probs is None else probs[:keep]
 
     def _propose_alone(self, request: DraftRequest) -> Draft:
         try:

@@ -1,0 +1,154 @@
+"""Request fields that constrain the output -> one `StructuredOutputsParams` (or None), and forced tool calls.
+
+Accepted, on both endpoints: OpenAI's `response_format` (`{"type": "json_object"}`, `{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}`; `strict: true` closes every object schema that does not say
+otherwise, `additionalProperties: false`, as OpenAI's strict mode does), vLLM's `structured_outputs` object
+(`json`, `json_object`, `regex`, `choice`, `grammar`) and its older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`. At most one of them per request. On chat, `tool_choice: "required"` or a
+named function makes the output one or more calls (a named choice: exactly one) of the request's functions,
+each valid against its parameters' schema, in the model's own call format: Qwen3's JSON blocks
+(`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`) or, when the chat template writes
+`<function=` blocks, Qwen3.5's XML ones (string parameter values without `</`, others JSON); a reply that starts
+in thinking may think first. Grammar text is llguidance's Lark dialect.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.sample.params import StructuredOutputsParams
+from deltaspec.server.errors import APIError
+from deltaspec.server.protocol import SamplingFields
+
+# The JSON of a call laid out as Qwen's templates show it (`{"name": "f", "arguments": {"x": 1}}`), on one line.
+JSON_CALL_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not set it (strict mode)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) for key, value in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _from_response_format(req: SamplingFields) -> StructuredOutputsParams | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(
+            400,
+            'response_format of type "json_schema" needs json_schema.schema (a JSON schema object).',
+            param="response_format",
+        )
+    schema = fmt.json_schema.schema_
+    return StructuredOutputsParams(json=closed(schema) if fmt.json_schema.strict else schema)
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint from whichever one field gives it; a 400 for two of them or a malformed one."""
+    found: dict[str, StructuredOutputsParams] = {}
+    try:
+        if (spec := _from_response_format(req)) is not None:
+            found["response_format"] = spec
+        if req.structured_outputs is not None:
+            found["structured_outputs"] = StructuredOutputsParams(**req.structured_outputs.params())
+        for field, name in GUIDED.items():
+            if (value := getattr(req, field)) is not None:
+                found[field] = StructuredOutputsParams(**{name: value})
+    except DeltaspecError as exc:
+        raise APIError(400, str(exc), param=next(iter(found), None)) from None
+    if len(found) > 1:
+        raise APIError(
+            400,
+            f"The request constrains its output twice ({', '.join(found)}); give one of them.",
+            param=list(found)[1],
+        )
+    return next(iter(found.values()), None)
+
+
+def _token(tokenizer: Tokenizer, text: str) -> str:
+    """A Lark item for `text`: the special token when the tokenizer has it as one, else the literal text."""
+    return text if tokenizer.token_to_id(text) is not None else json.dumps(text)
+
+
+def _json_call(tool: dict) -> dict:
+    """The JSON schema of one `{"name": ..., "arguments": {...}}` call of `tool`."""
+    function = tool["function"]
+    arguments = copy.deepcopy(function.get("parameters") or {"type": "object"})
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _xml_call(index: int, tool: dict, start: str, end: str) -> str:
+    """Lark rules of one XML call of `tool` (rule `call{index}`): its parameters in declared order, the
+    required ones present, strings as text without `</` (the closing tag in the same lexeme, so the text may hold
+    newlines), the rest as JSON of their schema on one line."""
+    function = tool["function"]
+    parameters = function.get("parameters") or {}
+    required = set(parameters.get("required") or [])
+    closing = json.dumps("\n</parameter>\n")
+    rules, items = [], []
+    for j, (name, schema) in enumerate((parameters.get("properties") or {}).items()):
+        if schema.get("type") == "string":
+            value = r"/([^<]|<[^\/])*<\/parameter>\n/"
+        else:
+            value = f"%json {json.dumps({**schema, 'x-guidance': JSON_CALL_LAYOUT})} {closing}"
+        rules.append(f"p{index}_{j}: {json.dumps(f'<parameter={name}>' + chr(10))} {value}")
+        items.append(f"p{index}_{j}" if name in required else f"p{index}_{j}?")
+    head, tail = json.dumps(f"\n<function={function['name']}>\n"), json.dumps("</function>\n")
+    rules.insert(0, f"call{index}: {start} {head} {' '.join(items)} {tail} {end}")
+    return "\n".join(rules)
+
+
+def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict], one_call: bool, thinking: bool) -> str:
+    """The Lark grammar of an output made of calls of `tools` (exactly one call when `one_call`)."""
+    start, end = _token(tokenizer, "<tool_call>"), _token(tokenizer, "</tool_call>")
+    xml = any("<function=" in template for template in tokenizer.chat_templates())
+    if xml:
+        rules = [_xml_call(i, tool, start, end) for i, tool in enumerate(tools)]
+        call = "call: " + " | ".join(f"call{i}" for i in range(len(tools)))
+    else:
+        schema = {"anyOf": [_json_call(tool) for tool in tools], "x-guidance": JSON_CALL_LAYOUT}
+        rules, call = [], f'call: {start} "\\n" %json {json.dumps(schema)} "\\n" {end}'
+    calls = "call" if one_call else 'call ("\\n" call)*'
+    think = f"(/(.|\\n)*/ {_token(tokenizer, '</think>')} /\\n*/)? " if thinking else ""
+    return "\n".join([f"start: {think}{calls}", call, *rules])
+
+
+def forced_tool_calls(
+    tokenizer: Tokenizer, tools: list[dict] | None, choice: Any, thinking: bool
+) -> StructuredOutputsParams | None:
+    """The constraint `tool_choice` "required" or a named function puts on a chat reply (None otherwise)."""
+    if tools is None or choice in (None, "auto", "none"):
+        return None
+    if any(not isinstance(t.get("function", {}).get("parameters") or {}, dict) for t in tools):
+        raise APIError(400, "Every tool's function.parameters must be a JSON schema object.", param="tools")
+    one_call = choice != "required"
+    return StructuredOutputsParams(grammar=tool_call_grammar(tokenizer, tools, one_call, thinking))
+
+
+def compile_or_400(compiler, spec: StructuredOutputsParams | None, param: str | None) -> None:
+    """Compile `spec` now (on the caller's worker thread; the engine then finds it cached): a 400 when invalid."""
+    if spec is None:
+        return
+    try:
+        compiler.compile(spec)
+    except DeltaspecError as exc:
+        raise APIError(400, str(exc), param=param) from None
