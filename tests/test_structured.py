@@ -183,3 +183,28 @@ def test_the_mask_allows_exactly_the_constraints_tokens():
     assert allowed == np.flatnonzero(bits).tolist() and 0 < len(allowed) < 50
     texts = {llm.engine.tokenizer.decode([t]) for t in allowed}
     assert all("yes".startswith(t) or "no".startswith(t) for t in texts)
+
+
+@pytest.mark.parametrize("speculative", ["draft", "mtp"])
+def test_token_by_token_drafters_follow_the_constraint(speculative, block_dir):
+    """The draft model and MTP mask each draft position with the constraint, so none of their drafts is cut; the
+    Speculator then puts the constraint back where the output stands."""
+    from deltaspec.spec.drafter import DraftRequest
+
+    llm = engine(speculative, block_dir)
+    prompt = llm.engine.encode("config = ")
+    seq = llm.engine.add_request("s", None, prompt, constrained(SCHEMAS[3]))
+    while not seq.output_ids:
+        llm.engine.step()  # prefill: the first token, and the MTP head's hidden states
+    state, drafter = seq.grammar, llm.engine.speculator.drafter
+    before = state.next_mask().copy()
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1)
+        request = DraftRequest("s", seq.all_ids, 8, params, state)
+        draft = drafter.propose([request])[0].tokens
+        state.end_draft()
+        ending = next((i for i, t in enumerate(draft) if t in seq.eos_ids), len(draft))  # the output may end there
+        assert len(draft) == 8 and state.valid_prefix(draft) == ending, draft
+        assert all(t in seq.eos_ids for t in draft[ending:])  # once complete, the constraint allows only the end
+        assert (state.next_mask() == before).all()
+        drafter.on_commit("s", 0, seq.num_tokens)

@@ -62,6 +62,7 @@ class GrammarState:
 
     def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]):
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
+        self.drafted = 0  # tokens a drafter moved the state past (`draft_step`), undone by `end_draft`
 
     def _masks(self, rows: int) -> np.ndarray:
         import llguidance.numpy as llgnp
@@ -94,6 +95,19 @@ class GrammarState:
             llgnp.fill_next_token_bitmask(self.matcher, masks, i + 1)
         self.matcher.rollback(consumed)
         return masks
+
+    def draft_step(self, token: int) -> None:
+        """A drafter that follows the constraint picked `token` (from `next_mask`): move past it until
+        `end_draft` (an end-of-sequence token, or a token it refuses, leaves the state where it is)."""
+        if token not in self.eos_ids and self.matcher.validate_tokens([token]) == 1:
+            self.matcher.consume_token(token)
+            self.drafted += 1
+
+    def end_draft(self) -> None:
+        """Back to the committed output, before any `draft_step`."""
+        if self.drafted:
+            self.matcher.rollback(self.drafted)
+            self.drafted = 0
 
     def valid_prefix(self, draft: list[int]) -> int:
         """How many leading draft tokens the constraint allows, ending before any end-of-sequence token."""

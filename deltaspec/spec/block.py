@@ -135,7 +135,8 @@ class BlockDrafter:
                 rows = [s * width + i for s, (*_, k) in enumerate(live) for i in range(1, k + 1)]
                 logits = self.target.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [rows, V]
             flat = [req for req, *_, k in live for _ in range(k)]
-            tokens, probs = pick_drafts(flat, logits, self.generators, self.seed, self.device)
+            # all positions at once, so not masked position by position: the Speculator cuts refused drafts
+            tokens, probs = pick_drafts(flat, logits, self.generators, self.seed, self.device, follow_constraints=False)
             lo = 0
             for req, *_, k in live:
                 drafts[req.seq_id] = (tokens[lo : lo + k], list(probs[lo : lo + k]))

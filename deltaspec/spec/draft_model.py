@@ -5,7 +5,8 @@ per target sequence. To propose for a sequence it first catches up on the tokens
 committed since its last call (in one ragged forward for all sequences), snapshots the slot's GDN
 states (the committed point), then drafts k tokens one pass at a time: greedy when the request
 is greedy, else sampled from the draft distribution q (temperature / top-k / top-p / min-p of the
-request, with the drafter's own seeded generator) and returned as `probs` for lossless
+request, with the drafter's own seeded generator; within the request's structured-output constraint when it
+has one) and returned as `probs` for lossless
 verification (seeded from the request's seed, so a configuration and seed give the same output
 every time). On commit the slot's states go back to the snapshot and the accepted tokens are
 caught up next time, so rejected drafts leave no trace; KV rows past the committed length are
@@ -18,6 +19,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltaspec.cache.manager import CacheManager
@@ -31,6 +33,7 @@ from deltaspec.model.weights import load_model
 from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator, processed_probs, sample
+from deltaspec.sample.structured import apply_bitmask
 from deltaspec.spec.drafter import Draft, DraftRequest
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -43,10 +46,31 @@ def pick_drafts(
     generators: dict[str, torch.Generator],
     seed: int,
     device: torch.device,
+    follow_constraints: bool,
 ) -> tuple[list[int], torch.Tensor]:
     """One draft token per request from its logits [len(reqs), V]: greedy for greedy requests, else drawn from
-    the processed distribution q with a per-sequence generator seeded from the request's seed. Returns the
-    tokens and q [len(reqs), V]."""
+    the processed distribution q with a per-sequence generator seeded from the request's seed. With
+    `follow_constraints` (the requests are distinct sequences at their next drafting position), a constrained
+    request's logits are masked first and its constraint steps past the picked token. Returns the tokens and
+    q [len(reqs), V]."""
+    constrained = [i for i, r in enumerate(reqs) if r.constraint is not None] if follow_constraints else []
+    if constrained:
+        rows = torch.tensor(constrained, device=logits.device)
+        masks = np.concatenate([reqs[i].constraint.next_mask() for i in constrained])
+        logits = logits.index_copy(0, rows, apply_bitmask(logits.index_select(0, rows), masks))
+    tokens, probs = _pick(reqs, logits, generators, seed, device)
+    for i in constrained:
+        reqs[i].constraint.draft_step(tokens[i])
+    return tokens, probs
+
+
+def _pick(
+    reqs: list[DraftRequest],
+    logits: torch.Tensor,
+    generators: dict[str, torch.Generator],
+    seed: int,
+    device: torch.device,
+) -> tuple[list[int], torch.Tensor]:
     params = [r.params or GREEDY for r in reqs]
     gens = [
         None
@@ -151,7 +175,7 @@ class DraftModelDrafter:
         return logits
 
     def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        return pick_drafts(reqs, logits, self.generators, self.seed, self.device)
+        return pick_drafts(reqs, logits, self.generators, self.seed, self.device, follow_constraints=True)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         live = [r for r in requests if r.max_tokens > 0]

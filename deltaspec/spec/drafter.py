@@ -26,6 +26,11 @@ The contract, precisely:
       for the draft-length policy and for choosing between drafters; not calibrated
       probabilities unless a drafter documents so. `None` = no opinion.
 
+    * `request.constraint`: the sequence's structured-output state, or None. A drafter that drafts token by token
+      may follow it (the draft model and MTP do): mask each position with `constraint.next_mask()`, then
+      `constraint.draft_step(token)` after picking; the Speculator undoes those steps after `propose`. A drafter
+      that ignores it is still exact: drafts are cut at their first token the constraint refuses.
+
 `observe(seq_id, first_position, hidden)` (called only when `needs_hidden` is True)
     After every pass, for every sequence the pass committed rows of: `hidden` [n, H] holds the
     target's final hidden states of those rows, at positions `first_position ..
@@ -73,6 +78,7 @@ if TYPE_CHECKING:
     import torch
 
     from deltaspec.sample.params import SamplingParams
+    from deltaspec.sample.structured import GrammarState
 
 
 @dataclass(slots=True)
@@ -83,6 +89,7 @@ class DraftRequest:
     token_ids: list[int]  # prompt + generated, ending with the last sampled (not yet computed) token
     max_tokens: int  # at most this many draft tokens; 0 allowed
     params: SamplingParams | None = None  # the request's sampling; None or greedy: draft greedily
+    constraint: GrammarState | None = None  # the sequence's structured-output state; None: unconstrained
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -114,7 +114,12 @@ class MTPDrafter:
         while active:
             reqs = [req for req, _, _ in active]
             tokens, probs = pick_drafts(
-                reqs, self.model.compute_logits(mtp_hidden), self.generators, self.seed, self.device
+                reqs,
+                self.model.compute_logits(mtp_hidden),
+                self.generators,
+                self.seed,
+                self.device,
+                follow_constraints=True,
             )
             for j, req in enumerate(reqs):
                 drafts[req.seq_id][0].append(tokens[j])

@@ -96,7 +96,7 @@ class Speculator:
             budget = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
             k = self.policy.choose(seq.request_id, budget)
             if k > 0:
-                requests.append(DraftRequest(seq.request_id, seq.all_ids, k, seq.params))
+                requests.append(DraftRequest(seq.request_id, seq.all_ids, k, seq.params, seq.grammar))
                 seqs.append(seq)
         if not requests:
             return
@@ -104,12 +104,21 @@ class Speculator:
             drafts = self.drafter.propose(requests)
         except Exception:  # noqa: BLE001 - one sequence's drafter failure must not cost the others their drafts
             log.exception("the %s drafter failed on a batch of %d; proposing one at a time", self.name, len(requests))
+            self._end_drafts(seqs)
             drafts = [self._propose_alone(request) for request in requests]
+        self._end_drafts(seqs)
         for seq, request, draft in zip(seqs, requests, drafts):
             if len(draft.tokens) > request.max_tokens or any(not 0 <= t < self.vocab_size for t in draft.tokens):
                 log.error("the %s drafter proposed an invalid draft for %s; dropped", self.name, seq.request_id)
                 continue
             seq.draft, seq.draft_probs = self._within_constraint(seq, list(draft.tokens), draft.probs)
+
+    @staticmethod
+    def _end_drafts(seqs: list[Sequence]) -> None:
+        """Undo the steps a drafter took along its drafts in the sequences' constraints."""
+        for seq in seqs:
+            if seq.grammar is not None:
+                seq.grammar.end_draft()
 
     @staticmethod
     def _within_constraint(seq: Sequence, tokens: list[int], probs: torch.Tensor | None):
@@ -130,6 +139,9 @@ class Speculator:
             log.exception("the %s drafter failed on request %s; it decodes without a draft", self.name, request.seq_id)
             self._notify(self.drafter.on_finish, request.seq_id)
             return Draft([])
+        finally:
+            if request.constraint is not None:
+                request.constraint.end_draft()
 
     def verify(self, outputs: list[SeqOutput]) -> list[Verdict]:
         """Verdicts for `outputs` (sequences that verified drafts), in order: greedy verification from the argmax
