@@ -1,13 +1,16 @@
 """`deltaspec bench structured`: what structured output costs per decode step (DESIGN §6).
 
 For each stream count C (`--concurrency`), C requests with `context` random prompt tokens decode `max_tokens`
-tokens greedily (eos ignored), first unconstrained, then constrained, on the same engine (with the engine's
-drafter, if any). The constraint (`--constraint`) keeps every step inside it without ever ending it: `text` is
-the regex `[a-z ]+`, `json` a stream of JSON objects, one per line, each valid against a small schema (JSON-state
-masks on every token). Reported per C: aggregate decode tok/s both ways (total new tokens / wall time), the step time
-both ways (wall time / engine steps), and the host time spent in the constraint per step — computing masks
-(next position, along drafts, cutting drafts), applying them to the logits, advancing the matchers — measured
-by timing those calls. Medians over `runs` after a warm-up run.
+tokens greedily, first unconstrained, then constrained, on the same engine (with the engine's drafter, if any);
+both with `min_tokens = max_tokens`, so no end-of-sequence token is ever picked (a constraint allows one wherever
+its output may end) and both take the sampler path. The constraint (`--constraint`) keeps every step inside it
+without ever ending it: `text` is the regex `[a-z ]+`, `json` a stream of JSON objects, one per line, each valid
+against a small schema (JSON-state masks on every token). Reported per C: aggregate decode tok/s both ways (total
+new tokens / wall time), the step time both ways (wall time / engine steps), the host time spent in the
+constraint per step — computing masks (next position, along drafts, cutting drafts, in the drafter), applying
+them to the logits, advancing the matchers — measured by timing those calls, and, with a drafter, the acceptance
+length both ways (a constraint changes what is drafted and accepted, so the speeds differ for that reason too).
+Medians over `runs` after a warm-up run.
 """
 
 from __future__ import annotations
@@ -64,8 +67,11 @@ def constraint_timer(device):
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int, spec: StructuredOutputsParams | None) -> tuple:
-    """(new tokens, seconds, engine steps) of greedy requests for `prompts` run together."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured_outputs=spec)
+    """(new tokens, seconds, engine steps, acceptance length or None) of greedy requests for `prompts` run
+    together."""
+    params = SamplingParams(
+        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured_outputs=spec
+    )
     seqs = [
         engine.add_request(f"structured-{i}-{time.perf_counter_ns()}", None, p, params) for i, p in enumerate(prompts)
     ]
@@ -75,7 +81,9 @@ def _run(engine, prompts: list[list[int]], max_tokens: int, spec: StructuredOutp
         engine.step()
         steps += 1
     sync(engine.device)
-    return sum(len(s.output_ids) for s in seqs), time.perf_counter() - begin, steps
+    rounds = sum(s.acceptance.rounds for s in seqs)
+    accepted = sum(s.acceptance.accepted for s in seqs) / rounds if rounds else None
+    return sum(len(s.output_ids) for s in seqs), time.perf_counter() - begin, steps, accepted
 
 
 def bench_structured(
@@ -99,9 +107,13 @@ def bench_structured(
                         "plain_step_ms": 1000 * plain[1] / plain[2],
                         "constrained_step_ms": 1000 * constrained[1] / constrained[2],
                         "constraint_ms_per_step": 1000 * spent[0] / constrained[2],
+                        "plain_acceptance_length": plain[3],
+                        "constrained_acceptance_length": constrained[3],
                     }
                 )
-        row = {key: statistics.median(r[key] for r in per_run) for key in per_run[0]}
+        row = {
+            key: None if per_run[0][key] is None else statistics.median(r[key] for r in per_run) for key in per_run[0]
+        }
         row["slowdown"] = row["plain_tok_s"] / row["constrained_tok_s"]
         rows.append({"streams": streams, **row})
         say(
