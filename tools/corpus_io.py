@@ -1,5 +1,6 @@
 """Shared by the training tools: read packed token streams, count the bytes each token stands for,
-and measure held-out loss, perplexity and bits per byte of a transformers causal LM."""
+measure held-out loss, perplexity and bits per byte of a transformers causal LM, and load a trained
+target frozen (for the drafters trained on it)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,12 @@ def evaluate_lm(model, tokens: np.ndarray, byte_lengths: np.ndarray, seq_len: in
         "ppl": math.exp(total_nll / total_tokens),
         "bits_per_byte": total_nll / math.log(2) / max(total_bytes, 1),
     }
+
+
+def frozen_target(path: Path, device: torch.device):
+    """The transformers model at `path` in float32 on `device`, in eval mode with no gradients."""
+    import transformers as tf
+
+    target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    target.requires_grad_(False)
+    return target

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from corpus_io import load_tokens
+from corpus_io import frozen_target, load_tokens
 from train_model import lr_at, sample_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -152,12 +152,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
-    import transformers as tf
-
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    target = tf.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    target.requires_grad_(False)
+    target = frozen_target(args.target, device)
     net = new_drafter(args, device, target.model.norm.weight)
     width = args.block_size
     train = load_tokens(args.pack / "train.bin")

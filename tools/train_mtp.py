@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from corpus_io import load_tokens
+from corpus_io import frozen_target, load_tokens
 from torch import nn
 from train_model import lr_at, sample_batch
 
@@ -110,13 +110,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
-    import transformers as tf
-
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    target = tf.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target = frozen_target(args.target, device)
     head = MTPHead(target).to(device)
     train = load_tokens(args.pack / "train.bin")
     heldout = {name: load_tokens(args.pack / f"heldout_{name}.bin") for name in ("code", "chat")}
