@@ -242,3 +242,60 @@ def test_block_drafter_errors_are_clear(checkpoints, drafter_dir, tmp_path):
     save_file(weights, missing / "model.safetensors")
     with pytest.raises(DeltaspecError, match="lacks 1 tensors"):
         block_engine(target, missing)
+
+
+def test_sliding_window_layers_keep_only_their_window_and_draft_the_same(checkpoints, tmp_path):
+    """A sliding-window layer's queries never see keys older than its window, so dropping them changes no draft
+    (float64) while the context held stays bounded."""
+    target = checkpoints["qwen3_5_r2"]
+    window = 4
+    drafter_dir = write_block_drafter(
+        tmp_path / "swa",
+        target,
+        seed=9,
+        target_layer_ids=TAPS,
+        block_size=8,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=window,
+    )
+    engine = block_engine(target, drafter_dir).engine
+    trimming = engine.speculator.drafter
+    whole = type(trimming)(trimming.net, engine.model, engine.device, 0)
+    whole.windows = (None, None)  # keeps every row; the masks still apply the window
+    tokens = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]  # 58 tokens
+    n = len(tokens) - 1
+    features = features_of(engine, tokens[:n])
+    for first in range(0, n, 3):  # rows arrive a few at a time, as passes commit them
+        end = min(first + 3, n)
+        for drafter in (trimming, whole):
+            drafter.observe("seq", first, features[first:end])
+        if first >= 6:
+            request = [DraftRequest("seq", tokens[: end + 1], 7)]
+            assert trimming.propose(request)[0].tokens == whole.propose(request)[0].tokens
+    held = trimming.contexts["seq"].layers
+    assert held[0].rows <= 2 * window and held[0].keys.shape[0] == 2 * window  # the sliding layer stays bounded
+    assert (held[1].first, held[1].rows) == (0, n)
+    assert trimming.state_bytes() < whole.state_bytes()
+
+
+def test_the_plan_counts_the_drafter_weights_its_full_context_and_its_windows(checkpoints, tmp_path):
+    from deltaspec.config import EngineConfig
+    from deltaspec.model.hf_config import parse_model_config, read_config_json
+    from deltaspec.spec.factory import drafter_memory
+
+    target = checkpoints["qwen3_5_r2"]
+    path = write_block_drafter(
+        tmp_path / "b",
+        target,
+        seed=1,
+        target_layer_ids=TAPS,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+    )
+    config = EngineConfig(
+        model=str(target), speculative="block", draft_model=str(path), dtype="float32", state_dtype="float32"
+    )
+    memory = drafter_memory(config, target, parse_model_config(read_config_json(target)), 0)
+    weights = sum(t.numel() * 4 for t in load_file(path / "model.safetensors").values())
+    row = 2 * 2 * 16 * 4  # keys and values, 2 KV heads of 16 values, float32
+    assert (memory.weights, memory.kv_per_token, memory.state_per_stream) == (weights, row, 2 * 16 * row)

@@ -70,7 +70,8 @@ def block_logits(net, target, ids: torch.Tensor, anchors: list[list[int]], autoc
     features = target_features(target, ids, cfg.target_layer_ids)
     embed, device = target.get_input_embeddings(), ids.device
     with autocast:
-        block_ids, positions, context, context_positions = [], [], [[] for _ in net.layers], []
+        block_ids, positions = [], []
+        context, context_positions = [[] for _ in net.layers], [[] for _ in net.layers]
         for r, row_anchors in enumerate(anchors):
             seq_len = ids.shape[1]
             layer_kv = net.context_keys_values(features[r], torch.arange(seq_len, device=device))
@@ -79,7 +80,7 @@ def block_logits(net, target, ids: torch.Tensor, anchors: list[list[int]], autoc
                 positions.append(torch.arange(a, a + width, device=device))
                 for i, (k, v) in enumerate(layer_kv):
                     context[i].append((k[:a], v[:a]))
-                context_positions.append(torch.arange(a, device=device))
+                    context_positions[i].append(torch.arange(a, device=device))
         hidden = net(embed(torch.cat(block_ids)), torch.cat(positions), context, context_positions)
         return target.lm_head(hidden.view(-1, width, cfg.hidden_size)[:, 1:])
 

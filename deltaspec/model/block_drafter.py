@@ -190,9 +190,14 @@ class BlockDrafterConfig:
         return len(self.target_layer_ids) * self.target_hidden_size * h + 2 * h + self.num_layers * layer
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Context keys and values one committed position holds, over all layers."""
-        size = torch.empty(0, dtype=dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * size
+        """Context keys and values one committed position holds in the layers that keep the whole context."""
+        full = sum(window is None for window in self.sliding_window)
+        return full * 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def window_bytes_per_stream(self, dtype: torch.dtype) -> int:
+        """Context keys and values a stream holds in its sliding-window layers (at most twice each window)."""
+        rows = sum(2 * window for window in self.sliding_window if window is not None)
+        return rows * 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 def rope_frequencies(config: BlockDrafterConfig, dtype: torch.dtype, device) -> torch.Tensor:
@@ -316,10 +321,11 @@ class BlockDrafterModel(nn.Module):
         embeds: torch.Tensor,
         positions: torch.Tensor,
         context: list[list[tuple[torch.Tensor, torch.Tensor]]],
-        context_positions: list[torch.Tensor],
+        context_positions: list[list[torch.Tensor]],
     ) -> torch.Tensor:
         """embeds [S * B, H] of S blocks at positions [S * B]; context[l][s] = sequence s's keys and values in
-        layer l [C_s, kv_heads, d] at context_positions[s] [C_s] -> final normed hidden states [S * B, H]."""
+        layer l [C_ls, kv_heads, d] at context_positions[l][s] [C_ls] (a sliding-window layer may hold fewer)
+        -> final normed hidden states [S * B, H]."""
         cfg = self.config
         width = cfg.block_size
         block_positions = positions.view(-1, width)  # [S, B]
@@ -328,7 +334,7 @@ class BlockDrafterModel(nn.Module):
         for i, layer in enumerate(self.layers):
             masks = [
                 attention_mask(ctx_pos, pos, cfg.causal[i], cfg.sliding_window[i])
-                for ctx_pos, pos in zip(context_positions, block_positions)
+                for ctx_pos, pos in zip(context_positions[i], block_positions)
             ]
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, context[i], masks)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -1,24 +1,24 @@
 """`BlockDrafter`: a DFlash-style block drafter proposes up to B - 1 tokens in one forward (DESIGN §5).
 
-It reads the outputs of a few target layers (`target_layers`; the runner returns them beside the final
-hidden states, from the same pass, so no extra target pass runs) for every committed row (`observe`), and
-keeps per sequence the keys and values its layers project from them: the context, positions
-`start..end-1`, append-only. To propose for a sequence whose context ends at n - 1 (the target's row n - 1
-gave the last sampled token t_n), it runs the block [t_n, mask, ..., mask] at positions n..n+B-1 against
-that context, batched over sequences; block position i predicts the token at n + i. Greedy requests take
-the argmax at each position; sampled ones draw each position from its own processed distribution q_i with
-a per-sequence seeded generator (the positions are drawn independently, which rejection sampling allows:
-each token comes from the q it reports). The block's own keys and values are never stored, so rejected
+It reads the outputs of a few target layers (`target_layers`; the runner returns them beside the final hidden
+states, from the same pass, so no extra target pass runs) for every committed row (`observe`), and keeps per
+sequence the keys and values its layers project from them: the context, positions `start..end-1`, append-only
+(a sliding-window layer keeps only its window). To propose for a sequence whose context ends at n - 1 (the
+target's row n - 1 gave the last sampled token t_n), it runs the block [t_n, mask, ..., mask] at positions
+n..n+B-1 against that context, batched over sequences; block position i predicts the token at n + i. Greedy
+requests take the argmax at each position; sampled ones draw each position from its own processed distribution
+q_i with a per-sequence seeded generator (the positions are drawn independently, which rejection sampling
+allows: each token comes from the q it reports). The block's own keys and values are never stored, so rejected
 drafts leave nothing to undo; a rollback (`on_commit` with a shorter context) cuts the context.
 
-Features arrive as views of the pass's outputs; they are copied on arrival and projected at the next
-`propose`, for all sequences in one batch. A sequence that resumed from a prefix checkpoint, whose prefix
-the target did not recompute, starts its context at its first computed row.
+Features arrive as views of the pass's outputs; they are copied on arrival and projected at the next `propose`,
+for all sequences in one batch. A sequence that resumed from a prefix checkpoint, whose prefix the target did not
+recompute, starts its context at its first computed row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,44 +29,83 @@ from deltaspec.spec.drafter import Draft, DraftRequest
 
 
 @dataclass
+class LayerContext:
+    """One draft layer's context keys and values: positions `first`.. at rows 0.. of a buffer that grows by
+    doubling. A sliding-window layer (`window`) keeps only what its queries can still see: when it would hold more
+    than twice its window, it drops all but the last `window` positions (its buffer stays at 2 x window rows)."""
+
+    window: int | None
+    first: int = 0
+    rows: int = 0
+    keys: torch.Tensor | None = None  # [capacity, kv_heads, head_dim]
+    values: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add the keys and values [n, kv_heads, head_dim] of the next n positions."""
+        if self.window is not None and self.rows + k.shape[0] > 2 * self.window:
+            excess = self.rows + k.shape[0] - self.window  # the oldest positions, old rows first
+            old = min(excess, self.rows)
+            if old:
+                self.keys[: self.rows - old] = self.keys[old : self.rows].clone()
+                self.values[: self.rows - old] = self.values[old : self.rows].clone()
+            self.first, self.rows = self.first + excess, self.rows - old
+            k, v = k[excess - old :], v[excess - old :]
+        n = k.shape[0]
+        if self.keys is None or self.rows + n > self.keys.shape[0]:
+            capacity = max(2 * (self.rows + n), 64) if self.window is None else 2 * self.window
+            self.keys, self.values = self._grown(self.keys, k, capacity), self._grown(self.values, v, capacity)
+        self.keys[self.rows : self.rows + n] = k
+        self.values[self.rows : self.rows + n] = v
+        self.rows += n
+
+    def _grown(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        """A buffer of `capacity` rows shaped like `like`'s rows, holding the first `rows` rows of `old`."""
+        buffer = like.new_empty((capacity, *like.shape[1:]))
+        if old is not None:
+            buffer[: self.rows] = old[: self.rows]
+        return buffer
+
+    def truncate(self, end: int) -> None:
+        """Forget positions from `end` on."""
+        self.rows = min(self.rows, max(end - self.first, 0))
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+
+
+@dataclass
 class Context:
-    """One sequence's context: per layer, keys and values of positions start..start+length-1 at rows 0..length-1
-    of buffers that grow by doubling."""
+    """One sequence's context: positions start..end-1 observed, and per draft layer their keys and values (a
+    sliding-window layer only its window's)."""
 
     start: int
-    length: int = 0
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [capacity, kv_heads, head_dim]
-    values: list[torch.Tensor] = field(default_factory=list)
+    layers: list[LayerContext]
+    end: int = -1
 
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+    def __post_init__(self) -> None:
+        self.end = self.start if self.end < 0 else self.end
+        for layer in self.layers:
+            layer.first = self.start
 
     def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add the next rows' keys and values (per layer, [n, kv_heads, head_dim] each)."""
-        n = layer_kv[0][0].shape[0]
-        if not self.keys or self.length + n > self.keys[0].shape[0]:
-            capacity = max(2 * (self.length + n), 64)
-            self.keys = self._grown(self.keys, [k for k, _ in layer_kv], capacity)
-            self.values = self._grown(self.values, [v for _, v in layer_kv], capacity)
-        for buffer, (k, _) in zip(self.keys, layer_kv):
-            buffer[self.length : self.length + n] = k
-        for buffer, (_, v) in zip(self.values, layer_kv):
-            buffer[self.length : self.length + n] = v
-        self.length += n
+        for layer, (k, v) in zip(self.layers, layer_kv):
+            layer.append(k, v)
+        self.end += layer_kv[0][0].shape[0]
 
-    def _grown(self, old: list[torch.Tensor], new: list[torch.Tensor], capacity: int) -> list[torch.Tensor]:
-        """Buffers of `capacity` rows shaped like `new`'s rows, holding the first `length` rows of `old`."""
-        buffers = [t.new_empty((capacity, *t.shape[1:])) for t in new]
-        for buffer, kept in zip(buffers, old):
-            buffer[: self.length] = kept[: self.length]
-        return buffers
+    def truncate(self, end: int) -> None:
+        self.end = min(self.end, end)
+        for layer in self.layers:
+            layer.truncate(end)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[i][: self.length], self.values[i][: self.length]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values [rows, kv_heads, head_dim] and their positions [rows]."""
+        held = self.layers[i]
+        positions = torch.arange(held.first, held.first + held.rows, device=held.keys.device)
+        return held.keys[: held.rows], held.values[: held.rows], positions
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(layer.nbytes() for layer in self.layers)
 
 
 class BlockDrafter:
@@ -77,6 +116,7 @@ class BlockDrafter:
         self.net, self.target, self.device, self.seed = net, target, device, seed
         self.block_size = net.config.block_size
         self.target_layers = net.config.target_layer_ids  # observe() receives these layers' outputs side by side
+        self.windows = net.config.sliding_window  # per draft layer: how far back its queries see (None: all)
         self.contexts: dict[str, Context] = {}
         self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # (first position, features [n, taps * H])
         self.generators: dict[str, torch.Generator] = {}
@@ -89,13 +129,18 @@ class BlockDrafter:
         """Project every pending feature row into its sequence's context, in one batch."""
         work = []  # (context, features, first position)
         for seq_id, arrivals in self.pending.items():
-            for first, features in arrivals:
-                ctx = self.contexts.get(seq_id)
-                if ctx is None or first < ctx.start or first > ctx.end:  # new, recomputed, or past a gap
-                    ctx = self.contexts[seq_id] = Context(first)
-                elif first < ctx.end:  # rows recomputed after a rollback
-                    ctx.length = first - ctx.start
-                work.append((ctx, features, first))
+            first, features = arrivals[0]
+            for later, rows in arrivals[1:]:  # one run of rows per sequence; a later arrival wins where they overlap
+                if first <= later <= first + features.shape[0]:
+                    features = torch.cat((features[: later - first], rows))
+                else:
+                    first, features = later, rows
+            ctx = self.contexts.get(seq_id)
+            if ctx is None or first < ctx.start or first > ctx.end:  # new, recomputed, or past a gap
+                ctx = self.contexts[seq_id] = Context(first, [LayerContext(w) for w in self.windows])
+            elif first < ctx.end:  # rows recomputed after a rollback
+                ctx.truncate(first)
+            work.append((ctx, features, first))
         self.pending.clear()
         if not work:
             return
@@ -115,9 +160,9 @@ class BlockDrafter:
         live = []  # (request, context, anchor position, draft length)
         for req in requests:
             n, ctx = len(req.token_ids) - 1, self.contexts.get(req.seq_id)
-            if req.max_tokens == 0 or ctx is None or ctx.end < n or ctx.length == 0:
+            if req.max_tokens == 0 or ctx is None or ctx.end < n or ctx.end == ctx.start:
                 continue  # nothing to draft, or context rows it was not shown
-            ctx.length = n - ctx.start  # rows past the anchor belong to a longer, rolled-back context
+            ctx.truncate(n)  # rows past the anchor belong to a longer, rolled-back context
             live.append((req, ctx, n, min(req.max_tokens, width - 1)))
         drafts: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         if live:
@@ -126,11 +171,12 @@ class BlockDrafter:
             positions = [p for _, _, n, _ in live for p in range(n, n + width)]
             with torch.inference_mode():
                 embeds = self.target.model.embed_tokens(torch.tensor(ids, device=self.device))  # [S * B, H]
+                layers = [[ctx.layer(i) for _, ctx, _, _ in live] for i in range(self.net.config.num_layers)]
                 hidden = self.net(
                     embeds,
                     torch.tensor(positions, device=self.device),
-                    [[ctx.layer(i) for _, ctx, _, _ in live] for i in range(self.net.config.num_layers)],
-                    [torch.arange(ctx.start, ctx.end, device=self.device) for _, ctx, _, _ in live],
+                    [[(k, v) for k, v, _ in layer] for layer in layers],
+                    [[p for _, _, p in layer] for layer in layers],
                 )  # [S * B, H]
                 rows = [s * width + i for s, (*_, k) in enumerate(live) for i in range(1, k + 1)]
                 logits = self.target.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [rows, V]
@@ -151,7 +197,7 @@ class BlockDrafter:
             if limit <= ctx.start:
                 del self.contexts[seq_id]
             else:
-                ctx.length = limit - ctx.start
+                ctx.truncate(limit)
         arrivals = self.pending.get(seq_id)
         if arrivals:
             self.pending[seq_id] = [(p, f[: limit - p]) for p, f in arrivals if p < limit]

@@ -67,7 +67,8 @@ def drafter_memory(
 ) -> DrafterMemory:
     """Device memory of the drafter of a resolved `config`: the MTP head's weights (`mtp_weights` bytes) and
     KV, a draft model's weights, KV pages and state slots (a slot and its snapshot per stream), or a block
-    drafter's weights and context keys and values (every stream's whole context). The n-gram drafter's index
+    drafter's weights and context keys and values (every stream's whole context; a sliding-window layer's, two
+    windows per stream). The n-gram drafter's index
     lives in host memory (a few hundred bytes per context token) and is not counted."""
     check_choice(config.speculative)
     dtype, state_dtype = parse_dtype(config.dtype), parse_dtype(config.state_dtype)
@@ -83,7 +84,12 @@ def drafter_memory(
         else:
             block = block_drafter_config(path)
             weights = weight_bytes(checkpoint_files(path), dtype, skip=lambda name: False)
-        return DrafterMemory(config.speculative, weights=weights, kv_per_token=block.kv_bytes_per_token(dtype))
+        return DrafterMemory(
+            config.speculative,
+            weights=weights,
+            kv_per_token=block.kv_bytes_per_token(dtype),
+            state_per_stream=block.window_bytes_per_stream(dtype),
+        )
     if uses(config.speculative, "draft"):
         path = draft_model_dir(config, target_dir)
         _, draft_config, gguf = draft_checkpoint(path)
