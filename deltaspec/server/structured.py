@@ -21,6 +21,7 @@ from typing import Any
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.params import StructuredOutputsParams
+from deltaspec.sample.structured import StructuredCompiler
 from deltaspec.server.errors import APIError
 from deltaspec.server.protocol import SamplingFields
 
@@ -57,19 +58,26 @@ def _from_response_format(req: SamplingFields) -> StructuredOutputsParams | None
     return StructuredOutputsParams(json=closed(schema) if fmt.json_schema.strict else schema)
 
 
+def _from_field(req: SamplingFields, field: str) -> StructuredOutputsParams | None:
+    """The constraint request field `field` gives (None when it is unset)."""
+    if field == "response_format":
+        return _from_response_format(req)
+    if field == "structured_outputs":
+        return None if req.structured_outputs is None else StructuredOutputsParams(**req.structured_outputs.params())
+    value = getattr(req, field)
+    return None if value is None else StructuredOutputsParams(**{GUIDED[field]: value})
+
+
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     """The request's constraint from whichever one field gives it; a 400 for two of them or a malformed one."""
     found: dict[str, StructuredOutputsParams] = {}
-    try:
-        if (spec := _from_response_format(req)) is not None:
-            found["response_format"] = spec
-        if req.structured_outputs is not None:
-            found["structured_outputs"] = StructuredOutputsParams(**req.structured_outputs.params())
-        for field, name in GUIDED.items():
-            if (value := getattr(req, field)) is not None:
-                found[field] = StructuredOutputsParams(**{name: value})
-    except DeltaspecError as exc:
-        raise APIError(400, str(exc), param=next(iter(found), None)) from None
+    for field in ("response_format", "structured_outputs", *GUIDED):
+        try:
+            spec = _from_field(req, field)
+        except DeltaspecError as exc:
+            raise APIError(400, str(exc), param=field) from None
+        if spec is not None:
+            found[field] = spec
     if len(found) > 1:
         raise APIError(
             400,
@@ -138,13 +146,11 @@ def forced_tool_calls(
     """The constraint `tool_choice` "required" or a named function puts on a chat reply (None otherwise)."""
     if tools is None or choice in (None, "auto", "none"):
         return None
-    if any(not isinstance(t.get("function", {}).get("parameters") or {}, dict) for t in tools):
-        raise APIError(400, "Every tool's function.parameters must be a JSON schema object.", param="tools")
     one_call = choice != "required"
     return StructuredOutputsParams(grammar=tool_call_grammar(tokenizer, tools, one_call, thinking))
 
 
-def compile_or_400(compiler, spec: StructuredOutputsParams | None, param: str | None) -> None:
+def compile_or_400(compiler: StructuredCompiler, spec: StructuredOutputsParams | None, param: str | None) -> None:
     """Compile `spec` now (on the caller's worker thread; the engine then finds it cached): a 400 when invalid."""
     if spec is None:
         return
