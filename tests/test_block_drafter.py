@@ -86,7 +86,11 @@ def features_of(engine, tokens: list[int]) -> torch.Tensor:
     return features
 
 
-def test_taps_are_the_reference_hidden_states_and_drafts_are_dflash_ones(checkpoints, drafter_dir):
+@pytest.mark.parametrize("pending_rows", [1024, 4])  # features projected at the proposal, or as they arrive
+def test_taps_are_the_reference_hidden_states_and_drafts_are_dflash_ones(
+    checkpoints, drafter_dir, pending_rows, monkeypatch
+):
+    monkeypatch.setattr("deltaspec.spec.block.PENDING_ROWS", pending_rows)
     target = checkpoints["qwen3_5_r2"]
     engine = block_engine(target, drafter_dir).engine
     tokens = PROMPTS[1]
@@ -105,7 +109,10 @@ def test_taps_are_the_reference_hidden_states_and_drafts_are_dflash_ones(checkpo
     weights = {name: t.double() for name, t in load_file(drafter_dir / "model.safetensors").items()}
     logits = dflash_logits(weights, cfg, taps, embed[block], reference.get_output_embeddings().weight)
     drafter = engine.speculator.drafter
-    drafter.observe("seq", 0, features)
+    for first in range(0, n, 3):  # rows arrive as passes commit them
+        drafter.observe("seq", first, features[first : first + 3])
+    held = sum(f.shape[0] for arrivals in drafter.pending.values() for _, f in arrivals)
+    assert held == n if pending_rows > n else held <= pending_rows
     draft = drafter.propose([DraftRequest("seq", tokens, width - 1)])[0]
     assert draft.tokens == logits[1:].argmax(-1).tolist()  # block position i drafts position n + i
 

@@ -11,9 +11,9 @@ q_i with a per-sequence seeded generator (the positions are drawn independently,
 allows: each token comes from the q it reports). The block's own keys and values are never stored, so rejected
 drafts leave nothing to undo; a rollback (`on_commit` with a shorter context) cuts the context.
 
-Features arrive as views of the pass's outputs; they are copied on arrival and projected at the next `propose`,
-for all sequences in one batch. A sequence that resumed from a prefix checkpoint, whose prefix the target did not
-recompute, starts its context at its first computed row.
+Features arrive as views of the pass's outputs; they are copied on arrival and projected at the next `propose`
+(or once more than `PENDING_ROWS` are waiting), for all waiting sequences in one batch. A sequence that resumed
+from a prefix checkpoint, whose prefix the target did not recompute, starts its context at its first computed row.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from deltaspec.model.block_drafter import BlockDrafterModel
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.spec.draft_model import as_drafts, pick_drafts
 from deltaspec.spec.drafter import Draft, DraftRequest
+
+PENDING_ROWS = 1024  # feature rows held before they are projected into the contexts
 
 
 @dataclass
@@ -122,8 +124,12 @@ class BlockDrafter:
         self.generators: dict[str, torch.Generator] = {}
 
     def observe(self, seq_id: str, first_position: int, hidden: torch.Tensor) -> None:
-        """The target layers' outputs [n, taps * H] of committed rows at positions first_position.."""
+        """The target layers' outputs [n, taps * H] of committed rows at positions first_position.. (projected at
+        the next proposal, or at once when the pending rows pass `PENDING_ROWS`: prompt chunks arrive before a
+        sequence first drafts, and a long prompt's features would otherwise pile up)."""
         self.pending.setdefault(seq_id, []).append((first_position, hidden.clone()))
+        if sum(f.shape[0] for arrivals in self.pending.values() for _, f in arrivals) > PENDING_ROWS:
+            self._absorb()
 
     def _absorb(self) -> None:
         """Project every pending feature row into its sequence's context, in one batch."""
