@@ -306,3 +306,4 @@ def test_the_plan_counts_the_drafter_weights_its_full_context_and_its_windows(ch
     weights = sum(t.numel() * 4 for t in load_file(path / "model.safetensors").values())
     row = 2 * 2 * 16 * 4  # keys and values, 2 KV heads of 16 values, float32
     assert (memory.weights, memory.kv_per_token, memory.state_per_stream) == (weights, row, 2 * 16 * row)
+    assert memory.features_per_row == len(TAPS) * 64 * 4  # the taps of a 64-wide target, float32

@@ -30,13 +30,15 @@ RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack
 @dataclass(frozen=True)
 class DrafterMemory:
     """Device memory of a speculative drafter: fixed weights, KV per token and state per stream. An MTP head keeps
-    its KV in the engine's page pool (`shares_pool`); a draft model has pages for each stream's whole context."""
+    its KV in the engine's page pool (`shares_pool`); a draft model has pages for each stream's whole context; a
+    block drafter also makes every pass return the outputs of the target layers it reads (`features_per_row`)."""
 
     name: str = "none"
     weights: int = 0
     kv_per_token: int = 0
     state_per_stream: int = 0
     shares_pool: bool = False
+    features_per_row: int = 0  # bytes of tapped target-layer outputs a pass returns per row
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,8 @@ def plan_memory(
     """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
     slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
     `checkpoints` prefix-checkpoint slots are each one more state; `graph_rows` rows of captured CUDA graphs
-    each keep their hidden state and logits; `drafter` is the speculative drafter's own memory; `kv_tokens` > 0 is
+    each keep their hidden state and logits (and a block drafter's features); `drafter` is the speculative
+    drafter's own memory; `kv_tokens` > 0 is
     a KV pool of that many tokens instead of one context per stream; `materialized_scores`: attention runs on the
     torch reference, which holds one prompt chunk's scores over the whole context (the kernels hold none)."""
     size = torch.tensor([], dtype=dtype).element_size()
@@ -238,7 +241,8 @@ def plan_memory(
     widest_projection = max(2 * config.num_attention_heads * config.head_dim, config.gdn_conv_dim, 2 * mlp_width)
     activations = batch_rows * (4 * config.hidden_size + widest_projection) * 4  # fp32 worst case
     logits = streams * config.vocab_size * 4
-    graph_outputs = graph_rows * (config.vocab_size + config.hidden_size) * size
+    graph_outputs = graph_rows * ((config.vocab_size + config.hidden_size) * size + drafter.features_per_row)
+    activations += batch_rows * drafter.features_per_row
     attention_scores = min(prefill_chunk, batch_rows) * config.num_attention_heads * ctx * 4 * materialized_scores
     return MemoryPlan(
         device=str(device),

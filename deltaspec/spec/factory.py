@@ -77,10 +77,11 @@ def drafter_memory(
         kv = model_config.num_mtp_layers * 2 * model_config.num_key_value_heads * model_config.head_dim * size
         return DrafterMemory(config.speculative, weights=mtp_weights, kv_per_token=kv, shares_pool=True)
     if uses(config.speculative, "block"):
+        size = torch.empty(0, dtype=dtype).element_size()
         path = block_drafter_dir(config, target_dir)
         if path is None:
             block = BlockDrafterConfig.sized_for(model_config)
-            weights = block.num_parameters() * torch.empty(0, dtype=dtype).element_size()
+            weights = block.num_parameters() * size
         else:
             block = block_drafter_config(path)
             weights = weight_bytes(checkpoint_files(path), dtype, skip=lambda name: False)
@@ -89,6 +90,7 @@ def drafter_memory(
             weights=weights,
             kv_per_token=block.kv_bytes_per_token(dtype),
             state_per_stream=block.window_bytes_per_stream(dtype),
+            features_per_row=len(block.target_layer_ids) * block.target_hidden_size * size,
         )
     if uses(config.speculative, "draft"):
         path = draft_model_dir(config, target_dir)
