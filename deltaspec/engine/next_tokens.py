@@ -4,13 +4,12 @@ and logprobs (of the raw logits)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from deltaspec.execution.runner import SeqOutput
 from deltaspec.sample.logprobs import gather_logprobs
 from deltaspec.sample.sampler import apply_penalties, sample
-from deltaspec.sample.structured import apply_bitmask
+from deltaspec.sample.structured import mask_next
 
 
 def next_tokens(outputs: list[SeqOutput]) -> list[tuple[int, object]]:
@@ -24,11 +23,7 @@ def next_tokens(outputs: list[SeqOutput]) -> list[tuple[int, object]]:
         logits = apply_penalties(
             raw, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs], params, [s.eos_ids for s in seqs]
         )
-        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if constrained:
-            rows = torch.tensor(constrained, device=logits.device)
-            masks = np.concatenate([seqs[i].grammar.next_mask() for i in constrained])
-            logits = logits.index_copy(0, rows, apply_bitmask(logits.index_select(0, rows), masks))
+        logits = mask_next(logits, [s.grammar for s in seqs])
         tokens = sample(logits, params, [s.generator for s in seqs])
         wanted = [p.logprobs for p in params]
         logprobs = gather_logprobs(raw, tokens, wanted) if any(w is not None for w in wanted) else [None] * len(seqs)

@@ -88,9 +88,8 @@ class GrammarState:
         consumed = 0
         for i, token in enumerate(draft):
             if token not in self.eos_ids:
-                if self.matcher.validate_tokens([token]) != 1:
+                if self.matcher.try_consume_tokens([token]) != 1:
                     break
-                self.matcher.consume_token(token)
                 consumed += 1
             llgnp.fill_next_token_bitmask(self.matcher, masks, i + 1)
         self.matcher.rollback(consumed)
@@ -99,8 +98,7 @@ class GrammarState:
     def draft_step(self, token: int) -> None:
         """A drafter that follows the constraint picked `token` (from `next_mask`): move past it until
         `end_draft` (an end-of-sequence token, or a token it refuses, leaves the state where it is)."""
-        if token not in self.eos_ids and self.matcher.validate_tokens([token]) == 1:
-            self.matcher.consume_token(token)
+        if token not in self.eos_ids and self.matcher.try_consume_tokens([token]) == 1:
             self.drafted += 1
 
     def end_draft(self) -> None:
@@ -180,6 +178,17 @@ class StructuredCompiler:
         with self._lock:
             matcher = template.deep_copy()
         return GrammarState(matcher, self.vocab_size, self.eos_ids)
+
+
+def mask_next(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
+    """logits [R, V] with each row that has a constraint state masked to what that state allows next (a new tensor,
+    or `logits` itself when no row is constrained)."""
+    constrained = [i for i, state in enumerate(states) if state is not None]
+    if not constrained:
+        return logits
+    rows = torch.tensor(constrained, device=logits.device)
+    masks = np.concatenate([states[i].next_mask() for i in constrained])
+    return logits.index_copy(0, rows, apply_bitmask(logits.index_select(0, rows), masks))
 
 
 _BIT_TABLES: dict[tuple, torch.Tensor] = {}

@@ -18,7 +18,7 @@ from a prefix checkpoint, whose prefix the target did not recompute, starts its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,10 +82,10 @@ class Context:
 
     start: int
     layers: list[LayerContext]
-    end: int = -1
+    end: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.end = self.start if self.end < 0 else self.end
+        self.end = self.start
         for layer in self.layers:
             layer.first = self.start
 

@@ -19,7 +19,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from deltaspec.cache.manager import CacheManager
@@ -33,7 +32,7 @@ from deltaspec.model.weights import load_model
 from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator, processed_probs, sample
-from deltaspec.sample.structured import apply_bitmask
+from deltaspec.sample.structured import mask_next
 from deltaspec.spec.drafter import Draft, DraftRequest
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -53,14 +52,11 @@ def pick_drafts(
     `follow_constraints` (the requests are distinct sequences at their next drafting position), a constrained
     request's logits are masked first and its constraint steps past the picked token. Returns the tokens and
     q [len(reqs), V]."""
-    constrained = [i for i, r in enumerate(reqs) if r.constraint is not None] if follow_constraints else []
-    if constrained:
-        rows = torch.tensor(constrained, device=logits.device)
-        masks = np.concatenate([reqs[i].constraint.next_mask() for i in constrained])
-        logits = logits.index_copy(0, rows, apply_bitmask(logits.index_select(0, rows), masks))
-    tokens, probs = _pick(reqs, logits, generators, seed, device)
-    for i in constrained:
-        reqs[i].constraint.draft_step(tokens[i])
+    constraints = [r.constraint if follow_constraints else None for r in reqs]
+    tokens, probs = _pick(reqs, mask_next(logits, constraints), generators, seed, device)
+    for constraint, token in zip(constraints, tokens):
+        if constraint is not None:
+            constraint.draft_step(token)
     return tokens, probs
 
 

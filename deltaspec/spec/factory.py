@@ -67,9 +67,9 @@ def drafter_memory(
 ) -> DrafterMemory:
     """Device memory of the drafter of a resolved `config`: the MTP head's weights (`mtp_weights` bytes) and
     KV, a draft model's weights, KV pages and state slots (a slot and its snapshot per stream), or a block
-    drafter's weights and context keys and values (every stream's whole context; a sliding-window layer's, two
-    windows per stream). The n-gram drafter's index
-    lives in host memory (a few hundred bytes per context token) and is not counted."""
+    drafter's weights, context keys and values (every stream's whole context; a sliding-window layer's, two
+    windows per stream) and the tapped features each pass returns. The n-gram drafter's index lives in host memory
+    (a few hundred bytes per context token) and is not counted."""
     check_choice(config.speculative)
     dtype, state_dtype = parse_dtype(config.dtype), parse_dtype(config.state_dtype)
     if uses(config.speculative, "mtp"):
