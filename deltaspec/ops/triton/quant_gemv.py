@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+BYTE_TOPS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: bit 7 of every byte
+
 
 @triton.jit
 def as_float(q):
@@ -49,6 +51,25 @@ def _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, N, stride_om):
 
 
 @triton.jit
+def byte_as_float(word, k: tl.constexpr, PRMT: tl.constexpr):
+    """Byte k of each int32 of `word`, a byte 0x80 | v with v < 128, as the float32 1 + v / 128, exactly: the byte
+    becomes bits 16..23 under the exponent byte 0x3F and zero low bytes. On CUDA one `prmt` per value. Quants
+    are placed at the byte's top bits (v = q << 3 for 4 bits) so that f - 1 keeps most of the float's bits."""
+    if PRMT:
+        bits = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [word, tl.full(word.shape, 0x3F000000, tl.int32), tl.full(word.shape, 0x7044 + k * 0x100, tl.int32)],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        bits = (((word >> (8 * k)) & 0xFF) << 16) | 0x3F000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def q4_k_gemv_kernel(
     x_ptr,
     order_ptr,
@@ -63,10 +84,14 @@ def q4_k_gemv_kernel(
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,
 ):
     """Q4_K: words 0 (d | dmin), 1..3 (12 bytes of 6-bit scales and mins), 4..35 (nibbles) of each 144-byte
     super-block. Word 4 + c * 8 + i, byte k, holds value c * 64 + i * 4 + k (low nibble, sub-block 2c) and
-    c * 64 + 32 + i * 4 + k (high nibble, sub-block 2c + 1)."""
+    c * 64 + 32 + i * 4 + k (high nibble, sub-block 2c + 1). The nibbles of four values at once become bytes
+    0x80 | q << 3, each byte the float f = 1 + q / 16 (`byte_as_float`); a sub-block's sum of q * x is then
+    16 * (F - X) with F the sum of f * x and X that of x, so it costs one permute and one multiply-add per
+    value, and the quants of each row are read as 16-byte vectors."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     m = tl.program_id(2)
@@ -75,6 +100,8 @@ def q4_k_gemv_kernel(
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     chunk = tl.arange(0, 4)
     word = chunk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8]: word of chunk c, position i
+    column = chunk[:, None] * 64 + tl.arange(0, 8)[None, :] * 4  # [4, 8]: the value of byte 0's low nibble
+    shift = (chunk[None, :] % 2) * 16
     x_row = x_ptr + m * stride_xm
     acc = tl.zeros((BLOCK_N, 4), dtype=tl.float32)
     first = split * steps_per_split
@@ -85,7 +112,20 @@ def q4_k_gemv_kernel(
         s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
         s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
         s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
-        d = half_bits(head)
+        low = ((quants << 3) & 0x78787878) | BYTE_TOPS  # [BLOCK_N, 4, 8]: bytes 0x80 | q << 3 of sub-block 2c
+        high = ((quants >> 1) & 0x78787878) | BYTE_TOPS  # sub-block 2c + 1
+        f_low = tl.zeros((BLOCK_N, 4, 8), dtype=tl.float32)
+        f_high = tl.zeros((BLOCK_N, 4, 8), dtype=tl.float32)
+        x_low = tl.zeros((4, 8), dtype=tl.float32)
+        x_high = tl.zeros((4, 8), dtype=tl.float32)
+        for k in tl.static_range(4):
+            xv = _x_at(x_row, order_ptr, step * 256 + column + k, HAS_ORDER)
+            f_low += byte_as_float(low, k, PRMT) * xv[None, :, :]
+            x_low += xv
+            xv = _x_at(x_row, order_ptr, step * 256 + column + 32 + k, HAS_ORDER)
+            f_high += byte_as_float(high, k, PRMT) * xv[None, :, :]
+            x_high += xv
+        d = half_bits(head) * 16.0
         dmin = half_bits(head >> 16)
         # sub-block j's 6-bit scale and min: j < 4 in bytes j of s0 / s1, j >= 4 split over s2 and the top bits
         sc_word = tl.where(
@@ -96,18 +136,14 @@ def q4_k_gemv_kernel(
             (s1 & 0x3F3F3F3F)[:, None],
             (((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030))[:, None],
         )  # [BLOCK_N, 4]: bytes of sub-blocks 2c, 2c + 1 at (c % 2) * 2
-        shift = (chunk[None, :] % 2) * 16
-        for hi in tl.static_range(2):
-            products = tl.zeros((BLOCK_N, 4, 8), dtype=tl.float32)
-            x_sum = tl.zeros((4, 8), dtype=tl.float32)
-            for k in tl.static_range(4):
-                q = as_float((quants >> (hi * 4 + k * 8)) & 0xF)  # [BLOCK_N, 4, 8]
-                xv = _x_at(x_row, order_ptr, step * 256 + word // 8 * 64 + hi * 32 + (word % 8) * 4 + k, HAS_ORDER)
-                products += q * xv[None, :, :]
-                x_sum += xv
-            scale = d[:, None] * as_float((sc_word >> (shift + hi * 8)) & 0xFF)  # [BLOCK_N, 4]
-            low = dmin[:, None] * as_float((min_word >> (shift + hi * 8)) & 0xFF)
-            acc += scale * tl.sum(products, axis=2) - low * tl.sum(x_sum, axis=1)[None, :]
+        sums_low = tl.sum(x_low, axis=1)[None, :]  # [1, 4]
+        sums_high = tl.sum(x_high, axis=1)[None, :]
+        scale_low = d[:, None] * as_float((sc_word >> shift) & 0xFF)  # [BLOCK_N, 4]
+        scale_high = d[:, None] * as_float((sc_word >> (shift + 8)) & 0xFF)
+        min_low = dmin[:, None] * as_float((min_word >> shift) & 0xFF)
+        min_high = dmin[:, None] * as_float((min_word >> (shift + 8)) & 0xFF)
+        acc += scale_low * (tl.sum(f_low, axis=2) - sums_low) - min_low * sums_low
+        acc += scale_high * (tl.sum(f_high, axis=2) - sums_high) - min_high * sums_high
     _store_row(part_ptr, out_ptr, tl.sum(acc, axis=1), rows, n_mask, split, m, N, stride_om)
 
 
@@ -127,11 +163,14 @@ def q6_k_gemv_kernel(
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,
 ):
     """Q6_K: 210-byte super-blocks of 128 bytes of low nibbles (ql), 64 bytes of high bit pairs (qh), 16 int8
     scales and an fp16 d, read as 16-bit words (the blocks are 2-byte aligned). For half h, quarter q and
     position l < 32, value h * 128 + q * 32 + l is ql[h * 64 + (q % 2) * 32 + l] nibble q // 2 with
-    bits 2q..2q+1 of qh[h * 32 + l] on top, minus 32, times scale h * 8 + q * 2 + l // 16."""
+    bits 2q..2q+1 of qh[h * 32 + l] on top, minus 32, times scale h * 8 + q * 2 + l // 16. Each 16-bit word's
+    two 6-bit values v become bytes 0x80 | v << 1, the floats f = 1 + v / 64 (`byte_as_float`), so a scale
+    group's sum of (v - 32) * x is 64 * (F - 1.5 * X) (F the sum of f * x, X that of x)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     m = tl.program_id(2)
@@ -152,21 +191,31 @@ def q6_k_gemv_kernel(
         low0 = tl.load(w16_ptr + half_words + half * 32 + pair, mask=mask4, other=0).to(tl.int32)
         low1 = tl.load(w16_ptr + half_words + half * 32 + 16 + pair, mask=mask4, other=0).to(tl.int32)
         high = tl.load(w16_ptr + half_words + 64 + half * 16 + pair, mask=mask4, other=0).to(tl.int32)
-        d = half_bits(tl.load(w16_ptr + block // 2 + 104, mask=n_mask, other=0).to(tl.int32))
+        d = half_bits(tl.load(w16_ptr + block // 2 + 104, mask=n_mask, other=0).to(tl.int32)) * 64.0
         for q in tl.static_range(4):
+            if q % 2 == 0:
+                nibbles = (low0 >> (4 * (q // 2))) & 0x0F0F
+            else:
+                nibbles = (low1 >> (4 * (q // 2))) & 0x0F0F
+            if q == 0:
+                top = (high << 4) & 0x3030
+            elif q == 1:
+                top = (high << 2) & 0x3030
+            elif q == 2:
+                top = high & 0x3030
+            else:
+                top = (high >> 2) & 0x3030
+            six = ((nibbles | top) << 1) | 0x8080  # [BLOCK_N, 2, 2, 8]: two bytes 0x80 | v << 1
             products = tl.zeros((BLOCK_N, 2, 2, 8), dtype=tl.float32)
+            x_sum = tl.zeros((2, 2, 8), dtype=tl.float32)
             for b in tl.static_range(2):
-                if q % 2 == 0:
-                    low = (low0 >> (8 * b + 4 * (q // 2))) & 0xF
-                else:
-                    low = (low1 >> (8 * b + 4 * (q // 2))) & 0xF
-                six = low | (((high >> (8 * b + 2 * q)) & 3) << 4)
-                value = (six | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0  # 2**23 + 32
                 xv = _x_at(x_row, order_ptr, step * 256 + half * 128 + q * 32 + pair * 2 + b, HAS_ORDER)
-                products += value * xv[None, :, :, :]
+                products += byte_as_float(six, b, PRMT) * xv[None, :, :, :]
+                x_sum += xv
             scale_at = block[:, None, None] + 192 + scale_slot[None, :, :] + q * 2
             scale = tl.load(w_ptr + scale_at, mask=n_mask[:, None, None], other=0).to(tl.int8, bitcast=True)
-            acc += (d[:, None, None] * scale.to(tl.float32)) * tl.sum(products, axis=3)
+            sums = tl.sum(x_sum, axis=2)[None, :, :]  # [1, 2, 2]
+            acc += (d[:, None, None] * scale.to(tl.float32)) * (tl.sum(products, axis=3) - 1.5 * sums)
     _store_row(part_ptr, out_ptr, tl.sum(tl.sum(acc, axis=2), axis=1), rows, n_mask, split, m, N, stride_om)
 
 

@@ -196,11 +196,11 @@ def _segment_matmul(
     if launch.family == "gemv":
         if qtype == "Q4_K":
             quant_gemv.q4_k_gemv_kernel[(*grid, m)](
-                x, order, data.view(torch.int32), parts, out, n, n_bytes // 4, *tail, **common
+                x, order, data.view(torch.int32), parts, out, n, n_bytes // 4, *tail, PRMT=not INTERPRETED, **common
             )
         elif qtype == "Q6_K":
             quant_gemv.q6_k_gemv_kernel[(*grid, m)](
-                x, order, data, data.view(torch.int16), parts, out, n, n_bytes, *tail, **common
+                x, order, data, data.view(torch.int16), parts, out, n, n_bytes, *tail, PRMT=not INTERPRETED, **common
             )
         else:
             quant_gemv.q8_0_gemv_kernel[(*grid, m)](
