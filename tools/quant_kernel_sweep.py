@@ -26,7 +26,7 @@ from tests.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-GEMV_ROWS = 16
+GEMV_ROWS = 4
 
 
 def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
@@ -34,9 +34,8 @@ def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
     splits = (1, 4) if quick else (1, 2, 4, 8)
     out = []
     if rows <= GEMV_ROWS:
-        per_program = [r for r in (1, 2, 4) if r <= rows]
-        gemvs = itertools.product((16, 32, 64, 128), splits, (2, 4, 8), per_program)
-        out += [Launch("gemv", n, s, w, rows=r) for n, s, w, r in gemvs if n * r <= 128]
+        gemvs = itertools.product((16, 32, 64, 128), splits, (2, 4, 8))
+        out += [Launch("gemv", n, s, w) for n, s, w in gemvs]
     if rows == 1:  # tensor-core tiles pad one row to 16: never the fastest
         return out
     widths = (32, 64, 128) if qtype == "Q4_K" else (16, 32, 64)
@@ -96,7 +95,7 @@ def main() -> None:
                 best.append(top)
                 print(
                     f"{qtype} {name:8s} rows={m:2d} best {top['family']:4s} n={top['block_n']:3d} "
-                    f"split={top['split_k']} warps={top['num_warps']} paired={top['paired']} x_rows={top['rows']} "
+                    f"split={top['split_k']} warps={top['num_warps']} paired={top['paired']} "
                     f"{top['ms'] * 1e3:7.1f} us "
                     f"{top['gb_s']:6.0f} GB/s (bf16 {bf16_ms * 1e3:7.1f} us {row['bf16_gb_s']:6.0f} GB/s)",
                     file=sys.stderr,

@@ -1,15 +1,15 @@
-"""`x @ weight.T` from GGUF blocks for the few input rows of decode and short verify passes, on CUDA cores
-without tensor cores.
+"""`x @ weight.T` from GGUF blocks for one input row at a time (decode), on CUDA cores without tensor cores.
 
-A program owns BLOCK_N weight rows, ROWS rows of x and a share of the input dimension, and walks it one
-256-value super-block at a time. Nothing is dequantized into a float tile: each packed word is read once
-(16-byte vectors of 32-bit words where the layout is 4-byte aligned, 16-bit words otherwise), the quants of
-four (or two) values at once become bytes 0x80 | q, and each byte becomes the float f = 1 + q / 2**s with one
-permute (`byte_as_float`), which is multiplied by the matching activation of every x row and summed per
-sub-block. With F that sum and X the sum of the activations, the sub-block's sum of q * x is 2**s * (F - X);
-its scale is applied once to it, and a k-quant's min once to X (the algebra of `deltaspec.ops.quant.dequant`,
-in float32, within a few float32 roundings of the float64 product). So the unpacking is shared by the ROWS
-rows and each costs one multiply-add per value. Program `grid(1)` takes super-blocks
+A program owns BLOCK_N weight rows and a share of the input dimension and walks it one 256-value super-block
+at a time. Nothing is dequantized into a float tile: each packed word is read once (16-byte vectors of 32-bit
+words where the layout is 4-byte aligned, 16-bit words otherwise), the quants of four (or two) values at once
+are masked into the top bits of bytes, and each byte becomes the float f = 0.5 + q / 2**s with one permute
+under a fixed exponent (`byte_as_float`), which is multiplied by the matching activation and summed per
+sub-block. With F that sum and X the sum of the activations, the sub-block's sum of q * x is
+2**s * (F - X / 2) (the quants sit at the top of the byte so that F - X / 2 keeps most bits); its scale is
+applied once to it, and a k-quant's min once to X (the algebra of `deltaspec.ops.quant.dequant`, in float32,
+within a few float32 roundings of the float64 product). Input programs `grid(2)` take the rows of x one by
+one, so a few rows re-read the weight from L2. Program `grid(1)` takes super-blocks
 [s * steps_per_split, (s + 1) * steps_per_split) (the last share may be shorter); with several shares the
 partial sums go to a float32 workspace [shares, M, N] that `finish_kernel` reduces in a fixed order.
 """
@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BYTE_TOPS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: bit 7 of every byte
+HALF_EXPONENT = 0x3F000000  # the top byte of a float32 in [0.5, 1), with the exponent's low bit 0
+BIASED_EXPONENT = 0x4B000000  # the top byte of a float32 in [2**23, 2**24)
 
 
 @triton.jit
@@ -35,63 +36,71 @@ def half_bits(bits):
 
 
 @triton.jit
-def byte_as_float(word, k: tl.constexpr, PRMT: tl.constexpr):
-    """Byte k of each int32 of `word`, a byte 0x80 | v with v < 128, as the float32 1 + v / 128, exactly: the byte
-    becomes bits 16..23 under the exponent byte 0x3F and zero low bytes. On CUDA one `prmt` per value. Quants
-    are placed at the byte's top bits (v = q << 3 for 4 bits) so that f - 1 keeps most of the float's bits."""
-    if PRMT:
-        bits = tl.inline_asm_elementwise(
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            [word, tl.full(word.shape, 0x3F000000, tl.int32), tl.full(word.shape, 0x7044 + k * 0x100, tl.int32)],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        )
+def _prmt(word, magic, selector: tl.constexpr):
+    """PTX `prmt.b32 d, word, magic, selector` elementwise (d's byte i is byte selector[4i:4i+4] of magic:word)."""
+    if selector == 0x7044:
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7044;"
+    elif selector == 0x7144:
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7144;"
+    elif selector == 0x7244:
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7244;"
+    elif selector == 0x7344:
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7344;"
+    elif selector == 0x7650:
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7650;"
+    elif selector == 0x7651:
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7651;"
+    elif selector == 0x7652:
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7652;"
     else:
-        bits = (((word >> (8 * k)) & 0xFF) << 16) | 0x3F000000
+        asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7653;"
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [word, magic], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def byte_as_float(word, k: tl.constexpr, half_exponent, PRMT: tl.constexpr):
+    """Byte k of each int32 of `word`, a byte v < 128, as the float32 0.5 + v / 256, exactly: the byte becomes bits
+    16..23 under the byte `half_exponent` >> 24 (0x3F, see HALF_EXPONENT) with zero low bytes. On CUDA one
+    `prmt` per value; the exponent comes in as a run-time argument so that it stays in one register and the
+    selector is the immediate (a constant exponent becomes the immediate and pushes the selectors into
+    registers, one move per value)."""
+    magic = tl.zeros(word.shape, tl.int32) + half_exponent
+    if PRMT:
+        bits = _prmt(word, magic, 0x7044 + k * 0x100)
+    else:
+        bits = (((word >> (8 * k)) & 0xFF) << 16) | magic
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def byte_as_biased_float(word, k: tl.constexpr, PRMT: tl.constexpr):
-    """Byte k of each int32 of `word` as the float32 2**23 + byte (the byte under the exponent of 2**23)."""
+def byte_as_biased_float(word, k: tl.constexpr, biased_exponent, PRMT: tl.constexpr):
+    """Byte k of each int32 of `word` as the float32 2**23 + byte: the byte under `biased_exponent`
+    (BIASED_EXPONENT, a run-time argument for the reason `byte_as_float` gives)."""
+    magic = tl.zeros(word.shape, tl.int32) + biased_exponent
     if PRMT:
-        bits = tl.inline_asm_elementwise(
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            [word, tl.full(word.shape, 0x4B000000, tl.int32), tl.full(word.shape, 0x7650 + k, tl.int32)],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        )
+        bits = _prmt(word, magic, 0x7650 + k)
     else:
-        bits = ((word >> (8 * k)) & 0xFF) | 0x4B000000
+        bits = ((word >> (8 * k)) & 0xFF) | magic
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _x_rows(x_ptr, order_ptr, x_row, m_mask, positions, HAS_ORDER: tl.constexpr):
-    """Activations [ROWS, *positions.shape] of x rows `x_row` ([ROWS] offsets, masked by `m_mask`) at stored
-    columns `positions` (gathered through the weight's input order), as float32."""
+def _x_at(x_row, order_ptr, positions, HAS_ORDER: tl.constexpr):
+    """Activations of one x row (pointer `x_row`) at stored columns `positions` (gathered through the weight's
+    input order) as float32."""
     if HAS_ORDER:
         positions = tl.load(order_ptr + positions)
-    if len(positions.shape) == 2:
-        at, mask = x_row[:, None, None], m_mask[:, None, None]
-    else:
-        at, mask = x_row[:, None, None, None], m_mask[:, None, None, None]
-    return tl.load(x_ptr + at + positions[None], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(x_row + positions).to(tl.float32)
 
 
 @triton.jit
-def _store_rows(part_ptr, out_ptr, value, m, m_mask, rows, n_mask, split, M, N, stride_om):
-    """This program's result [ROWS, BLOCK_N] for x rows `m`: straight into the output (in its dtype) when one
-    share covers the whole input, else into the float32 workspace [shares, M, N] that `finish_kernel` sums."""
-    mask = m_mask[:, None] & n_mask[None, :]
+def _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om):
+    """Row m of this program's result: straight into the output (in its dtype) when one share covers the whole
+    input, else into the float32 workspace [shares, M, N] that `finish_kernel` sums."""
     if tl.num_programs(1) == 1:
-        tl.store(out_ptr + m[:, None] * stride_om + rows[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + m * stride_om + rows, value.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        tl.store(part_ptr + (split * M + m[:, None]) * N + rows[None, :], value, mask=mask)
+        tl.store(part_ptr + (split * M + m) * N + rows, value, mask=n_mask)
 
 
 @triton.jit
@@ -108,26 +117,26 @@ def q4_k_gemv_kernel(
     stride_om,
     steps,
     steps_per_split,
+    half_exponent,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
     PRMT: tl.constexpr,
 ):
     """Q4_K: words 0 (d | dmin), 1..3 (12 bytes of 6-bit scales and mins), 4..35 (nibbles) of each 144-byte
     super-block. Word 4 + c * 8 + i, byte k, holds value c * 64 + i * 4 + k (low nibble, sub-block 2c) and
-    c * 64 + 32 + i * 4 + k (high nibble, sub-block 2c + 1). Nibbles become bytes 0x80 | q << 3: f = 1 + q / 16."""
+    c * 64 + 32 + i * 4 + k (high nibble, sub-block 2c + 1). Nibbles q become bytes q << 3 and f = 0.5 + q / 32,
+    so a sub-block's sum of q * x is 32 * (F - X / 2)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
-    m = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    m = tl.program_id(2)
     n_mask = rows < N
-    m_mask = m < M
-    x_row = m * stride_xm
+    x_row = x_ptr + m * stride_xm
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     chunk = tl.arange(0, 4)
     word = chunk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8]: word of chunk c, position i
     column = chunk[:, None] * 64 + tl.arange(0, 8)[None, :] * 4  # [4, 8]: the value of byte 0's low nibble
     shift = (chunk[None, :] % 2) * 16
-    acc = tl.zeros((ROWS, BLOCK_N, 4), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 4), dtype=tl.float32)
     first = split * steps_per_split
     for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start + step * 36  # [BLOCK_N]
@@ -136,20 +145,20 @@ def q4_k_gemv_kernel(
         s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
         s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
         s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
-        low = ((quants << 3) & 0x78787878) | BYTE_TOPS  # [BLOCK_N, 4, 8]: bytes 0x80 | q << 3 of sub-block 2c
-        high = ((quants >> 1) & 0x78787878) | BYTE_TOPS  # sub-block 2c + 1
-        f_low = tl.zeros((ROWS, BLOCK_N, 4, 8), dtype=tl.float32)
-        f_high = tl.zeros((ROWS, BLOCK_N, 4, 8), dtype=tl.float32)
-        x_low = tl.zeros((ROWS, 4, 8), dtype=tl.float32)
-        x_high = tl.zeros((ROWS, 4, 8), dtype=tl.float32)
+        low = (quants << 3) & 0x78787878  # [BLOCK_N, 4, 8]: bytes q << 3 of sub-block 2c
+        high = (quants >> 1) & 0x78787878  # sub-block 2c + 1
+        f_low = tl.zeros((BLOCK_N, 4, 8), dtype=tl.float32)
+        f_high = tl.zeros((BLOCK_N, 4, 8), dtype=tl.float32)
+        x_low = tl.zeros((4, 8), dtype=tl.float32)
+        x_high = tl.zeros((4, 8), dtype=tl.float32)
         for k in tl.static_range(4):
-            xv = _x_rows(x_ptr, order_ptr, x_row, m_mask, step * 256 + column + k, HAS_ORDER)  # [ROWS, 4, 8]
-            f_low += byte_as_float(low, k, PRMT)[None] * xv[:, None, :, :]
+            xv = _x_at(x_row, order_ptr, step * 256 + column + k, HAS_ORDER)
+            f_low += byte_as_float(low, k, half_exponent, PRMT) * xv[None, :, :]
             x_low += xv
-            xv = _x_rows(x_ptr, order_ptr, x_row, m_mask, step * 256 + column + 32 + k, HAS_ORDER)
-            f_high += byte_as_float(high, k, PRMT)[None] * xv[:, None, :, :]
+            xv = _x_at(x_row, order_ptr, step * 256 + column + 32 + k, HAS_ORDER)
+            f_high += byte_as_float(high, k, half_exponent, PRMT) * xv[None, :, :]
             x_high += xv
-        d = half_bits(head) * 16.0
+        d = half_bits(head) * 32.0
         dmin = half_bits(head >> 16)
         # sub-block j's 6-bit scale and min: j < 4 in bytes j of s0 / s1, j >= 4 split over s2 and the top bits
         sc_word = tl.where(
@@ -160,15 +169,15 @@ def q4_k_gemv_kernel(
             (s1 & 0x3F3F3F3F)[:, None],
             (((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030))[:, None],
         )  # [BLOCK_N, 4]: bytes of sub-blocks 2c, 2c + 1 at (c % 2) * 2
-        scale_low = (d[:, None] * as_float((sc_word >> shift) & 0xFF))[None]  # [1, BLOCK_N, 4]
-        scale_high = (d[:, None] * as_float((sc_word >> (shift + 8)) & 0xFF))[None]
-        min_low = (dmin[:, None] * as_float((min_word >> shift) & 0xFF))[None]
-        min_high = (dmin[:, None] * as_float((min_word >> (shift + 8)) & 0xFF))[None]
-        sums_low = tl.sum(x_low, axis=2)[:, None, :]  # [ROWS, 1, 4]
-        sums_high = tl.sum(x_high, axis=2)[:, None, :]
-        acc += scale_low * (tl.sum(f_low, axis=3) - sums_low) - min_low * sums_low
-        acc += scale_high * (tl.sum(f_high, axis=3) - sums_high) - min_high * sums_high
-    _store_rows(part_ptr, out_ptr, tl.sum(acc, axis=2), m, m_mask, rows, n_mask, split, M, N, stride_om)
+        sums_low = tl.sum(x_low, axis=1)[None, :]  # [1, 4]
+        sums_high = tl.sum(x_high, axis=1)[None, :]
+        scale_low = d[:, None] * as_float((sc_word >> shift) & 0xFF)  # [BLOCK_N, 4]
+        scale_high = d[:, None] * as_float((sc_word >> (shift + 8)) & 0xFF)
+        min_low = dmin[:, None] * as_float((min_word >> shift) & 0xFF)
+        min_high = dmin[:, None] * as_float((min_word >> (shift + 8)) & 0xFF)
+        acc += scale_low * (tl.sum(f_low, axis=2) - 0.5 * sums_low) - min_low * sums_low
+        acc += scale_high * (tl.sum(f_high, axis=2) - 0.5 * sums_high) - min_high * sums_high
+    _store_row(part_ptr, out_ptr, tl.sum(acc, axis=1), rows, n_mask, split, m, M, N, stride_om)
 
 
 @triton.jit
@@ -186,29 +195,28 @@ def q6_k_gemv_kernel(
     stride_om,
     steps,
     steps_per_split,
+    half_exponent,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
     PRMT: tl.constexpr,
 ):
     """Q6_K: 210-byte super-blocks of 128 bytes of low nibbles (ql), 64 bytes of high bit pairs (qh), 16 int8
     scales and an fp16 d, read as 16-bit words (the blocks are 2-byte aligned). For half h, quarter q and
     position l < 32, value h * 128 + q * 32 + l is ql[h * 64 + (q % 2) * 32 + l] nibble q // 2 with
     bits 2q..2q+1 of qh[h * 32 + l] on top, minus 32, times scale h * 8 + q * 2 + l // 16. The 6-bit values v
-    become bytes 0x80 | v << 1: f = 1 + v / 64, and a scale group's sum of (v - 32) * x is 64 * (F - 1.5 * X)."""
+    become bytes v << 1 and f = 0.5 + v / 128, so a scale group's sum of (v - 32) * x is 128 * (F - 0.75 * X)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
-    m = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    m = tl.program_id(2)
     n_mask = rows < N
-    m_mask = m < M
-    x_row = m * stride_xm
     mask4 = n_mask[:, None, None, None]
+    x_row = x_ptr + m * stride_xm
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
     half = tl.arange(0, 2)[:, None, None]
     group = tl.arange(0, 2)[None, :, None]
     pair = group * 8 + tl.arange(0, 8)[None, None, :]  # [2, 2, 8]: 16-bit word p = g * 8 + p' of a half
     scale_slot = tl.arange(0, 2)[:, None] * 8 + tl.arange(0, 2)[None, :]  # [2, 2]: h * 8 + g
-    acc = tl.zeros((ROWS, BLOCK_N, 2, 2), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 2, 2), dtype=tl.float32)
     first = split * steps_per_split
     for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start + step * 210  # [BLOCK_N] bytes
@@ -216,33 +224,32 @@ def q6_k_gemv_kernel(
         low0 = tl.load(w16_ptr + half_words + half * 32 + pair, mask=mask4, other=0).to(tl.int32)
         low1 = tl.load(w16_ptr + half_words + half * 32 + 16 + pair, mask=mask4, other=0).to(tl.int32)
         high = tl.load(w16_ptr + half_words + 64 + half * 16 + pair, mask=mask4, other=0).to(tl.int32)
-        d = half_bits(tl.load(w16_ptr + block // 2 + 104, mask=n_mask, other=0).to(tl.int32)) * 64.0
+        d = half_bits(tl.load(w16_ptr + block // 2 + 104, mask=n_mask, other=0).to(tl.int32)) * 128.0
         for q in tl.static_range(4):
             if q % 2 == 0:
-                nibbles = (low0 >> (4 * (q // 2))) & 0x0F0F
+                nibbles = ((low0 << 1) >> (4 * (q // 2))) & 0x1E1E
             else:
-                nibbles = (low1 >> (4 * (q // 2))) & 0x0F0F
+                nibbles = ((low1 << 1) >> (4 * (q // 2))) & 0x1E1E
             if q == 0:
-                top = (high << 4) & 0x3030
+                top = (high << 5) & 0x6060
             elif q == 1:
-                top = (high << 2) & 0x3030
+                top = (high << 3) & 0x6060
             elif q == 2:
-                top = high & 0x3030
+                top = (high << 1) & 0x6060
             else:
-                top = (high >> 2) & 0x3030
-            six = ((nibbles | top) << 1) | 0x8080  # [BLOCK_N, 2, 2, 8]: two bytes 0x80 | v << 1
-            products = tl.zeros((ROWS, BLOCK_N, 2, 2, 8), dtype=tl.float32)
-            x_sum = tl.zeros((ROWS, 2, 2, 8), dtype=tl.float32)
+                top = (high >> 1) & 0x6060
+            six = nibbles | top  # [BLOCK_N, 2, 2, 8]: two bytes v << 1
+            products = tl.zeros((BLOCK_N, 2, 2, 8), dtype=tl.float32)
+            x_sum = tl.zeros((2, 2, 8), dtype=tl.float32)
             for b in tl.static_range(2):
-                positions = step * 256 + half * 128 + q * 32 + pair * 2 + b
-                xv = _x_rows(x_ptr, order_ptr, x_row, m_mask, positions, HAS_ORDER)  # [ROWS, 2, 2, 8]
-                products += byte_as_float(six, b, PRMT)[None] * xv[:, None, :, :, :]
+                xv = _x_at(x_row, order_ptr, step * 256 + half * 128 + q * 32 + pair * 2 + b, HAS_ORDER)
+                products += byte_as_float(six, b, half_exponent, PRMT) * xv[None, :, :, :]
                 x_sum += xv
             scale_at = block[:, None, None] + 192 + scale_slot[None, :, :] + q * 2
             scale = tl.load(w_ptr + scale_at, mask=n_mask[:, None, None], other=0).to(tl.int8, bitcast=True)
-            sums = tl.sum(x_sum, axis=3)[:, None, :, :]  # [ROWS, 1, 2, 2]
-            acc += (d[:, None, None] * scale.to(tl.float32))[None] * (tl.sum(products, axis=4) - 1.5 * sums)
-    _store_rows(part_ptr, out_ptr, tl.sum(tl.sum(acc, axis=3), axis=2), m, m_mask, rows, n_mask, split, M, N, stride_om)
+            sums = tl.sum(x_sum, axis=2)[None, :, :]  # [1, 2, 2]
+            acc += (d[:, None, None] * scale.to(tl.float32)) * (tl.sum(products, axis=3) - 0.75 * sums)
+    _store_row(part_ptr, out_ptr, tl.sum(tl.sum(acc, axis=2), axis=1), rows, n_mask, split, m, M, N, stride_om)
 
 
 @triton.jit
@@ -259,9 +266,9 @@ def q8_0_gemv_kernel(
     stride_om,
     steps,
     steps_per_split,
+    biased_exponent,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
     PRMT: tl.constexpr,
 ):
     """Q8_0: 34-byte blocks of an fp16 d and 32 int8 quants, read as 16-bit words, eight blocks (256 values)
@@ -269,28 +276,27 @@ def q8_0_gemv_kernel(
     2**23 + q + 128 (`byte_as_biased_float`), from which one subtraction gives q exactly."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
-    m = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    m = tl.program_id(2)
     n_mask = rows < N
-    m_mask = m < M
-    x_row = m * stride_xm
+    x_row = x_ptr + m * stride_xm
     row_start = rows.to(tl.int64) * row_halves  # [BLOCK_N] 16-bit words
     block_of_step = tl.arange(0, 8)
     blocks = block_of_step[:, None]
     word = tl.arange(0, 16)[None, :]
-    acc = tl.zeros((ROWS, BLOCK_N, 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
     first = split * steps_per_split
     for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start[:, None] + step * 136 + block_of_step[None, :] * 17  # [BLOCK_N, 8]
         quants = tl.load(w16_ptr + block[:, :, None] + 1 + word[None, :, :], mask=n_mask[:, None, None], other=0)
         biased = quants.to(tl.int32) ^ 0x8080  # [BLOCK_N, 8, 16]: two bytes q + 128
         d = half_bits(tl.load(w16_ptr + block, mask=n_mask[:, None], other=0).to(tl.int32))  # [BLOCK_N, 8]
-        products = tl.zeros((ROWS, BLOCK_N, 8, 16), dtype=tl.float32)
+        products = tl.zeros((BLOCK_N, 8, 16), dtype=tl.float32)
         for b in tl.static_range(2):
-            xv = _x_rows(x_ptr, order_ptr, x_row, m_mask, step * 256 + blocks * 32 + word * 2 + b, HAS_ORDER)
-            q = byte_as_biased_float(biased, b, PRMT) - 8388736.0  # 2**23 + 128
-            products += q[None] * xv[:, None, :, :]
-        acc += d[None] * tl.sum(products, axis=3)
-    _store_rows(part_ptr, out_ptr, tl.sum(acc, axis=2), m, m_mask, rows, n_mask, split, M, N, stride_om)
+            xv = _x_at(x_row, order_ptr, step * 256 + blocks * 32 + word * 2 + b, HAS_ORDER)
+            q = byte_as_biased_float(biased, b, biased_exponent, PRMT) - 8388736.0  # 2**23 + 128
+            products += q * xv[None, :, :]
+        acc += d * tl.sum(products, axis=2)
+    _store_row(part_ptr, out_ptr, tl.sum(acc, axis=1), rows, n_mask, split, m, M, N, stride_om)
 
 
 @triton.jit

@@ -31,6 +31,8 @@ from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, STEP, _q4_k_half_ch
 
 # Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PRMT = not INTERPRETED  # the CUDA-core products' byte permutes as PTX (the interpreter takes shifts and masks)
+HALF, BIASED = quant_gemv.HALF_EXPONENT, quant_gemv.BIASED_EXPONENT
 MAX_ROWS = 64
 
 
@@ -155,15 +157,13 @@ def _store_tile(part_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, split, M, N, s
 class Launch:
     """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores), weight
     rows per program, how many shares the input dimension is split into, warps per program, for Q4_K tiles
-    whether a chunk's two sub-blocks make one K = 64 product, and for "gemv" how many rows of x a program
-    takes (the unpacking of each weight is shared by them)."""
+    whether a chunk's two sub-blocks make one K = 64 product."""
 
     family: str
     block_n: int
     split_k: int
     num_warps: int = 4
     paired: bool = True
-    rows: int = 1
 
 
 # block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken
@@ -196,19 +196,18 @@ def _segment_matmul(
     tail = (x.stride(0), out.stride(0), steps, per_share)
     common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps}
     if launch.family == "gemv":
-        rows = {"ROWS": launch.rows, "PRMT": not INTERPRETED}
-        gemv_grid = (*grid, triton.cdiv(m, launch.rows))
+        gemv_grid = (*grid, m)
         if qtype == "Q4_K":
             quant_gemv.q4_k_gemv_kernel[gemv_grid](
-                x, order, data.view(torch.int32), parts, out, m, n, n_bytes // 4, *tail, **rows, **common
+                x, order, data.view(torch.int32), parts, out, m, n, n_bytes // 4, *tail, HALF, PRMT=PRMT, **common
             )
         elif qtype == "Q6_K":
             quant_gemv.q6_k_gemv_kernel[gemv_grid](
-                x, order, data, data.view(torch.int16), parts, out, m, n, n_bytes, *tail, **rows, **common
+                x, order, data, data.view(torch.int16), parts, out, m, n, n_bytes, *tail, HALF, PRMT=PRMT, **common
             )
         else:
             quant_gemv.q8_0_gemv_kernel[gemv_grid](
-                x, order, data.view(torch.int16), parts, out, m, n, n_bytes // 2, *tail, **rows, **common
+                x, order, data.view(torch.int16), parts, out, m, n, n_bytes // 2, *tail, BIASED, PRMT=PRMT, **common
             )
     else:
         tile = {"BLOCK_M": max(16, triton.next_power_of_2(m)), "IEEE": x.dtype == torch.float32 or INTERPRETED}
