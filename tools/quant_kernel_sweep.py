@@ -34,7 +34,7 @@ def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
     splits = (1, 4) if quick else (1, 2, 4, 8)
     out = []
     if rows <= GEMV_ROWS:
-        gemvs = itertools.product((16, 32, 64, 128), splits, (2, 4, 8))
+        gemvs = itertools.product((16, 32, 64, 128), (4, 8) if quick else (4, 8, 16), (2, 4, 8))
         out += [Launch("gemv", n, s, w) for n, s, w in gemvs]
     if rows == 1:  # tensor-core tiles pad one row to 16: never the fastest
         return out

@@ -216,7 +216,7 @@ def q6_k_gemv_kernel(
     group = tl.arange(0, 2)[None, :, None]
     pair = group * 8 + tl.arange(0, 8)[None, None, :]  # [2, 2, 8]: 16-bit word p = g * 8 + p' of a half
     scale_slot = tl.arange(0, 2)[:, None] * 8 + tl.arange(0, 2)[None, :]  # [2, 2]: h * 8 + g
-    acc = tl.zeros((BLOCK_N, 2, 2), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 2, 2, 8), dtype=tl.float32)
     first = split * steps_per_split
     for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start + step * 210  # [BLOCK_N] bytes
@@ -239,17 +239,20 @@ def q6_k_gemv_kernel(
             else:
                 top = (high >> 1) & 0x6060
             six = nibbles | top  # [BLOCK_N, 2, 2, 8]: two bytes v << 1
-            products = tl.zeros((BLOCK_N, 2, 2, 8), dtype=tl.float32)
-            x_sum = tl.zeros((2, 2, 8), dtype=tl.float32)
-            for b in tl.static_range(2):
-                xv = _x_at(x_row, order_ptr, step * 256 + half * 128 + q * 32 + pair * 2 + b, HAS_ORDER)
-                products += byte_as_float(six, b, half_exponent, PRMT) * xv[None, :, :, :]
-                x_sum += xv
+            position = step * 256 + half * 128 + q * 32 + pair * 2
+            x0 = _x_at(x_row, order_ptr, position, HAS_ORDER)  # [2, 2, 8]
+            x1 = _x_at(x_row, order_ptr, position + 1, HAS_ORDER)
+            products = (
+                byte_as_float(six, 0, half_exponent, PRMT) * x0[None]
+                + byte_as_float(six, 1, half_exponent, PRMT) * x1[None]
+            )
             scale_at = block[:, None, None] + 192 + scale_slot[None, :, :] + q * 2
             scale = tl.load(w_ptr + scale_at, mask=n_mask[:, None, None], other=0).to(tl.int8, bitcast=True)
-            sums = tl.sum(x_sum, axis=2)[None, :, :]  # [1, 2, 2]
-            acc += (d[:, None, None] * scale.to(tl.float32)) * (tl.sum(products, axis=3) - 0.75 * sums)
-    _store_row(part_ptr, out_ptr, tl.sum(tl.sum(acc, axis=2), axis=1), rows, n_mask, split, m, M, N, stride_om)
+            # each thread keeps its own partial sums; they are added across the pairs once, at the end
+            acc += (d[:, None, None] * scale.to(tl.float32))[:, :, :, None] * (products - 0.75 * (x0 + x1)[None])
+    _store_row(
+        part_ptr, out_ptr, tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1), rows, n_mask, split, m, M, N, stride_om
+    )
 
 
 @triton.jit
@@ -283,20 +286,22 @@ def q8_0_gemv_kernel(
     block_of_step = tl.arange(0, 8)
     blocks = block_of_step[:, None]
     word = tl.arange(0, 16)[None, :]
-    acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 8, 16), dtype=tl.float32)
     first = split * steps_per_split
     for step in range(first, tl.minimum(first + steps_per_split, steps)):
         block = row_start[:, None] + step * 136 + block_of_step[None, :] * 17  # [BLOCK_N, 8]
         quants = tl.load(w16_ptr + block[:, :, None] + 1 + word[None, :, :], mask=n_mask[:, None, None], other=0)
         biased = quants.to(tl.int32) ^ 0x8080  # [BLOCK_N, 8, 16]: two bytes q + 128
         d = half_bits(tl.load(w16_ptr + block, mask=n_mask[:, None], other=0).to(tl.int32))  # [BLOCK_N, 8]
-        products = tl.zeros((BLOCK_N, 8, 16), dtype=tl.float32)
-        for b in tl.static_range(2):
-            xv = _x_at(x_row, order_ptr, step * 256 + blocks * 32 + word * 2 + b, HAS_ORDER)
-            q = byte_as_biased_float(biased, b, biased_exponent, PRMT) - 8388736.0  # 2**23 + 128
-            products += q * xv[None, :, :]
-        acc += d * tl.sum(products, axis=2)
-    _store_row(part_ptr, out_ptr, tl.sum(acc, axis=1), rows, n_mask, split, m, M, N, stride_om)
+        position = step * 256 + blocks * 32 + word * 2
+        q0 = byte_as_biased_float(biased, 0, biased_exponent, PRMT) - 8388736.0  # 2**23 + 128
+        q1 = byte_as_biased_float(biased, 1, biased_exponent, PRMT) - 8388736.0
+        products = (
+            q0 * _x_at(x_row, order_ptr, position, HAS_ORDER)[None]
+            + q1 * _x_at(x_row, order_ptr, position + 1, HAS_ORDER)[None]
+        )
+        acc += d[:, :, None] * products  # each thread's partial sums, added across the words once, at the end
+    _store_row(part_ptr, out_ptr, tl.sum(tl.sum(acc, axis=2), axis=1), rows, n_mask, split, m, M, N, stride_om)
 
 
 @triton.jit

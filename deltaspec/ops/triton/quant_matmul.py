@@ -168,8 +168,12 @@ class Launch:
 
 # block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken
 LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
-    "Q4_K": ((1, Launch("gemv", 64, 8)), (16, Launch("tile", 128, 4)), (MAX_ROWS, Launch("tile", 32, 4, paired=False))),
-    "Q6_K": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
+    "Q4_K": (
+        (1, Launch("gemv", 64, 8, 2)),
+        (16, Launch("tile", 128, 4)),
+        (MAX_ROWS, Launch("tile", 32, 4, paired=False)),
+    ),
+    "Q6_K": ((1, Launch("gemv", 32, 8, 2)), (MAX_ROWS, Launch("tile", 32, 4))),
     "Q8_0": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
 }
 FINISH_BLOCK = 1024
