@@ -7,21 +7,27 @@ time) next to bf16 `F.linear` on a matrix of the same shape; also the one-pass d
 products take (`quant_dequant`, bandwidth counting the blocks read and the bf16 matrix written). Prints the
 best launch per (type, shape, rows) and writes everything as JSON to the path given (or stdout).
 
-    python tools/quant_kernel_sweep.py OUT.json [--quick] [--rows=1,2,4]
+`--table` instead times the launches the table (`LAUNCHES`) routes each product to as decode runs them: in a
+CUDA graph (`do_bench_cudagraph`, no launch overhead), each call reading the next of enough copies of the
+weight that they exceed twice the L2 cache, so every call reads its blocks from DRAM, next to bf16 `F.linear`
+timed the same way.
+
+    python tools/quant_kernel_sweep.py OUT.json [--quick] [--rows=1,2,4] [--table]
 """
 
+import functools
 import itertools
 import json
 import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as reference
 from deltaspec.ops.triton.quant_dequant import dequantize
-from deltaspec.ops.triton.quant_matmul import Launch, quantized_linear
+from deltaspec.ops.triton.quant_matmul import Launch, launch_for, quantized_linear
 from tests.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
@@ -53,11 +59,62 @@ def dequantize_timing(qtype: str, name: str, weight: QuantizedWeight) -> dict:
     return {"qtype": qtype, "shape": name, "dequantize_ms": ms, "gb_s": moved / ms / 1e6}
 
 
+def copies_past_l2(nbytes: int) -> int:
+    """How many copies of an operand of `nbytes` exceed twice the L2 cache together."""
+    return 2 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes + 1
+
+
+def graph_timed(operands: list, call) -> float:
+    """Median ms of `call(operand)` in a CUDA graph, each call taking the next of `operands`."""
+    turn = itertools.cycle(operands)
+    return do_bench_cudagraph(lambda: call(next(turn)), rep=30)
+
+
+def table_timings(row_counts: tuple[int, ...]) -> list[dict]:
+    """The routed product of each type, shape and row count against bf16, each timed by `graph_timed` over
+    copies of the weight that exceed twice the L2."""
+    records = []
+    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+        for name, (n_out, n_in) in SHAPES.items():
+            blocks = random_weight(qtype, n_out, n_in, 0)
+            weights = [QuantizedWeight([(qtype, blocks)], n_in).cuda() for _ in range(copies_past_l2(blocks.numel()))]
+            dense = [
+                torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16)
+                for _ in range(copies_past_l2(n_out * n_in * 2))
+            ]
+            for m in row_counts:
+                x = torch.randn(m, n_in, device="cuda", dtype=torch.bfloat16)
+                ms = graph_timed(weights, functools.partial(quantized_linear, x))
+                bf16_ms = graph_timed(dense, functools.partial(F.linear, x))
+                record = {
+                    "qtype": qtype,
+                    "shape": name,
+                    "rows": m,
+                    "launch": launch_for(qtype, m).__dict__,
+                    "us": ms * 1e3,
+                    "gb_s": blocks.numel() / ms / 1e6,
+                    "bf16_us": bf16_ms * 1e3,
+                    "bf16_gb_s": n_out * n_in * 2 / bf16_ms / 1e6,
+                }
+                print(json.dumps(record), file=sys.stderr, flush=True)
+                records.append(record)
+            del weights, dense
+    return records
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     rows_flag = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rows=")), None)
     row_counts = tuple(int(r) for r in rows_flag.split(",")) if rows_flag else ROWS
     path = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
+    if "--table" in sys.argv:
+        report = {"device": torch.cuda.get_device_name(), "table": table_timings(row_counts)}
+        text = json.dumps(report, indent=1)
+        if path:
+            open(path, "w").write(text + "\n")
+        else:
+            print(text)
+        return
     results, best, dequantized = [], [], []
     for qtype in ("Q4_K", "Q6_K", "Q8_0"):
         for name, (n_out, n_in) in SHAPES.items():
