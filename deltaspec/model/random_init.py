@@ -20,7 +20,7 @@ from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
-from deltaspec.model.random_quant import quantize_random, quantized_config, tensor_types
+from deltaspec.model.random_quant import quantized_config, random_blocks, tensor_types
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.weight import QuantizedWeight
 
@@ -33,6 +33,15 @@ ZERO_CENTRED_NORMS = (
     "norm_embedding.weight",
     "norm_hidden.weight",
 )
+
+
+def matrix_std(name: str, shape: torch.Size, config: ModelConfig) -> float:
+    """The standard deviation a weight matrix is drawn with (see the module docstring)."""
+    if name.endswith("embed_tokens.weight"):
+        return 0.02
+    if name.endswith(OUTPUT_PROJECTIONS):
+        return 1 / math.sqrt(shape[-1] * 2 * config.num_hidden_layers)
+    return 1 / math.sqrt(shape[-1])  # input projections, LM head, router, MTP fc, experts' gate_up
 
 
 def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, gen: torch.Generator) -> None:
@@ -51,12 +60,8 @@ def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, 
         out.uniform_(-bound, bound, generator=gen)
     elif name.endswith(".bias") or name.endswith(ZERO_CENTRED_NORMS):
         out.zero_()
-    elif name.endswith("embed_tokens.weight"):
-        out.normal_(0.0, 0.02, generator=gen)
-    elif name.endswith(OUTPUT_PROJECTIONS):
-        out.normal_(0.0, 1 / math.sqrt(shape[-1] * 2 * config.num_hidden_layers), generator=gen)
-    elif len(shape) >= 2:  # input projections, LM head, router, MTP fc, experts' gate_up
-        out.normal_(0.0, 1 / math.sqrt(shape[-1]), generator=gen)
+    elif len(shape) >= 2:
+        out.normal_(0.0, matrix_std(name, shape, config), generator=gen)
     else:
         raise DeltaspecError(f"No random init is defined for parameter {name} {list(shape)}.")
 
@@ -72,8 +77,10 @@ def random_model(
     quant: str | None = None,
 ) -> HybridModel:
     """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint (the
-    shape's MTP head only `with_mtp`); with `quant`, each weight matrix is drawn in float32 and quantized to the
-    type `random_quant.tensor_types` gives it as soon as it is drawn, so the float model never exists whole (and
+    shape's MTP head only `with_mtp`); with `quant`, each weight matrix becomes blocks of the type
+    `random_quant.tensor_types` gives it, distributed like its normal init quantized (`random_quant.random_blocks`:
+    blocks drawn from a pool of quantized unit-normal blocks, their scales multiplied by the matrix's std), so the
+    float model never exists whole (and
     Qwen3-Next's GDN projections are separate, as a GGUF file's load)."""
     if quant:
         config = quantized_config(config)
@@ -86,14 +93,15 @@ def random_model(
     modules = dict(model.named_modules())
     weights = {}
     params = [(n, p) for n, p in model.named_parameters() if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    pools = {}  # quantized unit-normal blocks per type (`random_blocks`)
     for name, param in tqdm(params, desc="Random weights", unit="tensor", disable=not progress):
-        drawn = torch.empty(param.shape, dtype=torch.float32 if name in types else dtype, device=device)
-        _draw(name, param.shape, config, drawn, gen)
         if name in types:
             module_name, _, attribute = name.rpartition(".")
-            set_weight(modules[module_name], attribute, quantize_random(drawn, types[name]))
+            std = matrix_std(name, param.shape, config)
+            set_weight(modules[module_name], attribute, random_blocks(param.shape, types[name], std, gen, pools))
         else:
-            weights[name] = drawn
+            weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
+            _draw(name, param.shape, config, weights[name], gen)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in types:
         set_weight(model.lm_head, "weight", model.model.embed_tokens.weight)
     elif config.tie_word_embeddings:

@@ -44,6 +44,8 @@ GGUF_SUFFIXES = {  # deltaspec parameter (within a layer) -> the GGUF tensor lla
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+POOL_BLOCKS = 1024  # quantized unit-normal blocks per type that `random_blocks` draws from
+HALF_SCALES = ("d", "dmin", "m")  # float16 block fields each value of the block is linear in
 MTP_FC = "mtp.fc.weight"
 
 
@@ -93,12 +95,28 @@ def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str)
     return {named[gguf]: qtype for gguf, qtype in chosen.items() if not format_of(qtype).is_float}
 
 
-def quantize_random(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
-    """A drawn float32 weight ([rows, cols], or [experts, rows, cols] one expert at a time) as `qtype` blocks."""
-    if weight.dim() == 2:
-        return QuantizedWeight([(qtype, quantize(weight, qtype))], weight.shape[-1])
-    blocks = torch.stack([quantize(expert, qtype) for expert in weight])  # [E, rows, row_bytes]
-    return QuantizedWeight([(qtype, blocks)], weight.shape[-1])
+def random_blocks(
+    shape: torch.Size, qtype: str, std: float, gen: torch.Generator, pools: dict[str, torch.Tensor]
+) -> QuantizedWeight:
+    """A [rows, cols] (or [experts, rows, cols]) weight of `qtype` blocks distributed like N(0, std²) quantized:
+    each block is drawn from a pool of POOL_BLOCKS quantized N(0, 1) blocks (`pools`, quantized once per type
+    with the exact quantizer, on `gen`'s device) and its float16 scales are multiplied by `std` (the values are
+    linear in them, and the k-quant search is scale-invariant). Quantizing every drawn value instead takes about
+    a minute for a 27B shape on an H200 (the k-quant search costs ~1 us per value on a CPU core)."""
+    fmt = format_of(qtype)
+    if qtype not in pools:
+        unit = torch.randn(POOL_BLOCKS, fmt.block_size, generator=gen, device=gen.device)  # one block per row
+        pools[qtype] = quantize(unit, qtype)  # [POOL_BLOCKS, type_size]
+    rows, per_row = math.prod(shape[:-1]), shape[-1] // fmt.block_size
+    picks = torch.randint(0, POOL_BLOCKS, (rows * per_row,), generator=gen, device=gen.device)
+    blocks = pools[qtype][picks]  # [rows * per_row, type_size]
+    offset = 0
+    for name, size in fmt.fields:
+        if name in HALF_SCALES:
+            scale = blocks[:, offset : offset + 2].contiguous().view(torch.float16).float() * std
+            blocks[:, offset : offset + 2] = scale.to(torch.float16).view(torch.uint8)
+        offset += size
+    return QuantizedWeight([(qtype, blocks.view(*shape[:-1], per_row * fmt.type_size))], shape[-1])
 
 
 def quantized_bytes(shape: torch.Size, qtype: str) -> int:
