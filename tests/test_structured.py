@@ -128,7 +128,7 @@ def test_regex_choice_grammar_and_json_object_hold(block_dir):
     assert all(isinstance(json.loads(o.outputs[0].text), dict) for o in objects)
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+@pytest.mark.parametrize("speculative", ["ngram", "draft", "block"])
 def test_constrained_speculative_sampling_keeps_the_constrained_distribution(speculative, block_dir):
     """Rejection sampling against the masked target distribution is lossless: the choice made under a constraint
     has the same law with and without drafts (two-sample chi-square, p = 0.001)."""
@@ -185,10 +185,11 @@ def test_the_mask_allows_exactly_the_constraints_tokens():
     assert all("yes".startswith(t) or "no".startswith(t) for t in texts)
 
 
-@pytest.mark.parametrize("speculative", ["draft", "mtp"])
+@pytest.mark.parametrize("speculative", ["draft", "mtp", "block"])
 def test_token_by_token_drafters_follow_the_constraint(speculative, block_dir):
-    """The draft model and MTP mask each draft position with the constraint, so none of their drafts is cut; the
-    Speculator then puts the constraint back where the output stands."""
+    """The draft model, MTP and the block drafter mask each draft position with the constraint (the block drafter
+    after computing the whole block), so none of their drafts is cut; the Speculator then puts the constraint back
+    where the output stands."""
     from deltaspec.spec.drafter import DraftRequest
 
     llm = engine(speculative, block_dir)

@@ -8,8 +8,11 @@ target's row n - 1 gave the last sampled token t_n), it runs the block [t_n, mas
 n..n+B-1 against that context, batched over sequences; block position i predicts the token at n + i. Greedy
 requests take the argmax at each position; sampled ones draw each position from its own processed distribution
 q_i with a per-sequence seeded generator (the positions are drawn independently, which rejection sampling
-allows: each token comes from the q it reports). The block's own keys and values are never stored, so rejected
-drafts leave nothing to undo; a rollback (`on_commit` with a shorter context) cuts the context.
+allows: each token comes from the q it reports). A request under a structured-output constraint picks its
+positions one after another, each masked by the constraint stepped past the drafts before it (as the draft
+model and MTP do), so its drafts are never cut for breaking the constraint. The block's own keys and values
+are never stored, so rejected drafts leave nothing to undo; a rollback (`on_commit` with a shorter context)
+cuts the context.
 
 Features arrive as views of the pass's outputs; they are copied on arrival and projected at the next `propose`
 (or once more than `PENDING_ROWS` are waiting), for all waiting sequences in one batch. A sequence that resumed
@@ -186,13 +189,26 @@ class BlockDrafter:
                 )  # [S * B, H]
                 rows = [s * width + i for s, (*_, k) in enumerate(live) for i in range(1, k + 1)]
                 logits = self.target.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [rows, V]
-            flat = [req for req, *_, k in live for _ in range(k)]
-            # all positions at once, so not masked position by position: the Speculator cuts refused drafts
-            tokens, probs = pick_drafts(flat, logits, self.generators, self.seed, self.device, follow_constraints=False)
-            lo = 0
+            spans, lo = [], 0  # (request, its first logits row, draft length)
             for req, *_, k in live:
-                drafts[req.seq_id] = (tokens[lo : lo + k], list(probs[lo : lo + k]))
+                spans.append((req, lo, k))
                 lo += k
+            free = [span for span in spans if span[0].constraint is None]
+            if free:  # every position of every unconstrained block picked at once
+                rows_of = torch.tensor([lo + i for _, lo, k in free for i in range(k)], device=self.device)
+                flat = [req for req, _, k in free for _ in range(k)]
+                tokens, probs = pick_drafts(flat, logits[rows_of], self.generators, self.seed, self.device, False)
+                at = 0
+                for req, _, k in free:
+                    drafts[req.seq_id] = (tokens[at : at + k], list(probs[at : at + k]))
+                    at += k
+            for req, lo, k in spans:
+                if req.constraint is not None:  # position by position, masked by the constraint after the drafts
+                    picked = [
+                        pick_drafts([req], logits[lo + i : lo + i + 1], self.generators, self.seed, self.device, True)
+                        for i in range(k)
+                    ]
+                    drafts[req.seq_id] = ([tokens[0] for tokens, _ in picked], [probs[0] for _, probs in picked])
         return as_drafts(requests, drafts)
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
