@@ -8,7 +8,8 @@ under a fixed exponent (`byte_as_float`), which is multiplied by the matching ac
 sub-block. With F that sum and X the sum of the activations, the sub-block's sum of q * x is
 2**s * (F - X / 2) (the quants sit at the top of the byte so that F - X / 2 keeps most bits); its scale is
 applied once to it, and a k-quant's min once to X (the algebra of `deltaspec.ops.quant.dequant`, in float32,
-within a few float32 roundings of the float64 product). Input programs `grid(2)` take the rows of x one by
+within a few float32 roundings of the float64 product). Q8_0's signed bytes become 2**23 + q + 128 instead
+(`byte_as_biased_float`), from which one subtraction gives q. Input programs `grid(2)` take the rows of x one by
 one, so a few rows re-read the weight from L2. Program `grid(1)` takes super-blocks
 [s * steps_per_split, (s + 1) * steps_per_split) (the last share may be shorter); with several shares the
 partial sums go to a float32 workspace [shares, M, N] that `finish_kernel` reduces in a fixed order.

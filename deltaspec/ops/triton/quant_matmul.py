@@ -156,7 +156,7 @@ def _store_tile(part_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, split, M, N, s
 @dataclass(frozen=True)
 class Launch:
     """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores), weight
-    rows per program, how many shares the input dimension is split into, warps per program, for Q4_K tiles
+    rows per program, how many shares the input dimension is split into, warps per program, and for Q4_K tiles
     whether a chunk's two sub-blocks make one K = 64 product."""
 
     family: str
