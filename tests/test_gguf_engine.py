@@ -180,3 +180,19 @@ def test_qwen3_next_with_differently_quantized_qkv_and_gate(tmp_path):
     quantized = forward_in_chunks(llm.engine, PROMPT, [len(PROMPT)])
     dequantize_model(llm.engine.model)
     torch.testing.assert_close(quantized, forward_in_chunks(llm.engine, PROMPT, [len(PROMPT)]), rtol=0, atol=1e-9)
+
+
+def test_a_gguf_draft_model_is_read_once_for_plan_and_load(tmp_path):
+    """The planner and the drafter share one read of a GGUF draft model; a file that changed is read again."""
+    import os
+    import shutil
+
+    from deltaspec.spec.draft_model import draft_checkpoint
+
+    path = tmp_path / "draft.gguf"
+    shutil.copy(fixture("qwen35moe-q8_0"), path)
+    first = draft_checkpoint(path)[2]
+    assert draft_checkpoint(path)[2] is first
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    again = draft_checkpoint(path)[2]
+    assert again is not first and again.config == first.config

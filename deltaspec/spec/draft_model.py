@@ -15,6 +15,7 @@ simply overwritten later.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,21 @@ def draft_checkpoint(path: Path) -> tuple[dict, ModelConfig, Any]:
     """The draft model at `path` (a checkpoint directory or a GGUF file): its raw config, parsed config and, for
     a GGUF file, the file's contents (a `GGUFCheckpoint`; None for a directory)."""
     if path.suffix == ".gguf":
-        from deltaspec.model.gguf_file import read_gguf  # the gguf package is imported only for GGUF files
-
-        checkpoint = read_gguf(path)
+        stat = path.stat()
+        checkpoint = _read_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
         return checkpoint.config, parse_model_config(checkpoint.config), checkpoint
     raw = read_config_json(path)
     return raw, parse_model_config(raw), None
+
+
+@functools.lru_cache(maxsize=1)
+def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
+    """The GGUF file at `path` as it is at (`mtime_ns`, `size`): the memory planner reads a GGUF draft model and
+    the drafter then loads it, so the last file read is kept (parsing a large vocabulary's metadata takes
+    seconds); a file that changed is read again."""
+    from deltaspec.model.gguf_file import read_gguf  # the gguf package is imported only for GGUF files
+
+    return read_gguf(path)
 
 
 class DraftModelDrafter:
