@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 def test_the_q4_k_loop_takes_one_permute_per_weight_value():
     import kernel_sass
 
-    if not os.path.exists(os.path.join(kernel_sass.BIN, "nvdisasm")):
-        pytest.skip("this triton wheel carries no nvdisasm")
+    if not all(os.path.exists(os.path.join(kernel_sass.BIN, tool)) for tool in ("ptxas", "nvdisasm", "cuobjdump")):
+        pytest.skip("this triton wheel carries no ptxas / nvdisasm / cuobjdump")
     compiled = kernel_sass.compile_for_sm90("q4_k", 64, 2)
     loop = kernel_sass.loop_instructions(kernel_sass.run_tool("nvdisasm", compiled.asm["cubin"], "-c"))
     values_per_thread = 64 * 256 // (2 * 32)
