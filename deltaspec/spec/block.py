@@ -189,25 +189,27 @@ class BlockDrafter:
                 )  # [S * B, H]
                 rows = [s * width + i for s, (*_, k) in enumerate(live) for i in range(1, k + 1)]
                 logits = self.target.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [rows, V]
-            spans, lo = [], 0  # (request, its first logits row, draft length)
+            spans, first = [], 0  # (request, its first logits row, draft length)
             for req, *_, k in live:
-                spans.append((req, lo, k))
-                lo += k
+                spans.append((req, first, k))
+                first += k
             free = [span for span in spans if span[0].constraint is None]
             if free:  # every position of every unconstrained block picked at once
-                rows_of = torch.tensor([lo + i for _, lo, k in free for i in range(k)], device=self.device)
+                if len(free) < len(spans):
+                    rows_of = [start + i for _, start, k in free for i in range(k)]
+                    logits_free = logits[torch.tensor(rows_of, device=self.device)]
+                else:
+                    logits_free = logits
                 flat = [req for req, _, k in free for _ in range(k)]
-                tokens, probs = pick_drafts(flat, logits[rows_of], self.generators, self.seed, self.device, False)
+                tokens, probs = pick_drafts(flat, logits_free, self.generators, self.seed, self.device, False)
                 at = 0
                 for req, _, k in free:
                     drafts[req.seq_id] = (tokens[at : at + k], list(probs[at : at + k]))
                     at += k
-            for req, lo, k in spans:
+            for req, start, k in spans:
                 if req.constraint is not None:  # position by position, masked by the constraint after the drafts
-                    picked = [
-                        pick_drafts([req], logits[lo + i : lo + i + 1], self.generators, self.seed, self.device, True)
-                        for i in range(k)
-                    ]
+                    rows_k = [logits[start + i : start + i + 1] for i in range(k)]
+                    picked = [pick_drafts([req], row, self.generators, self.seed, self.device, True) for row in rows_k]
                     drafts[req.seq_id] = ([tokens[0] for tokens, _ in picked], [probs[0] for _, probs in picked])
         return as_drafts(requests, drafts)
 

@@ -26,10 +26,11 @@ The contract, precisely:
       for the draft-length policy and for choosing between drafters; not calibrated
       probabilities unless a drafter documents so. `None` = no opinion.
 
-    * `request.constraint`: the sequence's structured-output state, or None. A drafter that drafts token by token
-      may follow it (the draft model and MTP do): mask each position with `constraint.next_mask()`, then
-      `constraint.draft_step(token)` after picking; the Speculator undoes those steps after `propose`. A drafter
-      that ignores it is still exact: drafts are cut at their first token the constraint refuses.
+    * `request.constraint`: the sequence's structured-output state, or None. A drafter may follow it, picking
+      its draft positions in order (the draft model, MTP and the block drafter do): mask each position with
+      `constraint.next_mask()`, then `constraint.draft_step(token)` after picking; the Speculator undoes those
+      steps after `propose`. A drafter that ignores it is still exact: drafts are cut at their first token the
+      constraint refuses.
 
 `observe(seq_id, first_position, hidden)` (called only when `needs_hidden` is True)
     After every pass, for every sequence the pass committed rows of: `hidden` [n, H] holds the
