@@ -64,9 +64,11 @@ def test_triton_kernels_match_the_references_through_the_whole_model(checkpoints
     torch.testing.assert_close(kernels, reference, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_r2", "qwen3_5_moe_r2"])
 @pytest.mark.parametrize("num_prompts", [1, 3])
-def test_cuda_graph_decoding_gives_the_eager_tokens(checkpoints, num_prompts):
-    path = str(checkpoints["qwen3_5_r2"])
+def test_cuda_graph_decoding_gives_the_eager_tokens(checkpoints, name, num_prompts):
+    """Dense and MoE models: the MoE routing and grouped expert products never read the host, so they replay."""
+    path = str(checkpoints[name])
     prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (5, 40, 130)[:num_prompts]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     graphed = LLM(path, dtype="float32", device="cuda")
@@ -90,6 +92,20 @@ def test_cuda_graph_verify_passes_keep_speculative_output_a_greedy_decode():
     assert sum(count for (_, rows), count in replays.items() if rows > 1) > 0  # verify passes ran as graphs
     assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
     assert_greedy_continuations(LLM(dtype="float32", device="cuda", enforce_eager=True).engine, spec)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe_r2", "qwen3_next_r3_moe"])
+def test_cuda_moe_speculative_output_is_a_greedy_decode_with_graphs(checkpoints, name):
+    """MoE verify passes run as graphs with the grouped expert kernels; the output stays the model's argmax."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ([5, 9, 13] * 9)[:n]} for n in (27, 8)]
+    llm = LLM(str(checkpoints[name]), dtype="float32", device="cuda", speculative="ngram", draft_tokens=5)
+    spec = llm.generate(prompts, params)
+    replays = llm.engine.runner.graphs.replays
+    assert sum(count for (_, rows), count in replays.items() if rows > 1) > 0
+    assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
+    eager = LLM(str(checkpoints[name]), dtype="float32", device="cuda", enforce_eager=True, kernels="reference")
+    assert_greedy_continuations(eager.engine, spec)
 
 
 def test_cuda_reference_path_speculative_output_is_token_identical_in_float64():

@@ -235,10 +235,10 @@ def test_plan_counts_the_outputs_of_every_captured_cuda_graph():
     assert captured_rows(8, 0) == 1 + 2 + 4 + 8 and captured_rows(8, 5) == 15 * (1 + 2 + 4 + 5)
     config = shape_config("qwen3.5-0.8b")
     cuda = EngineConfig(device="cuda", max_num_seqs=8, speculative="ngram", draft_tokens=4)
-    assert graph_rows_of(cuda, config) == 180
-    assert graph_rows_of(replace(cuda, enforce_eager=True), config) == 0
-    assert graph_rows_of(replace(cuda, kernels="reference"), config) == 0
-    assert graph_rows_of(replace(cuda, device="cpu"), config) == 0
+    assert graph_rows_of(cuda) == 180
+    assert graph_rows_of(replace(cuda, enforce_eager=True)) == 0
+    assert graph_rows_of(replace(cuda, kernels="reference")) == 0
+    assert graph_rows_of(replace(cuda, device="cpu")) == 0
     plans = [
         plan_memory(
             config,

@@ -79,7 +79,7 @@ class Engine:
             checkpoint_min_prompt=self.config.prefix_checkpoint_min_prompt,
         )
         self.speculator = self._speculator(drafter, draft_policy, verify_costs)
-        graphs = graph_runner(self.model, self.cache, self.config, self.model_config, progress)
+        graphs = graph_runner(self.model, self.cache, self.config, progress)
         self.runner = Runner(self.model, self.cache.caches, self.config.block_size, self.device, graphs)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self.eos_ids = frozenset(set(self.model_config.eos_token_ids) | tokenizer_eos)

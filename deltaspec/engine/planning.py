@@ -115,7 +115,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
             available=available,
             log_rows=resolved.log_rows,
             checkpoints=_checkpoints(resolved, streams),
-            graph_rows=graph_rows_of(replace(resolved, max_num_seqs=streams), model_config),
+            graph_rows=graph_rows_of(replace(resolved, max_num_seqs=streams)),
             drafter=memory,
             kv_tokens=kv_blocks * resolved.block_size,
             materialized_scores=device.type != "cuda" or resolved.kernels == "reference",

@@ -149,10 +149,13 @@ def engine_drafter(
 
 
 def graph_runner(
-    model: HybridModel, cache: CacheManager, config: EngineConfig, model_config: ModelConfig, progress: bool
+    model: HybridModel, cache: CacheManager, config: EngineConfig, progress: bool
 ) -> CudaGraphRunner | None:
-    """CUDA graphs for decode and verify passes, captured now, where `uses_cuda_graphs` allows them."""
-    if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels, model_config.moe is not None):
+    """CUDA graphs for decode and verify passes, captured now, where `uses_cuda_graphs` allows them and the
+    model's passes never read device values on the host."""
+    if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels):
+        return None
+    if model.syncs_with_host(parse_dtype(config.dtype)):
         return None
     graphs = CudaGraphRunner(
         model,

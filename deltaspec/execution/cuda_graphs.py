@@ -8,7 +8,7 @@ change nothing a real row reads. Every bucket's graph is captured when the engin
 (`capture_all`, as vLLM does: a capture inside a timed step would cost that step hundreds of
 milliseconds) and replayed afterwards with new contents in its static input tensors; between
 replays the host only writes those inputs and reads the outputs. Passes with prompt rows, prompt
-logprobs, or models whose ops sync with the host (mixture-of-experts routing) run eagerly.
+logprobs, or models whose ops sync with the host (MoE experts the kernels do not take) run eagerly.
 """
 
 from __future__ import annotations

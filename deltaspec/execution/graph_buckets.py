@@ -3,7 +3,7 @@ runner (engine/cuda_graphs.py) and the memory planner, which counts the captured
 
 from __future__ import annotations
 
-from deltaspec.config import EngineConfig, ModelConfig
+from deltaspec.config import EngineConfig
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ROW_BUCKETS = (2, 4, 8, 16, 32, 64)
@@ -23,10 +23,10 @@ def row_sizes(log_rows: int) -> list[int]:
     return [1] + (sizes_up_to(log_rows, ROW_BUCKETS) if log_rows > 1 else [])
 
 
-def uses_cuda_graphs(device: str, enforce_eager: bool, kernels: str, moe: bool) -> bool:
-    """On CUDA with the Triton kernels (the references sync with the host), for dense models (MoE routing
-    syncs too), unless eager execution is forced."""
-    return device.split(":")[0] == "cuda" and not enforce_eager and kernels != "reference" and not moe
+def uses_cuda_graphs(device: str, enforce_eager: bool, kernels: str) -> bool:
+    """On CUDA with the Triton kernels (the references sync with the host), unless eager execution is forced.
+    The model may still refuse: `HybridModel.syncs_with_host` (MoE experts the kernels do not take)."""
+    return device.split(":")[0] == "cuda" and not enforce_eager and kernels != "reference"
 
 
 def captured_rows(max_num_seqs: int, log_rows: int) -> int:
@@ -34,8 +34,8 @@ def captured_rows(max_num_seqs: int, log_rows: int) -> int:
     return sum(size * rows for size in batch_sizes(max_num_seqs) for rows in row_sizes(log_rows))
 
 
-def graph_rows_of(config: EngineConfig, model_config: ModelConfig) -> int:
+def graph_rows_of(config: EngineConfig) -> int:
     """`captured_rows` of a resolved engine config, 0 when its passes run eagerly."""
-    if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels, model_config.moe is not None):
+    if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels):
         return 0
     return captured_rows(config.max_num_seqs, config.log_rows)

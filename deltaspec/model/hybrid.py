@@ -14,7 +14,7 @@ from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.config import LINEAR_ATTENTION, ModelConfig
 from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
-from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, make_mlp
+from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, SparseMoE, make_mlp
 from deltaspec.model.mtp import MTPHead
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.norms import compute_dtype
@@ -84,6 +84,11 @@ class HybridModel(nn.Module):
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops
+
+    def syncs_with_host(self, dtype: torch.dtype) -> bool:
+        """Whether a pass in `dtype` reads device values on the host (MoE experts the op table's kernels do not
+        take), which rules out CUDA graphs."""
+        return any(module.syncs_with_host(dtype) for module in self.modules() if isinstance(module, SparseMoE))
 
     def linear_shapes(self) -> dict[tuple[int, int], int]:
         """(out, in) of every weight a pass multiplies by -> how many of them (the MTP head included)."""

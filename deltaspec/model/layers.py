@@ -7,12 +7,11 @@ per pass. `hf_weights()` gives the checkpoint-named weights back as views into t
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaspec.config import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
-from deltaspec.ops.quant.weight import QuantizedWeight, quantized_linear
+from deltaspec.ops.quant.weight import QuantizedWeight
 
 
 def project(ops: OpTable, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
@@ -126,26 +125,13 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, stored fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """Routed experts, stored fused: gate_up_proj [E, 2I, H], down_proj [E, H, I] (or GGUF blocks of those
+    shapes); the op table's `moe_experts` multiplies them."""
 
     def __init__(self, moe: MoEConfig, hidden: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.moe_intermediate_size, hidden))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.moe_intermediate_size))
-
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; top_idx, top_weight [N, k] -> [N, H]."""
-        out = torch.zeros_like(x)
-        for expert in top_idx.unique().tolist():
-            rows, which = torch.where(top_idx == expert)
-            gate, up = _expert_linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = _expert_linear(F.silu(gate) * up, self.down_proj[expert]) * top_weight[rows, which, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
-
-
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    return quantized_linear(x, weight) if isinstance(weight, QuantizedWeight) else F.linear(x, weight)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -166,19 +152,21 @@ class SparseMoE(nn.Module):
     def __init__(self, moe: MoEConfig, hidden: int, ops: OpTable):
         super().__init__()
         self.moe = moe
+        self.ops = ops
         self.gate = Linear(hidden, moe.num_experts, ops)
         self.experts = Experts(moe, hidden)
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(hidden, moe.shared_expert_intermediate_size, ops)
             self.shared_expert_gate = Linear(hidden, 1, ops)
 
+    def syncs_with_host(self, dtype: torch.dtype) -> bool:
+        """Whether a pass in `dtype` reads a device value on the host here (so it cannot run in a CUDA graph)."""
+        return self.ops.moe_experts_sync(dtype, self.experts.gate_up_proj, self.experts.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [N, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        top_weight, top_idx = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)
-        if self.moe.norm_topk_prob:
-            top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
-        out = self.experts(x, top_idx, top_weight.to(x.dtype))
+        weights, experts = self.ops.moe_route(logits, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
+        out = self.ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
         if self.moe.shared_expert_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from deltaspec.ops import activation, attention, conv, gdn, norms, rope
+from deltaspec.ops import activation, attention, conv, gdn, moe, norms, rope
 from deltaspec.ops.quant.weight import quantized_linear
 
 
@@ -29,6 +29,9 @@ class OpTable:
     gated_delta_rule: Callable
     write_kv: Callable
     paged_attention: Callable
+    moe_route: Callable
+    moe_experts: Callable
+    moe_experts_sync: Callable  # whether moe_experts of (dtype, gate_up, down) reads device values on the host
 
 
 REFERENCE = OpTable(
@@ -44,6 +47,9 @@ REFERENCE = OpTable(
     gated_delta_rule=gdn.gated_delta_rule,
     write_kv=attention.write_kv,
     paged_attention=attention.paged_attention,
+    moe_route=moe.route,
+    moe_experts=moe.expert_products,
+    moe_experts_sync=moe.experts_sync,
 )
 
 _BACKENDS: dict[str, dict[str, Callable]] = {}

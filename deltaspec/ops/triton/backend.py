@@ -7,7 +7,7 @@ builds a `deltaspec.ops.gemm_routing.GemmRouter` once the model is loaded and in
 """
 
 from deltaspec.ops.dispatch import register
-from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, norms, quant_matmul, rope
+from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, moe, norms, quant_matmul, rope
 
 KERNELS = {
     "rms_norm": norms.rms_norm,
@@ -21,6 +21,9 @@ KERNELS = {
     "write_kv": attention.write_kv,
     "paged_attention": attention.paged_attention,
     "quantized_linear": quant_matmul.quantized_linear,
+    "moe_route": moe.route,
+    "moe_experts": moe.expert_products,
+    "moe_experts_sync": moe.experts_sync,
 }
 
 for name, kernel in KERNELS.items():

@@ -1,0 +1,105 @@
+"""Mixture-of-experts ops, torch references (the spec): the router's top-k choice, the grouping of (token, slot)
+pairs by expert that the fused expert kernels read, and the routed experts' SwiGLU products.
+
+Rounding points (the kernels keep them): router probabilities in float32 (float64 for float64 logits), the
+chosen weights renormalised there and rounded to the activations' dtype where they scale an expert's output;
+each expert's gate|up product, SiLU, the gated product, the down product and its scaled output rounded to the
+dtype as `F.linear` / `F.silu` would; the top-k outputs of a token summed in float32 (float64) in slot order,
+then rounded once. Nothing here reads a device value on the host except `expert_products`, the readable loop
+over the experts a pass selected.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deltaspec.ops.quant.weight import QuantizedWeight, quantized_linear
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, top_k] float32 (float64 for float64 logits), experts [N, top_k] int32):
+    softmax over the experts, the top_k most probable (highest first), renormalised to sum to 1 if `normalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts.to(torch.int32)
+
+
+def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the row blocks of a grouping: each expert with rows rounds its count up to block_m,
+    so sum(ceil(c_e / block_m)) <= pairs / block_m + (experts that have rows)."""
+    return pairs // block_m + min(num_experts, pairs) + 1
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """(token, slot) pairs grouped by expert for a fused expert product. Pair p is token p // top_k's slot
+    p % top_k. Each expert's pairs fill whole blocks of `block_m` rows, experts in increasing order.
+
+    pairs:   [blocks * block_m] int32, the pair in each row of each block; `num_pairs` (N * top_k) where a
+             block's rows run past its expert's pairs
+    experts: [blocks] int32, each block's expert; -1 for the blocks after the last used one
+    """
+
+    pairs: torch.Tensor
+    experts: torch.Tensor
+    block_m: int
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Grouping:
+    """The grouping of `experts` [N, top_k] (int32): shapes depend only on N, top_k, E and block_m, and no value
+    is read on the host, so it runs inside a CUDA graph. Within an expert, pairs keep their order."""
+    flat = experts.reshape(-1).long()  # [P]
+    num_pairs = flat.numel()
+    blocks_bound = max_blocks(num_pairs, num_experts, block_m)
+    order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m  # [E]
+    block_end = blocks.cumsum(0)  # [E]
+    first_pair = counts.cumsum(0) - counts  # [E] where each expert's pairs start in `order`
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - first_pair[sorted_experts]
+    rows = (block_end - blocks)[sorted_experts] * block_m + rank  # [P] each sorted pair's row
+    pairs = torch.full((blocks_bound * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    pairs.scatter_(0, rows, order.to(torch.int32))
+    block_ids = torch.arange(blocks_bound, device=flat.device)
+    owner = torch.searchsorted(block_end, block_ids, right=True)  # [blocks] the expert whose blocks cover it
+    block_experts = torch.where(owner < num_experts, owner, -1).to(torch.int32)
+    return Grouping(pairs, block_experts, block_m)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return quantized_linear(x, weight) if isinstance(weight, QuantizedWeight) else F.linear(x, weight)
+
+
+def experts_sync(
+    dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight
+) -> bool:
+    """Whether `expert_products` reads device values on the host: the reference loop always does."""
+    return True
+
+
+def expert_products(
+    x: torch.Tensor,
+    gate_up: torch.Tensor | QuantizedWeight,
+    down: torch.Tensor | QuantizedWeight,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+) -> torch.Tensor:
+    """sum over slots j of weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j].
+
+    x [N, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [N, k] float; experts [N, k]
+    int -> [N, H] in x's dtype, rounded as the module docstring says."""
+    n, top_k = experts.shape
+    per_slot = torch.zeros(n, top_k, x.shape[-1], dtype=x.dtype, device=x.device)  # [N, k, H]
+    scale = weights.to(x.dtype)
+    for expert in experts.unique().tolist():
+        tokens, slots = torch.where(experts == expert)
+        gate, up = _linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        per_slot[tokens, slots] = _linear(F.silu(gate) * up, down[expert]) * scale[tokens, slots, None]
+    total = per_slot[:, 0].to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    for slot in range(1, top_k):
+        total += per_slot[:, slot]
+    return total.to(x.dtype)

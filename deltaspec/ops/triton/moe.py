@@ -1,0 +1,476 @@
+"""Triton mixture-of-experts kernels with the contracts of `deltaspec.ops.moe`: the router's top-k in one
+kernel, the grouping of (token, slot) pairs by expert, and the routed experts' products as two grouped GEMMs.
+
+Nothing reads a device value on the host, so MoE passes run inside CUDA graphs:
+- `route`: softmax, top-k and renormalisation of a row's router logits in one program.
+- grouping: for a pass of up to `ALIGN_MAX_PAIRS` pairs one program sorts the pairs by expert and writes the
+  block table (`_align_kernel`); longer passes (prefill) use the torch grouping, which also never syncs.
+- `expert_products`: one launch for every selected expert's gate|up product with SiLU and the gated product
+  in its epilogue (`_gate_up_kernel`), one for the down products scaled by the routing weights
+  (`_down_kernel`), and one that sums a token's top-k outputs in float32 in slot order (`_sum_kernel`;
+  summing in the down kernel's epilogue would need atomics, whose order varies from run to run). A program
+  takes one block of one expert's pairs and a slab of output columns, so each selected expert's weights are
+  read once per pass, and blocks past the last used one return at once. Weights are float (bf16, fp16, fp32)
+  or single-segment GGUF blocks of Q8_0, Q6_K or Q4_K, dequantized in registers with the tile code of
+  `quant_dequant` exactly as the reference dequantizes them.
+The product puts the expert's output columns on the MMA's wide side and the pairs on its narrow side (padded
+to 16), so one decode token's 8 pairs cost no more tensor-core work than the weights' bytes allow.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaspec.ops import moe as reference
+from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.ops.triton import quant_gemv
+from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, _q4_k_half_chunk, _tile
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bf16 dot operands raw
+ALIGN_MAX_PAIRS = 4096  # the one-program grouping's limit (a bitonic sort of the pairs)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUM_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A grouped product's launch: pairs per block (block_m), output columns and input values per program step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def tile_for(pairs: int, num_experts: int) -> Tile:
+    """Blocks as tall as the pairs an expert gets on average: decode and verify passes give most selected
+    experts a few pairs, prefill gives each many."""
+    per_expert = pairs / num_experts
+    if per_expert <= 16:
+        return Tile(16, 32, 128, 4, 4)
+    if per_expert <= 64:
+        return Tile(32, 64, 64, 4, 4)
+    return Tile(64, 128, 64, 8, 3)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    E,
+    stride_l,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Row `program_id`'s softmax over E experts in float32, its TOP_K largest (lowest index first among equal
+    ones), renormalised if NORMALIZE."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    mask = cols < E
+    logits = tl.load(logits_ptr + row.to(tl.int64) * stride_l + cols, mask=mask, other=-float("inf"))
+    logits = logits.to(tl.float32)
+    exps = tl.exp(logits - tl.max(logits, axis=0))  # [BLOCK_E], 0 where masked
+    probs = tl.where(mask, exps / tl.sum(exps, axis=0), -1.0)
+    slots = tl.arange(0, K_PAD)
+    chosen = tl.zeros((K_PAD,), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        index = tl.min(tl.where(probs == best, cols, BLOCK_E), axis=0)
+        chosen = tl.where(slots == slot, best, chosen)
+        ids = tl.where(slots == slot, index, ids)
+        probs = tl.where(cols == index, -1.0, probs)
+    if NORMALIZE:
+        chosen = chosen / tl.sum(chosen, axis=0)
+    out = row.to(tl.int64) * TOP_K + slots
+    tl.store(weights_ptr + out, chosen, mask=slots < TOP_K)
+    tl.store(experts_ptr + out, ids, mask=slots < TOP_K)
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`deltaspec.ops.moe.route` in one kernel (float64 logits take the reference)."""
+    if logits.dtype not in FLOAT_DTYPES:
+        return reference.route(logits, top_k, normalize)
+    rows, num_experts = logits.shape
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(rows, top_k, dtype=torch.int32, device=logits.device)
+    if rows:
+        _route_kernel[(rows,)](
+            logits,
+            weights,
+            experts,
+            num_experts,
+            logits.stride(0),
+            TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k),
+            NORMALIZE=normalize,
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            num_warps=4,
+        )
+    return weights, experts
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _align_kernel(
+    experts_ptr,
+    pairs_ptr,
+    block_experts_ptr,
+    scratch_ptr,
+    num_pairs,
+    E,
+    slots,
+    blocks,
+    P_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+    FILL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """`deltaspec.ops.moe.group_by_expert` in one program: pairs sorted by (expert, pair) with a bitonic sort,
+    each expert's count rounded up to whole blocks, each sorted pair written to its row, and each block's expert
+    carried forward from the first block of every used expert. `scratch` [2, E_PAD] int32 lets the program
+    gather per-expert starts by the sorted pairs' experts."""
+    pair = tl.arange(0, P_PAD)
+    expert = tl.load(experts_ptr + pair, mask=pair < num_pairs, other=E)  # [P_PAD], E past the pairs
+    counts = tl.histogram(expert, E_PAD)  # [E_PAD]
+    expert_ids = tl.arange(0, E_PAD)
+    nblocks = tl.where(expert_ids < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    block_end = tl.cumsum(nblocks, axis=0)
+    block_start = block_end - nblocks
+    pair_start = tl.cumsum(counts, axis=0) - counts
+    tl.store(scratch_ptr + expert_ids, block_start)
+    tl.store(scratch_ptr + E_PAD + expert_ids, pair_start)
+    for start in range(0, slots, FILL):
+        fill = start + tl.arange(0, FILL)
+        tl.store(pairs_ptr + fill, num_pairs, mask=fill < slots)
+    block = tl.arange(0, BLOCKS_PAD)
+    tl.store(block_experts_ptr + block, -1, mask=block < blocks)
+    tl.debug_barrier()
+    keys = tl.sort(expert * P_PAD + pair)  # [P_PAD] sorted by expert, then pair
+    sorted_expert = keys // P_PAD
+    sorted_pair = keys % P_PAD
+    used = sorted_expert < E
+    first_block = tl.load(scratch_ptr + sorted_expert, mask=used, other=0)
+    first_pair = tl.load(scratch_ptr + E_PAD + sorted_expert, mask=used, other=0)
+    row = first_block * BLOCK_M + pair - first_pair  # position i of the sorted order is its rank + first_pair
+    tl.store(pairs_ptr + row, sorted_pair, mask=used)
+    tl.store(block_experts_ptr + block_start, expert_ids, mask=nblocks > 0)
+    tl.debug_barrier()
+    owner = tl.load(block_experts_ptr + block, mask=block < blocks, other=-1)
+    owner = tl.associative_scan(owner, 0, _max)
+    owner = tl.where(block < tl.sum(nblocks, axis=0), owner, -1)
+    tl.store(block_experts_ptr + block, owner, mask=block < blocks)
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> reference.Grouping:
+    """`deltaspec.ops.moe.group_by_expert`: one program for up to ALIGN_MAX_PAIRS pairs, else the torch one."""
+    num_pairs = experts.numel()
+    if num_pairs > ALIGN_MAX_PAIRS or num_pairs == 0:
+        return reference.group_by_expert(experts, num_experts, block_m)
+    blocks = reference.max_blocks(num_pairs, num_experts, block_m)
+    pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=experts.device)
+    block_experts = torch.empty(blocks, dtype=torch.int32, device=experts.device)
+    e_pad = triton.next_power_of_2(num_experts + 1)  # room for the sentinel expert E
+    scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=experts.device)
+    p_pad = max(16, triton.next_power_of_2(num_pairs))
+    _align_kernel[(1,)](
+        experts,
+        pairs,
+        block_experts,
+        scratch,
+        num_pairs,
+        num_experts,
+        blocks * block_m,
+        blocks,
+        P_PAD=p_pad,
+        E_PAD=e_pad,
+        BLOCKS_PAD=triton.next_power_of_2(blocks),
+        FILL=1024,
+        BLOCK_M=block_m,
+        num_warps=8,
+    )
+    return reference.Grouping(pairs, block_experts, block_m)
+
+
+@triton.jit
+def _times_rows(w, x, acc, WIDEN: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, K] @ x [BLOCK_M, K].T, w rounded to x's dtype first."""
+    if WIDEN:  # float32 products (no TF32): float32 activations, or Triton's interpreter
+        return tl.dot(w.to(x.dtype).to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w.to(x.dtype), tl.trans(x), acc)
+
+
+@triton.jit
+def _float_slab(w_rows, ks, n_mask, k_mask):
+    """w [BLOCK_N, BLOCK_K] of float weight rows `w_rows` (pointers [BLOCK_N, 1]) at columns ks."""
+    return tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _quant_rows_times(
+    x_rows,
+    row_mask,
+    w_ptr,
+    rows,
+    n_mask,
+    row_bytes,
+    K,
+    acc,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """acc [BLOCK_N, BLOCK_M] += (GGUF rows `rows` of w_ptr, dequantized) @ x_rows.T over all K input values;
+    x_rows: pointers [BLOCK_M, 1] to the activation rows."""
+    lane = tl.arange(0, 32)
+    for step in range(0, K // 256):
+        if QTYPE == 1:  # Q4_K: one 64-value chunk (two sub-blocks) at a time
+            w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+            block = rows.to(tl.int64) * (row_bytes // 4) + step * 36
+            head = tl.load(w32_ptr + block, mask=n_mask, other=0)
+            s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
+            s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
+            s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
+            d = quant_gemv.half_bits(head)
+            dmin = quant_gemv.half_bits(head >> 16)
+            for c in tl.static_range(4):
+                quants = tl.load(
+                    w32_ptr + block[:, None] + 4 + c * 8 + tl.arange(0, 8)[None, :], mask=n_mask[:, None], other=0
+                )  # [BLOCK_N, 8]
+                for half in tl.static_range(2):
+                    w = _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, 2 * c + half, BLOCK_N)  # [BLOCK_N, 32]
+                    x = tl.load(x_rows + step * 256 + c * 64 + half * 32 + lane[None, :], mask=row_mask[:, None])
+                    acc = _times_rows(w, x, acc, WIDEN)
+        else:  # Q8_0, Q6_K: one 256-value super-block at a time
+            w = _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] float32
+            x = tl.load(x_rows + step * 256 + tl.arange(0, 256)[None, :], mask=row_mask[:, None])
+            acc = _times_rows(w, x, acc, WIDEN)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    pairs_ptr,
+    block_experts_ptr,
+    out_ptr,
+    num_pairs,
+    H,
+    inter_size,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    QTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """out[pair, cols] = silu(gate) * up of the block's pairs' tokens, for output columns `cols` of the block's
+    expert (QTYPE -1: float weights [E, 2I, H] with strides; else GGUF blocks, stride_we bytes per expert and
+    stride_wn bytes per row)."""
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = pairs < num_pairs
+    x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = cols < inter_size
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if QTYPE < 0:
+        gate_rows = w_expert + cols.to(tl.int64)[:, None] * stride_wn
+        up_rows = gate_rows + inter_size * stride_wn
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < H
+            x = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            gate = _times_rows(_float_slab(gate_rows, ks, n_mask, k_mask), x, gate, WIDEN)
+            up = _times_rows(_float_slab(up_rows, ks, n_mask, k_mask), x, up, WIDEN)
+    else:
+        gate = _quant_rows_times(x_rows, valid, w_expert, cols, n_mask, stride_wn, H, gate, QTYPE, BLOCK_N, WIDEN)
+        up = _quant_rows_times(
+            x_rows, valid, w_expert, cols + inter_size, n_mask, stride_wn, H, up, QTYPE, BLOCK_N, WIDEN
+        )
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds
+    product = (activated * up.to(dtype).to(tl.float32)).to(dtype)  # [BLOCK_N, BLOCK_M]
+    out = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
+    tl.store(out, product, mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _down_kernel(
+    inter_ptr,
+    w_ptr,
+    pairs_ptr,
+    block_experts_ptr,
+    weights_ptr,
+    out_ptr,
+    num_pairs,
+    inter_size,
+    H,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_om,
+    QTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """out[pair, cols] = down_e(inter[pair])[cols] * weight[pair], each rounded to the output dtype."""
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = pairs < num_pairs
+    safe_pairs = tl.where(valid, pairs, 0).to(tl.int64)
+    x_rows = inter_ptr + safe_pairs[:, None] * stride_im  # [BLOCK_M, 1]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < H
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if QTYPE < 0:
+        w_rows = w_expert + cols.to(tl.int64)[:, None] * stride_wn
+        for k0 in range(0, inter_size, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < inter_size
+            x = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+            acc = _times_rows(_float_slab(w_rows, ks, n_mask, k_mask), x, acc, WIDEN)
+    else:
+        acc = _quant_rows_times(
+            x_rows, valid, w_expert, cols, n_mask, stride_wn, inter_size, acc, QTYPE, BLOCK_N, WIDEN
+        )
+    dtype = out_ptr.dtype.element_ty
+    scale = tl.load(weights_ptr + safe_pairs, mask=valid, other=0.0).to(dtype).to(tl.float32)  # [BLOCK_M]
+    scaled = (acc.to(dtype).to(tl.float32) * scale[None, :]).to(dtype)  # [BLOCK_N, BLOCK_M]
+    out = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
+    tl.store(out, scaled, mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _sum_kernel(per_pair_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[token] = the float32 sum of per_pair[token * TOP_K + slot] over the slots, in slot order."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        total += tl.load(per_pair_ptr + (token * TOP_K + slot) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> tuple[int, torch.Tensor, int, int] | None:
+    """(QTYPE, tensor, per-expert stride, per-row stride) of an expert stack the kernels read, else None."""
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype not in FLOAT_DTYPES or weight.stride(-1) != 1:
+            return None
+        return -1, weight, weight.stride(0), weight.stride(1)
+    (qtype, data), *rest = weight.segments
+    if rest or qtype not in KERNEL_TYPES or weight.input_order is not None or weight.in_features % 256:
+        return None
+    if not data.is_contiguous():
+        return None
+    return KERNEL_TYPES[qtype], data, data.stride(0), data.stride(1)
+
+
+def fuses(x_dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight) -> bool:
+    """Whether `expert_products` runs the grouped kernels (else the reference loop, which syncs with the host)."""
+    return x_dtype in FLOAT_DTYPES and _kernel_weight(gate_up) is not None and _kernel_weight(down) is not None
+
+
+def experts_sync(
+    dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight
+) -> bool:
+    """`deltaspec.ops.moe.experts_sync` for the kernels: only the products they leave to the reference sync."""
+    return not fuses(dtype, gate_up, down)
+
+
+def expert_products(
+    x: torch.Tensor,
+    gate_up: torch.Tensor | QuantizedWeight,
+    down: torch.Tensor | QuantizedWeight,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """`deltaspec.ops.moe.expert_products` as grouped kernels (`tile` overrides `tile_for`: tests, sweeps)."""
+    if not fuses(x.dtype, gate_up, down):
+        return reference.expert_products(x, gate_up, down, weights, experts)
+    tokens, top_k = experts.shape
+    num_experts, hidden = gate_up.shape[0], x.shape[-1]
+    inter_size = down.shape[-1]
+    num_pairs = tokens * top_k
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_pairs == 0:
+        return out
+    tile = tile or tile_for(num_pairs, num_experts)
+    grouping = group_by_expert(experts.to(torch.int32).contiguous(), num_experts, tile.block_m)
+    blocks = grouping.experts.numel()
+    x = x.contiguous()
+    weights = weights.contiguous()
+    widen = x.dtype == torch.float32 or INTERPRETED
+    launch = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "WIDEN": widen}
+    launch |= {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)  # [P, I]
+    qtype, w, stride_e, stride_n = _kernel_weight(gate_up)
+    _gate_up_kernel[(blocks, triton.cdiv(inter_size, tile.block_n))](
+        x,
+        w,
+        grouping.pairs,
+        grouping.experts,
+        inter,
+        num_pairs,
+        hidden,
+        inter_size,
+        x.stride(0),
+        stride_e,
+        stride_n,
+        inter.stride(0),
+        TOP_K=top_k,
+        QTYPE=qtype,
+        **launch,
+    )
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
+    qtype, w, stride_e, stride_n = _kernel_weight(down)
+    _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
+        inter,
+        w,
+        grouping.pairs,
+        grouping.experts,
+        weights,
+        per_pair,
+        num_pairs,
+        inter_size,
+        hidden,
+        inter.stride(0),
+        stride_e,
+        stride_n,
+        per_pair.stride(0),
+        QTYPE=qtype,
+        **launch,
+    )
+    _sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](per_pair, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK)
+    return out

@@ -1,0 +1,132 @@
+"""The Triton mixture-of-experts kernels against their references (`deltaspec.ops.moe`): the router's top-k,
+the one-program grouping against the torch one, and the grouped expert products for float and GGUF (Q8_0,
+Q6_K, Q4_K) experts, one token to a prefill's worth, with every tile height."""
+
+import pytest
+import torch
+
+from deltaspec.ops import moe
+from deltaspec.ops.quant.weight import QuantizedWeight
+from tests.conftest import triton_interpreted
+from tests.test_kernels_quant import random_weight
+
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
+
+
+@pytest.fixture
+def kernels(kernel_device):
+    from deltaspec.ops.triton import moe as triton_moe
+
+    return triton_moe
+
+
+def skewed_logits(n: int, num_experts: int, seed: int, device: str) -> torch.Tensor:
+    """Router logits whose low experts win more often, so some experts get many pairs and some none."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, num_experts, generator=gen) + torch.linspace(3, 0, num_experts)).to(device)
+
+
+@pytest.mark.parametrize(("n", "num_experts", "top_k"), [(1, 256, 8), (7, 512, 10), (33, 64, 4), (5, 6, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route(kernels, kernel_device, n, num_experts, top_k, dtype, normalize):
+    logits = skewed_logits(n, num_experts, n, kernel_device).to(dtype)
+    weights, experts = kernels.route(logits, top_k, normalize)
+    want_weights, want_experts = moe.route(logits, top_k, normalize)
+    assert experts.dtype == torch.int32 and weights.dtype == torch.float32
+    probs = logits.cpu().double().softmax(-1)
+    # bf16 logits tie often: then either of the tied experts is the same choice (same probability, same slot)
+    torch.testing.assert_close(probs.gather(1, experts.cpu().long()), probs.gather(1, want_experts.cpu().long()))
+    assert all(len(set(row)) == top_k for row in experts.tolist())
+    torch.testing.assert_close(weights.cpu(), want_weights.cpu(), rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.parametrize(
+    ("n", "top_k", "num_experts", "block_m"),
+    [(1, 8, 256, 16), (13, 10, 512, 16), (64, 8, 32, 32), (200, 8, 256, 64), (3, 2, 5, 16)],
+)
+def test_one_program_grouping_equals_the_torch_grouping(kernels, kernel_device, n, top_k, num_experts, block_m):
+    experts = moe.route(skewed_logits(n, num_experts, 7, kernel_device), top_k, True)[1]
+    got = kernels.group_by_expert(experts, num_experts, block_m)
+    want = moe.group_by_expert(experts, num_experts, block_m)
+    assert torch.equal(got.experts.cpu(), want.experts.cpu())
+    assert torch.equal(got.pairs.cpu(), want.pairs.cpu())
+
+
+def float_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str):
+    gen = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return gate_up.to(device, dtype), down.to(device, dtype)
+
+
+def quantized_experts(qtype: str, num_experts: int, hidden: int, inter: int, device: str):
+    gate_up = random_weight(qtype, num_experts * 2 * inter, hidden, seed=6).view(num_experts, 2 * inter, -1)
+    down = random_weight(qtype, num_experts * hidden, inter, seed=7).view(num_experts, hidden, -1)
+    return (
+        QuantizedWeight([(qtype, gate_up.to(device))], hidden),
+        QuantizedWeight([(qtype, down.to(device))], inter),
+    )
+
+
+def assert_products_match(got: torch.Tensor, x, gate_up, down, weights, experts) -> None:
+    """Against the float64 reference: float32 kernels within 1e-5 of the output's scale (float32 sums of a
+    few hundred terms), bf16 within 2e-2 (bf16 rounds the weights, the intermediate and the outputs)."""
+
+    def wide(w):
+        return w.to("cpu") if isinstance(w, QuantizedWeight) else w.cpu().double()
+
+    want = moe.expert_products(x.cpu().double(), wide(gate_up), wide(down), weights.cpu().double(), experts.cpu())
+    bound = 2e-2 if got.dtype == torch.bfloat16 else 1e-5
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=bound, atol=bound * scale)
+
+
+TILES = [None, (16, 32, 64), (32, 64, 64), (64, 32, 32)]
+
+
+@pytest.mark.parametrize("n", [1, 5, 40])
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_expert_products(kernels, kernel_device, n, tile, dtype):
+    num_experts, hidden, inter, top_k = 12, 96, 80, 4  # widths that leave tiles partly empty
+    gate_up, down = float_experts(num_experts, hidden, inter, dtype, kernel_device)
+    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(kernel_device, dtype)
+    weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
+    launch = kernels.Tile(*tile) if tile else None
+    assert kernels.fuses(dtype, gate_up, down)
+    got = kernels.expert_products(x, gate_up, down, weights, experts, tile=launch)
+    assert_products_match(got, x, gate_up, down, weights, experts)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("n", [1, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_expert_products(kernels, kernel_device, qtype, n, dtype):
+    num_experts, hidden, inter, top_k = 6, 512, 256, 3
+    gate_up, down = quantized_experts(qtype, num_experts, hidden, inter, kernel_device)
+    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(kernel_device, dtype)
+    weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
+    assert kernels.fuses(dtype, gate_up, down)
+    got = kernels.expert_products(x, gate_up, down, weights, experts, tile=kernels.Tile(16, 32, 64))
+    assert_products_match(got, x, gate_up, down, weights, experts)
+
+
+def test_other_expert_types_take_the_reference_and_say_they_sync(kernels, kernel_device):
+    gate_up = QuantizedWeight([("Q5_K", torch.zeros(2, 8, 176, dtype=torch.uint8, device=kernel_device))], 256)
+    down = QuantizedWeight([("Q8_0", torch.zeros(2, 256, 34 * 4 // 4, dtype=torch.uint8, device=kernel_device))], 4 * 8)
+    assert not kernels.fuses(torch.float32, gate_up, down) and kernels.experts_sync(torch.float32, gate_up, down)
+    floats = float_experts(2, 32, 4, torch.float32, kernel_device)
+    assert not kernels.experts_sync(torch.float32, *floats) and kernels.experts_sync(torch.float64, *floats)
+
+
+@pytest.mark.skipif(triton_interpreted(), reason="a prefill's worth of pairs is too slow for the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sized_products_use_the_torch_grouping(kernels, kernel_device, dtype):
+    num_experts, hidden, inter, top_k, n = 64, 256, 128, 8, 1024  # 8192 pairs: past the one-program grouping
+    assert n * top_k > kernels.ALIGN_MAX_PAIRS
+    gate_up, down = float_experts(num_experts, hidden, inter, dtype, kernel_device)
+    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(9)).to(kernel_device, dtype)
+    weights, experts = moe.route(skewed_logits(n, num_experts, 9, kernel_device), top_k, True)
+    got = kernels.expert_products(x, gate_up, down, weights, experts)
+    assert_products_match(got, x, gate_up, down, weights, experts)

@@ -1,0 +1,103 @@
+"""Sweep the tiles of the grouped MoE expert products (`deltaspec/ops/triton/moe.py`) on CUDA.
+
+For the routed experts of `qwen3.5-35b-a3b` (256 experts, top 8, hidden 2048, expert width 512) and
+`qwen3-next-80b-a3b` (512, top 10), random bf16 experts and, for the first shape, Q4_K and Q6_K ones, times
+`expert_products` (grouping, gate|up, down, sum) for 1 to 8192 tokens with each candidate `Tile` as decode
+runs it: in a CUDA graph (`do_bench_cudagraph`), each graph running the product for 8 different routings so
+that the experts it reads exceed the L2 cache. Reports the time per product, the distinct experts a product
+reads and the bandwidth that implies (their bytes / time), checks each result against the reference loop, and
+marks the tile `tile_for` picks. Writes JSON lines to the path given.
+
+    python tools/moe_kernel_sweep.py OUT.jsonl [--quick]
+"""
+
+import json
+import sys
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from deltaspec.ops import moe as reference
+from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.ops.triton import moe
+from tests.test_kernels_quant import random_weight
+
+SHAPES = {"qwen3.5-35b-a3b": (256, 8, 2048, 512), "qwen3-next-80b-a3b": (512, 10, 2048, 512)}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 8192)
+TILES = (
+    moe.Tile(16, 32, 128, 4, 4),
+    moe.Tile(16, 64, 128, 4, 4),
+    moe.Tile(16, 16, 256, 4, 4),
+    moe.Tile(16, 32, 256, 4, 3),
+    moe.Tile(16, 64, 64, 4, 4),
+    moe.Tile(32, 64, 64, 4, 4),
+    moe.Tile(64, 64, 64, 4, 3),
+    moe.Tile(64, 128, 64, 8, 3),
+    moe.Tile(128, 128, 64, 8, 3),
+)
+ROUTINGS = 8
+
+
+def experts_of(kind: str, num_experts: int, hidden: int, inter: int):
+    """(gate_up, down, bytes per expert) on CUDA: bf16 tensors or single-type GGUF stacks."""
+    if kind == "bf16":
+        gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+        down = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+        return gate_up, down, (gate_up[0].nbytes + down[0].nbytes)
+    blocks_gu = random_weight(kind, num_experts * 2 * inter, hidden, seed=1).view(num_experts, 2 * inter, -1)
+    blocks_d = random_weight(kind, num_experts * hidden, inter, seed=2).view(num_experts, hidden, -1)
+    gate_up = QuantizedWeight([(kind, blocks_gu.cuda())], hidden)
+    down = QuantizedWeight([(kind, blocks_d.cuda())], inter)
+    return gate_up, down, (blocks_gu[0].numel() + blocks_d[0].numel())
+
+
+def main(out_path: str, quick: bool) -> None:
+    torch.manual_seed(0)
+    cases = [("qwen3.5-35b-a3b", "bf16"), ("qwen3.5-35b-a3b", "Q4_K"), ("qwen3.5-35b-a3b", "Q6_K")]
+    if not quick:
+        cases.append(("qwen3-next-80b-a3b", "bf16"))
+    with open(out_path, "w") as out:
+        for shape, kind in cases:
+            num_experts, top_k, hidden, inter = SHAPES[shape]
+            gate_up, down, expert_bytes = experts_of(kind, num_experts, hidden, inter)
+            for tokens in TOKENS[:6] if quick else TOKENS:
+                x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+                routings = [
+                    moe.route(torch.randn(tokens, num_experts, device="cuda"), top_k, True) for _ in range(ROUTINGS)
+                ]
+                distinct = sum(int(r[1].unique().numel()) for r in routings) / ROUTINGS
+                check = reference.expert_products(x.float(), _float(gate_up), _float(down), *routings[0])
+                chosen = moe.tile_for(tokens * top_k, num_experts)
+                for tile in TILES:
+                    if tile.block_m > 16 and tokens * top_k < 8 * num_experts and tile != chosen:
+                        continue  # tall blocks only where experts get many pairs
+                    got = moe.expert_products(x, gate_up, down, *routings[0], tile=tile)
+                    error = ((got.float() - check).abs().max() / check.abs().max()).item()
+
+                    def run(tile=tile, x=x, routings=routings, gate_up=gate_up, down=down):
+                        for weights, experts in routings:
+                            moe.expert_products(x, gate_up, down, weights, experts, tile=tile)
+
+                    ms = do_bench_cudagraph(run, rep=100) / ROUTINGS
+                    row = {
+                        "shape": shape,
+                        "experts": kind,
+                        "tokens": tokens,
+                        "tile": [tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages],
+                        "chosen": tile == chosen,
+                        "us": 1000 * ms,
+                        "distinct_experts": distinct,
+                        "tb_s": distinct * expert_bytes / (ms / 1000) / 1e12,
+                        "max_rel_error": error,
+                    }
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    print(json.dumps(row), flush=True)
+
+
+def _float(weight):
+    return weight.dequantize(torch.float32) if isinstance(weight, QuantizedWeight) else weight.float()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "--quick" in sys.argv[2:])
