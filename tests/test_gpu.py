@@ -98,12 +98,12 @@ def test_cuda_graph_verify_passes_keep_speculative_output_a_greedy_decode():
 def test_cuda_moe_speculative_output_is_a_greedy_decode_with_graphs(checkpoints, name):
     """MoE verify passes run as graphs with the grouped expert kernels; the output stays the model's argmax."""
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": ([5, 9, 13] * 9)[:n]} for n in (27, 8)]
+    prompts = [{"prompt_token_ids": ids} for ids in (PROMPT, PROMPT[:40], [1, 2, 3, 4] * 3)]
     llm = LLM(str(checkpoints[name]), dtype="float32", device="cuda", speculative="ngram", draft_tokens=5)
     spec = llm.generate(prompts, params)
     replays = llm.engine.runner.graphs.replays
     assert sum(count for (_, rows), count in replays.items() if rows > 1) > 0
-    assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
+    assert sum(o.metrics.get("spec_accepted_tokens", 0) for o in spec) > 0  # 17 and 7 on the CPU
     eager = LLM(str(checkpoints[name]), dtype="float32", device="cuda", enforce_eager=True, kernels="reference")
     assert_greedy_continuations(eager.engine, spec)
 
