@@ -134,6 +134,36 @@ def test_bench_concurrency_reports_aggregate_by_the_tpot_definition(tmp_path, ca
     assert r["levels"][1]["ratio_to_single_stream"] == pytest.approx(
         r["levels"][1]["aggregate_tok_s"] / r["levels"][0]["aggregate_tok_s"]
     )
+    for level in r["levels"]:
+        roofline = level["concurrency"] * r["bandwidth_gb_s"] * 1e9 / level["bytes_per_step"]
+        assert level["roofline_tok_s"] == pytest.approx(roofline) and level["moe_experts_per_step"] is None
+        assert level["roofline_fraction"] == pytest.approx(level["aggregate_tok_s"] / roofline)
+    assert r["levels"][1]["bytes_per_step"] > r["levels"][0]["bytes_per_step"]  # a second stream's KV and state
+
+
+SMALL_MOE = (("num_hidden_layers", 4), ("hidden_size", 64), ("vocab_size", 512), ("num_experts", 16))
+
+
+def test_moe_bytes_per_step_count_the_distinct_experts_the_steps_read():
+    """One stream's decode step reads its token's top-k experts; several streams' steps read between top-k and
+    all of them, as the layers' device counters measure."""
+    from deltaspec.bench.device import random_prompt
+    from deltaspec.bench.roofline import experts_per_step
+
+    config = EngineConfig(
+        device="cpu", dtype="float32", random_weights=True, shape="qwen3.5-35b-a3b", shape_overrides=SMALL_MOE
+    )
+    engine = bench_engine(config, 32, streams=6)
+    top_k, num_experts = engine.model_config.moe.num_experts_per_tok, engine.model_config.moe.num_experts
+    one = experts_per_step(engine, [random_prompt(engine, 5, 1)], 6)
+    many = experts_per_step(engine, [random_prompt(engine, 5, seed) for seed in range(6)], 6)
+    assert one == top_k and top_k < many <= num_experts
+    single, routed = bytes_per_step(engine, 8, experts=one), bytes_per_step(engine, 8, streams=6, experts=many)
+    assert single == bytes_per_step(engine, 8)  # the default is the top-k of one token
+    experts = engine.model.model.layers[0].mlp.experts
+    per_expert = (experts.gate_up_proj[0].nbytes + experts.down_proj[0].nbytes) * len(engine.model.model.layers)
+    expected = single["weights"] + (many - one) * per_expert
+    assert routed["weights"] == pytest.approx(expected, abs=len(engine.model.model.layers) * 2)
 
 
 def test_bench_prefill_reports_length_over_time_to_first_token(tmp_path, capsys):

@@ -47,10 +47,12 @@ def test_route(kernels, kernel_device, n, num_experts, top_k, dtype, normalize):
 )
 def test_one_program_grouping_equals_the_torch_grouping(kernels, kernel_device, n, top_k, num_experts, block_m):
     experts = moe.route(skewed_logits(n, num_experts, 7, kernel_device), top_k, True)[1]
-    got = kernels.group_by_expert(experts, num_experts, block_m)
-    want = moe.group_by_expert(experts, num_experts, block_m)
+    reads = torch.zeros(2, dtype=torch.int64, device=kernel_device)
+    got = kernels.group_by_expert(experts, num_experts, block_m, reads[:1])
+    want = moe.group_by_expert(experts, num_experts, block_m, reads[1:])
     assert torch.equal(got.experts.cpu(), want.experts.cpu())
     assert torch.equal(got.pairs.cpu(), want.pairs.cpu())
+    assert reads.tolist() == [experts.unique().numel()] * 2
 
 
 def float_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str):
@@ -69,14 +71,25 @@ def quantized_experts(qtype: str, num_experts: int, hidden: int, inter: int, dev
     )
 
 
-def assert_products_match(got: torch.Tensor, x, gate_up, down, weights, experts) -> None:
+def products(kernels, x, gate_up, down, weights, experts, shared=None, tile=None) -> torch.Tensor:
+    """The kernels' product, checking that it counts the distinct experts it read."""
+    reads = torch.zeros(1, dtype=torch.int64, device=x.device)
+    got = kernels.expert_products(x, gate_up, down, weights, experts, reads, shared, tile=tile)
+    assert reads.item() == experts.unique().numel()
+    return got
+
+
+def assert_products_match(got: torch.Tensor, x, gate_up, down, weights, experts, shared=None) -> None:
     """Against the float64 reference: float32 kernels within 1e-5 of the output's scale (float32 sums of a
     few hundred terms), bf16 within 2e-2 (bf16 rounds the weights, the intermediate and the outputs)."""
 
     def wide(w):
         return w.to("cpu") if isinstance(w, QuantizedWeight) else w.cpu().double()
 
-    want = moe.expert_products(x.cpu().double(), wide(gate_up), wide(down), weights.cpu().double(), experts.cpu())
+    wide_shared = tuple(t.cpu().double() for t in shared) if shared else None
+    reads = torch.zeros(1, dtype=torch.int64)
+    args = (wide(gate_up), wide(down), weights.cpu().double(), experts.cpu(), reads, wide_shared)
+    want = moe.expert_products(x.cpu().double(), *args)
     bound = 2e-2 if got.dtype == torch.bfloat16 else 1e-5
     scale = want.abs().max().item()
     torch.testing.assert_close(got.cpu().double(), want, rtol=bound, atol=bound * scale)
@@ -88,15 +101,21 @@ TILES = [None, (16, 32, 64), (32, 64, 64), (64, 32, 32)]
 @pytest.mark.parametrize("n", [1, 5, 40])
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_float_expert_products(kernels, kernel_device, n, tile, dtype):
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_float_expert_products(kernels, kernel_device, n, tile, dtype, with_shared):
     num_experts, hidden, inter, top_k = 12, 96, 80, 4  # widths that leave tiles partly empty
     gate_up, down = float_experts(num_experts, hidden, inter, dtype, kernel_device)
-    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(kernel_device, dtype)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
+    shared = None
+    if with_shared:  # the shared expert's output, and its gate's logit as a column of the router's output
+        router_out = torch.randn(n, num_experts + 1, generator=gen).to(kernel_device, dtype)
+        shared = (torch.randn(n, hidden, generator=gen).to(kernel_device, dtype), router_out[:, -1])
     launch = kernels.Tile(*tile) if tile else None
     assert kernels.fuses(dtype, gate_up, down)
-    got = kernels.expert_products(x, gate_up, down, weights, experts, tile=launch)
-    assert_products_match(got, x, gate_up, down, weights, experts)
+    got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch)
+    assert_products_match(got, x, gate_up, down, weights, experts, shared)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K"])
@@ -108,7 +127,7 @@ def test_quantized_expert_products(kernels, kernel_device, qtype, n, dtype):
     x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
     assert kernels.fuses(dtype, gate_up, down)
-    got = kernels.expert_products(x, gate_up, down, weights, experts, tile=kernels.Tile(16, 32, 64))
+    got = products(kernels, x, gate_up, down, weights, experts, tile=kernels.Tile(16, 32, 64))
     assert_products_match(got, x, gate_up, down, weights, experts)
 
 
@@ -128,5 +147,5 @@ def test_prefill_sized_products_use_the_torch_grouping(kernels, kernel_device, d
     gate_up, down = float_experts(num_experts, hidden, inter, dtype, kernel_device)
     x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(9)).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, 9, kernel_device), top_k, True)
-    got = kernels.expert_products(x, gate_up, down, weights, experts)
+    got = products(kernels, x, gate_up, down, weights, experts)
     assert_products_match(got, x, gate_up, down, weights, experts)

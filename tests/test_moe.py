@@ -37,7 +37,9 @@ def test_route_picks_the_most_probable_experts_and_renormalises():
 )
 def test_grouping_puts_every_pair_once_in_its_experts_blocks(n, top_k, num_experts, block_m):
     experts = random_experts(n, top_k, num_experts, seed=n)
-    grouping = moe.group_by_expert(experts, num_experts, block_m)
+    reads = torch.zeros(1, dtype=torch.int64)
+    grouping = moe.group_by_expert(experts, num_experts, block_m, reads)
+    assert reads.item() == experts.unique().numel()
     num_pairs = n * top_k
     blocks = grouping.experts.numel()
     assert blocks == moe.max_blocks(num_pairs, num_experts, block_m)
@@ -70,9 +72,12 @@ def test_reference_products_follow_the_token_by_token_definition():
     gate_up, down = expert_weights(6, 16, 8, seed=1)
     x = torch.randn(9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     weights, experts = moe.route(torch.randn(9, 6, dtype=torch.float64), 3, True)
-    got = moe.expert_products(x, gate_up, down, weights, experts)
+    shared_out, shared_logit = torch.randn(9, 16, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    reads = torch.zeros(1, dtype=torch.int64)
+    got = moe.expert_products(x, gate_up, down, weights, experts, reads, (shared_out, shared_logit))
+    assert reads.item() == len(set(experts.reshape(-1).tolist()))
     for token in range(9):
-        want = torch.zeros(16, dtype=torch.float64)
+        want = torch.sigmoid(shared_logit[token]) * shared_out[token]
         for slot in range(3):
             e = experts[token, slot].item()
             gate, up = (gate_up[e] @ x[token]).chunk(2)
@@ -96,5 +101,5 @@ def test_a_product_computed_block_by_block_from_the_grouping_equals_the_referenc
         pairs = pairs[pairs < n * top_k]
         gate, up = F.linear(x[pairs // top_k], gate_up[expert]).chunk(2, dim=-1)
         per_pair[pairs] = F.linear(F.silu(gate) * up, down[expert]) * weights.reshape(-1)[pairs, None]
-    want = moe.expert_products(x, gate_up, down, weights, experts)
+    want = moe.expert_products(x, gate_up, down, weights, experts, torch.zeros(1, dtype=torch.int64))
     torch.testing.assert_close(per_pair.view(n, top_k, hidden).sum(1), want, rtol=0, atol=1e-13)

@@ -66,17 +66,18 @@ def main(out_path: str, quick: bool) -> None:
                     moe.route(torch.randn(tokens, num_experts, device="cuda"), top_k, True) for _ in range(ROUTINGS)
                 ]
                 distinct = sum(int(r[1].unique().numel()) for r in routings) / ROUTINGS
-                check = reference.expert_products(x.float(), _float(gate_up), _float(down), *routings[0])
+                reads = torch.zeros(1, dtype=torch.int64, device="cuda")
+                check = reference.expert_products(x.float(), _float(gate_up), _float(down), *routings[0], reads)
                 chosen = moe.tile_for(tokens * top_k, num_experts)
                 for tile in TILES:
                     if tile.block_m > 16 and tokens * top_k < 8 * num_experts and tile != chosen:
                         continue  # tall blocks only where experts get many pairs
-                    got = moe.expert_products(x, gate_up, down, *routings[0], tile=tile)
+                    got = moe.expert_products(x, gate_up, down, *routings[0], reads, tile=tile)
                     error = ((got.float() - check).abs().max() / check.abs().max()).item()
 
-                    def run(tile=tile, x=x, routings=routings, gate_up=gate_up, down=down):
+                    def run(tile=tile, x=x, routings=routings, gate_up=gate_up, down=down, reads=reads):
                         for weights, experts in routings:
-                            moe.expert_products(x, gate_up, down, weights, experts, tile=tile)
+                            moe.expert_products(x, gate_up, down, weights, experts, reads, tile=tile)
 
                     ms = do_bench_cudagraph(run, rep=100) / ROUTINGS
                     row = {

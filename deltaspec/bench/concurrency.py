@@ -2,7 +2,10 @@
 
 For each C, C requests (distinct random prompts of `context` tokens, `max_tokens` new tokens each, eos
 ignored) start at once and run to the end. Per request TPOT = (t_total - t_first) / (n - 1); aggregate
-tok/s = C x 1000 / mean TPOT(ms) (DESIGN §6), median over runs, and its ratio to C = 1.
+tok/s = C x 1000 / mean TPOT(ms) (DESIGN §6), median over runs, and its ratio to C = 1. Each level's
+roofline: a step of C streams reads the weights once (for MoE, the distinct experts per layer an untimed run of
+C fresh prompts read per step), and each stream's KV and GDN state; roofline aggregate tok/s = C x measured
+copy bandwidth / those bytes.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import statistics
 
 from deltaspec.bench.decode import WARMUP_SEED
-from deltaspec.bench.device import bench_engine, identity, random_prompt, run, say
+from deltaspec.bench.device import bench_engine, copy_bandwidth, identity, random_prompt, run, say
+from deltaspec.bench.roofline import bytes_per_step, experts_per_step
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 
@@ -25,19 +29,30 @@ def level_run(engine: Engine, streams: int, context: int, max_tokens: int, seed:
 
 def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max_tokens: int, runs: int) -> dict:
     engine = bench_engine(config, context + max_tokens, streams=max(levels))
+    say("measuring copy bandwidth ...")
+    bandwidth = copy_bandwidth(engine.device)
     rows = []
     for c in levels:
         level_run(engine, c, context, min(max_tokens, 4), WARMUP_SEED)
         per_run = [level_run(engine, c, context, max_tokens, seed=i) for i in range(runs)]
+        aggregate = statistics.median(r["aggregate_tok_s"] for r in per_run)
+        prompts = [random_prompt(engine, context, (runs + 1) * 1000 + i) for i in range(c)]
+        experts = experts_per_step(engine, prompts, max_tokens)
+        step_bytes = bytes_per_step(engine, context + max_tokens / 2, streams=c, experts=experts)["total"]
+        roofline_tok_s = c * bandwidth / step_bytes
         rows.append(
             {
                 "concurrency": c,
-                "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in per_run),
+                "aggregate_tok_s": aggregate,
                 "tpot_ms_mean": statistics.median(r["tpot_ms_mean"] for r in per_run),
+                "bytes_per_step": step_bytes,
+                "moe_experts_per_step": experts,
+                "roofline_tok_s": roofline_tok_s,
+                "roofline_fraction": aggregate / roofline_tok_s,
                 "per_run": per_run,
             }
         )
-        say(f"C={c:>3}: {rows[-1]['aggregate_tok_s']:.1f} tok/s aggregate")
+        say(f"C={c:>3}: {aggregate:.1f} tok/s aggregate ({100 * aggregate / roofline_tok_s:.1f} % of roofline)")
     single = next((r["aggregate_tok_s"] for r in rows if r["concurrency"] == 1), None)
     for row in rows:
         row["ratio_to_single_stream"] = row["aggregate_tok_s"] / single if single else None
@@ -47,5 +62,6 @@ def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max
         context=context,
         max_tokens=max_tokens,
         runs=runs,
+        bandwidth_gb_s=bandwidth / 1e9,
         levels=rows,
     )

@@ -2,8 +2,9 @@
 
 decode: one sequence with `context` random prompt tokens generates `max_tokens` tokens greedily (eos
 ignored), `runs` times after a warm-up; decode tok/s = (n_new - 1) / (t_total - t_first_token), median
-over runs; step_ms = 1000 / decode tok/s. Bytes per step, measured copy bandwidth, the roofline and the
-fraction of it come from `deltaspec.bench.roofline`; `--compare-hf` adds transformers' speed on the same
+over runs; step_ms = 1000 / decode tok/s. Bytes per step (for MoE, the distinct experts per layer that an
+untimed run's steps read), measured copy bandwidth, the roofline and the fraction of it come from
+`deltaspec.bench.roofline`; `--compare-hf` adds transformers' speed on the same
 weights (`deltaspec.bench.hf_compare`).
 
 spec-oracle: per run, a plain greedy decode of the prompt (timed), then a reference continuation computed by
@@ -29,7 +30,7 @@ from deltaspec.bench.device import (
     say,
     start,
 )
-from deltaspec.bench.roofline import bytes_per_step, roofline
+from deltaspec.bench.roofline import bytes_per_step, experts_per_step, roofline
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
@@ -56,7 +57,8 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
         per_run.append(decode_run(engine, context, max_tokens, seed=i))
         say(f"decode run {i + 1}/{runs}: {per_run[-1]['decode_tok_s']:.2f} tok/s")
     tok_s = statistics.median(r["decode_tok_s"] for r in per_run)
-    step_bytes = bytes_per_step(engine, context + max_tokens / 2, mtp)
+    experts = experts_per_step(engine, [random_prompt(engine, context, seed=runs)], max_tokens)
+    step_bytes = bytes_per_step(engine, context + max_tokens / 2, mtp, experts=experts)
     report = identity(
         engine,
         "decode",
@@ -67,6 +69,7 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
         step_ms=1000 / tok_s,
         **roofline(tok_s, step_bytes["total"], bandwidth, engine.config.speculative == "none"),
         bytes_per_step_parts=step_bytes,
+        moe_experts_per_step=experts,
         kv_context_mean=context + max_tokens / 2,
         per_run=per_run,
     )

@@ -3,9 +3,10 @@
 A decode step of one sequence reads every weight once (a quantized one as its GGUF blocks, so the roofline is
 the format's own), except the embedding table, of which it reads one row (the LM head is read whole; with tied
 embeddings that is the same table, read twice). MTP head weights count only when the MTP drafter runs; routed
-MoE experts count for the top-k of one token. On top of the weights: the attention KV of the context, and each
-GDN layer's recurrent state and conv window, read and written once. Activations and logits are left out (a few
-MB).
+MoE experts count for the distinct experts a step's routing selected: measured by `experts_per_step` (the MoE
+layers count them on the device), else the top-k of one token. On top of the weights: the attention KV of the
+context, and each GDN layer's recurrent state and conv window, read and written once, per stream. Activations
+and logits are left out (a few MB).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import math
 
 import torch
 
+from deltaspec.bench.device import start
 from deltaspec.engine.engine import Engine
+from deltaspec.model.layers import SparseMoE
 from deltaspec.ops.quant.weight import QuantizedWeight
 
 
@@ -28,7 +31,29 @@ def _weights(engine: Engine):
             yield name, module.nbytes, module.nbytes // math.prod(module.shape[:-1])
 
 
-def weight_bytes_per_step(engine: Engine, mtp: bool = False) -> int:
+def _expert_counters(engine: Engine) -> list[torch.Tensor]:
+    """The distinct-experts counters of the decoder's MoE layers (not the MTP head's)."""
+    return [m.expert_reads for m in engine.model.model.layers.modules() if isinstance(m, SparseMoE)]
+
+
+def experts_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float | None:
+    """The distinct experts one MoE layer reads per step, averaged over the steps after the prompts' prefill
+    of a greedy run of `prompts` (all together) for `max_tokens` tokens; None for a dense model."""
+    counters = _expert_counters(engine)
+    if not counters:
+        return None
+    seqs = start(engine, prompts, max_tokens)
+    while not all(s.output_ids for s in seqs):
+        engine.step()
+    before, steps = int(sum(c.item() for c in counters)), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return (sum(c.item() for c in counters) - before) / (len(counters) * max(steps, 1))
+
+
+def weight_bytes_per_step(engine: Engine, mtp: bool = False, experts: float | None = None) -> int:
+    """Weight bytes one step reads; `experts` distinct experts per MoE layer (default: the top-k of one token)."""
     config = engine.model_config
     total = 0
     for name, size, row in _weights(engine):
@@ -37,26 +62,29 @@ def weight_bytes_per_step(engine: Engine, mtp: bool = False) -> int:
         if "embed_tokens" in name:
             size = row  # one row
         elif ".experts." in name and config.moe is not None:
-            size = size * config.moe.num_experts_per_tok // config.moe.num_experts
+            chosen = config.moe.num_experts_per_tok if experts is None or name.startswith("mtp.") else experts
+            size = int(size * chosen / config.moe.num_experts)
         total += size
     return total
 
 
-def bytes_per_step(engine: Engine, context: float, mtp: bool = False) -> dict:
-    """{"weights", "kv", "gdn_state", "total"} bytes one decode step reads (and, for states, writes) at
-    `context` tokens of attention KV."""
+def bytes_per_step(
+    engine: Engine, context: float, mtp: bool = False, streams: int = 1, experts: float | None = None
+) -> dict:
+    """{"weights", "kv", "gdn_state", "total"} bytes one decode step of `streams` sequences reads (and, for
+    states, writes) at `context` tokens of attention KV each, reading `experts` distinct experts per MoE layer."""
     config, dtype_size = engine.model_config, engine.dtype.itemsize
     state_size = torch.empty(0, dtype=engine.cache.gdn.state[0].dtype).element_size() if config.gdn_layer_ids else 0
     kv_layers = len(config.attention_layer_ids) + (
         engine.model.num_kv_layers - len(config.attention_layer_ids) if mtp else 0
     )
-    kv = int(context * kv_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_size)
+    kv = int(streams * context * kv_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_size)
     per_gdn_layer = (
         config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_size
         + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * dtype_size
     )
-    gdn = 2 * len(config.gdn_layer_ids) * per_gdn_layer  # read and written
-    weights = weight_bytes_per_step(engine, mtp)
+    gdn = 2 * streams * len(config.gdn_layer_ids) * per_gdn_layer  # read and written
+    weights = weight_bytes_per_step(engine, mtp, experts)
     return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
 
 

@@ -147,7 +147,11 @@ class QuantizedEmbedding(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Softmax router (fp32), top-k experts (renormalised), plus a sigmoid-gated shared expert."""
+    """Softmax router (fp32), top-k experts (renormalised), plus a sigmoid-gated shared expert.
+
+    Once loaded (`fuse`), the router and the shared expert's gate read x in one GEMM (`router`), and the op
+    table's `moe_experts` adds the gated shared expert's output to the routed ones. `expert_reads` [1] int64
+    counts, over all passes, the distinct experts each pass read (benchmarks turn it into bytes per step)."""
 
     def __init__(self, moe: MoEConfig, hidden: int, ops: OpTable):
         super().__init__()
@@ -159,17 +163,25 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(hidden, moe.shared_expert_intermediate_size, ops)
             self.shared_expert_gate = Linear(hidden, 1, ops)
 
+    def fuse(self) -> None:
+        fuse(
+            self,
+            "router",
+            ["gate", "shared_expert_gate"] if self.moe.shared_expert_intermediate_size else ["gate"],
+            self.ops,
+        )
+        self.expert_reads = torch.zeros(1, dtype=torch.int64, device=self.experts.gate_up_proj.device)
+
     def syncs_with_host(self, dtype: torch.dtype) -> bool:
         """Whether a pass in `dtype` reads a device value on the host here (so it cannot run in a CUDA graph)."""
         return self.ops.moe_experts_sync(dtype, self.experts.gate_up_proj, self.experts.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)  # [N, E]
+        logits, *shared_logit = self.router(x)  # [N, E] (and [N, 1])
         weights, experts = self.ops.moe_route(logits, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
-        out = self.ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
-        if self.moe.shared_expert_intermediate_size:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        shared = (self.shared_expert(x), shared_logit[0].squeeze(-1)) if shared_logit else None
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        return self.ops.moe_experts(x, gate_up, down, weights, experts, self.expert_reads, shared)
 
 
 def make_mlp(config: ModelConfig, use_moe: bool, ops: OpTable) -> nn.Module:

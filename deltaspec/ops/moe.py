@@ -5,8 +5,9 @@ Rounding points (the kernels keep them): router probabilities in float32 (float6
 chosen weights renormalised there and rounded to the activations' dtype where they scale an expert's output;
 each expert's gate|up product, SiLU, the gated product, the down product and its scaled output rounded to the
 dtype as `F.linear` / `F.silu` would; the top-k outputs of a token summed in float32 (float64) in slot order,
-then rounded once. Nothing here reads a device value on the host except `expert_products`, the readable loop
-over the experts a pass selected.
+then rounded once; the sigmoid-gated shared expert added in the dtype, as `out + sigmoid(g) * shared` rounds.
+Nothing here reads a device value on the host except `expert_products`, the readable loop over the experts a
+pass selected.
 """
 
 from dataclasses import dataclass
@@ -48,14 +49,19 @@ class Grouping:
     block_m: int
 
 
-def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Grouping:
+def group_by_expert(
+    experts: torch.Tensor, num_experts: int, block_m: int, expert_reads: torch.Tensor | None = None
+) -> Grouping:
     """The grouping of `experts` [N, top_k] (int32): shapes depend only on N, top_k, E and block_m, and no value
-    is read on the host, so it runs inside a CUDA graph. Within an expert, pairs keep their order."""
+    is read on the host, so it runs inside a CUDA graph. Within an expert, pairs keep their order. The number of
+    distinct experts is added to `expert_reads` [1] int64 when given."""
     flat = experts.reshape(-1).long()  # [P]
     num_pairs = flat.numel()
     blocks_bound = max_blocks(num_pairs, num_experts, block_m)
     order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    if expert_reads is not None:
+        expert_reads += (counts > 0).sum()
     blocks = (counts + block_m - 1) // block_m  # [E]
     block_end = blocks.cumsum(0)  # [E]
     first_pair = counts.cumsum(0) - counts  # [E] where each expert's pairs start in `order`
@@ -87,12 +93,18 @@ def expert_products(
     down: torch.Tensor | QuantizedWeight,
     weights: torch.Tensor,
     experts: torch.Tensor,
+    expert_reads: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """sum over slots j of weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j].
+    """sum over slots j of weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], plus
+    sigmoid(shared_logit[t]) * shared_out[t] for `shared` = (shared_out [N, H], shared_logit [N]).
 
     x [N, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [N, k] float; experts [N, k]
-    int -> [N, H] in x's dtype, rounded as the module docstring says."""
+    int -> [N, H] in x's dtype, rounded as the module docstring says (the shared term and the sum with it as
+    `out + torch.sigmoid(logit) * shared_out` round in x's dtype). Adds the distinct experts read to
+    `expert_reads` [1] int64."""
     n, top_k = experts.shape
+    expert_reads += experts.unique().numel()
     per_slot = torch.zeros(n, top_k, x.shape[-1], dtype=x.dtype, device=x.device)  # [N, k, H]
     scale = weights.to(x.dtype)
     for expert in experts.unique().tolist():
@@ -102,4 +114,7 @@ def expert_products(
     total = per_slot[:, 0].to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     for slot in range(1, top_k):
         total += per_slot[:, slot]
-    return total.to(x.dtype)
+    if shared is None:
+        return total.to(x.dtype)
+    shared_out, shared_logit = shared
+    return total.to(x.dtype) + torch.sigmoid(shared_logit)[:, None] * shared_out

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from deltaspec.errors import DeltaspecError
 from deltaspec.evaluate_kl import tokens_of, window_logits
 from deltaspec.llm import LLM
-from deltaspec.model.layers import MLP, Experts, FusedLinear, Linear
+from deltaspec.model.layers import MLP, FusedLinear, Linear, SparseMoE, project
 
 
 class ImportanceCollector:
@@ -38,8 +38,8 @@ class ImportanceCollector:
                 self._hook(module, [f"{name}.weight"])
             elif isinstance(module, MLP):  # its gate_up_proj is multiplied without a module call
                 self._hook(module, [f"{name}.gate_proj.weight", f"{name}.up_proj.weight"])
-            elif isinstance(module, Experts):
-                self.handles.append(module.register_forward_pre_hook(self._experts_hook(name)))
+            elif isinstance(module, SparseMoE):
+                self.handles.append(module.register_forward_pre_hook(self._experts_hook(f"{name}.experts")))
 
     def _hook(self, module: nn.Module, weights: list[str]) -> None:
         def hook(_module, args):
@@ -51,9 +51,13 @@ class ImportanceCollector:
         self.handles.append(module.register_forward_pre_hook(hook))
 
     def _experts_hook(self, name: str):
-        def hook(module: Experts, args):
-            x, top_idx = args[0], args[1]  # [N, H], [N, k]
-            n_experts = module.down_proj.shape[0]
+        def hook(moe: SparseMoE, args):
+            """The routing of the layer's input, computed again here (the experts are multiplied by an op, not a
+            module call); the router's weight is multiplied directly so that its own hook counts x once."""
+            x = args[0]  # [N, H]
+            module, n_experts = moe.experts, moe.moe.num_experts
+            logits = project(moe.ops, x, moe.router.weight)[:, :n_experts]  # [N, E]
+            top_idx = moe.ops.moe_route(logits, moe.moe.num_experts_per_tok, moe.moe.norm_topk_prob)[1].long()
             inner = module.down_proj.shape[-1]
             gate_up = torch.zeros(n_experts, x.shape[-1], device=x.device)
             down = torch.zeros(n_experts, inner, device=x.device)

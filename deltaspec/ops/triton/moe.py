@@ -131,6 +131,7 @@ def _align_kernel(
     pairs_ptr,
     block_experts_ptr,
     scratch_ptr,
+    reads_ptr,
     num_pairs,
     E,
     slots,
@@ -144,12 +145,13 @@ def _align_kernel(
     """`deltaspec.ops.moe.group_by_expert` in one program: pairs sorted by (expert, pair) with a bitonic sort,
     each expert's count rounded up to whole blocks, each sorted pair written to its row, and each block's expert
     carried forward from the first block of every used expert. `scratch` [2, E_PAD] int32 lets the program
-    gather per-expert starts by the sorted pairs' experts."""
+    gather per-expert starts by the sorted pairs' experts; the number of used experts is added to reads[0]."""
     pair = tl.arange(0, P_PAD)
     expert = tl.load(experts_ptr + pair, mask=pair < num_pairs, other=E)  # [P_PAD], E past the pairs
     counts = tl.histogram(expert, E_PAD)  # [E_PAD]
     expert_ids = tl.arange(0, E_PAD)
     nblocks = tl.where(expert_ids < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    tl.atomic_add(reads_ptr, tl.sum((nblocks > 0).to(tl.int64), axis=0))
     block_end = tl.cumsum(nblocks, axis=0)
     block_start = block_end - nblocks
     pair_start = tl.cumsum(counts, axis=0) - counts
@@ -177,11 +179,13 @@ def _align_kernel(
     tl.store(block_experts_ptr + block, owner, mask=block < blocks)
 
 
-def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> reference.Grouping:
+def group_by_expert(
+    experts: torch.Tensor, num_experts: int, block_m: int, expert_reads: torch.Tensor
+) -> reference.Grouping:
     """`deltaspec.ops.moe.group_by_expert`: one program for up to ALIGN_MAX_PAIRS pairs, else the torch one."""
     num_pairs = experts.numel()
     if num_pairs > ALIGN_MAX_PAIRS or num_pairs == 0:
-        return reference.group_by_expert(experts, num_experts, block_m)
+        return reference.group_by_expert(experts, num_experts, block_m, expert_reads)
     blocks = reference.max_blocks(num_pairs, num_experts, block_m)
     pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=experts.device)
     block_experts = torch.empty(blocks, dtype=torch.int32, device=experts.device)
@@ -193,6 +197,7 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> re
         pairs,
         block_experts,
         scratch,
+        expert_reads,
         num_pairs,
         num_experts,
         blocks * block_m,
@@ -372,15 +377,33 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(per_pair_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[token] = the float32 sum of per_pair[token * TOP_K + slot] over the slots, in slot order."""
+def _sum_kernel(
+    per_pair_ptr,
+    shared_ptr,
+    logit_ptr,
+    out_ptr,
+    H,
+    stride_s,
+    stride_l,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[token] = the float32 sum of per_pair[token * TOP_K + slot] over the slots, in slot order, rounded;
+    with SHARED, plus sigmoid(logit[token]) * shared[token], rounded as the reference's dtype ops round."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
         total += tl.load(per_pair_ptr + (token * TOP_K + slot) * H + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * H + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    if SHARED:
+        logit = tl.load(logit_ptr + token * stride_l).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
+        shared = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+        total = total.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, total.to(dtype), mask=mask)
 
 
 def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> tuple[int, torch.Tensor, int, int] | None:
@@ -415,11 +438,13 @@ def expert_products(
     down: torch.Tensor | QuantizedWeight,
     weights: torch.Tensor,
     experts: torch.Tensor,
+    expert_reads: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: Tile | None = None,
 ) -> torch.Tensor:
     """`deltaspec.ops.moe.expert_products` as grouped kernels (`tile` overrides `tile_for`: tests, sweeps)."""
     if not fuses(x.dtype, gate_up, down):
-        return reference.expert_products(x, gate_up, down, weights, experts)
+        return reference.expert_products(x, gate_up, down, weights, experts, expert_reads, shared)
     tokens, top_k = experts.shape
     num_experts, hidden = gate_up.shape[0], x.shape[-1]
     inter_size = down.shape[-1]
@@ -428,7 +453,7 @@ def expert_products(
     if num_pairs == 0:
         return out
     tile = tile or tile_for(num_pairs, num_experts, isinstance(gate_up, QuantizedWeight))
-    grouping = group_by_expert(experts.to(torch.int32).contiguous(), num_experts, tile.block_m)
+    grouping = group_by_expert(experts.to(torch.int32).contiguous(), num_experts, tile.block_m, expert_reads)
     blocks = grouping.experts.numel()
     x = x.contiguous()
     weights = weights.contiguous()
@@ -473,5 +498,17 @@ def expert_products(
         QTYPE=qtype,
         **launch,
     )
-    _sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](per_pair, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK)
+    shared_out, shared_logit = shared if shared is not None else (out, weights)  # placeholders when absent
+    _sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
+        per_pair,
+        shared_out,
+        shared_logit,
+        out,
+        hidden,
+        shared_out.stride(0),
+        shared_logit.stride(0),
+        TOP_K=top_k,
+        SHARED=shared is not None,
+        BLOCK=SUM_BLOCK,
+    )
     return out
