@@ -6,7 +6,8 @@ For the routed experts of `qwen3.5-35b-a3b` (256 experts, top 8, hidden 2048, ex
 runs it: in a CUDA graph (`do_bench_cudagraph`), each graph running the product for 8 different routings so
 that the experts it reads exceed the L2 cache. Reports the time per product, the distinct experts a product
 reads and the bandwidth that implies (their bytes / time), checks each result against the reference loop, and
-marks the tile `tile_for` picks. Writes JSON lines to the path given.
+marks the tile `tile_for` picks. Writes JSON lines to the path given, each with the device and the project's
+commit.
 
     python tools/moe_kernel_sweep.py OUT.jsonl [--quick]
 """
@@ -17,6 +18,7 @@ import sys
 import torch
 from triton.testing import do_bench_cudagraph
 
+from deltaspec.bench.stats import commit
 from deltaspec.ops import moe as reference
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton import moe
@@ -81,6 +83,8 @@ def main(out_path: str, quick: bool) -> None:
 
                     ms = do_bench_cudagraph(run, rep=100) / ROUTINGS
                     row = {
+                        "device": torch.cuda.get_device_name(),
+                        "commit": commit(),
                         "shape": shape,
                         "experts": kind,
                         "tokens": tokens,
