@@ -53,8 +53,10 @@ def run(path, prompts, params, **options):
     return llm, outs
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_r2", "qwen3_next_r3_moe"])
-@pytest.mark.parametrize("k", [1, 3, 7, 15])
+@pytest.mark.parametrize(
+    ("name", "k"),
+    [(name, k) for name in ("qwen3_5_r2", "qwen3_next_r3_moe") for k in (1, 3, 7, 15)] + [("qwen3_5_moe_r2", 7)],
+)
 def test_ngram_greedy_is_token_identical_in_float64(checkpoints, name, k):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     _, plain = run(checkpoints[name], PROMPTS, params)
