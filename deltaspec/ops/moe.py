@@ -104,10 +104,11 @@ def expert_products(
     `out + torch.sigmoid(logit) * shared_out` round in x's dtype). Adds the distinct experts read to
     `expert_reads` [1] int64."""
     n, top_k = experts.shape
-    expert_reads += experts.unique().numel()
+    chosen = experts.unique().tolist()
+    expert_reads += len(chosen)
     per_slot = torch.zeros(n, top_k, x.shape[-1], dtype=x.dtype, device=x.device)  # [N, k, H]
     scale = weights.to(x.dtype)
-    for expert in experts.unique().tolist():
+    for expert in chosen:
         tokens, slots = torch.where(experts == expert)
         gate, up = _linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
         per_slot[tokens, slots] = _linear(F.silu(gate) * up, down[expert]) * scale[tokens, slots, None]
