@@ -1,6 +1,7 @@
 """The Triton mixture-of-experts kernels against their references (`deltaspec.ops.moe`): the router's top-k,
-the one-program grouping against the torch one, and the grouped expert products for float and GGUF (Q8_0,
-Q6_K, Q4_K) experts, one token to a prefill's worth, with every tile height."""
+the one-program grouping against the torch one, and the expert products for float and GGUF (Q8_0, Q6_K, Q4_K,
+and Q4_K with Q6_K down products) experts, one token to a prefill's worth, through the decode path (a GEMV per
+pair) and the grouped one with every tile height."""
 
 import pytest
 import torch
@@ -95,11 +96,20 @@ def assert_products_match(got: torch.Tensor, x, gate_up, down, weights, experts,
     torch.testing.assert_close(got.cpu().double(), want, rtol=bound, atol=bound * scale)
 
 
-TILES = [None, (16, 32, 64), (32, 64, 64), (64, 32, 32)]
+# ("grouped", block_m, block_n, block_k) or ("pair", gate_up_n, down_n, block_k); None: what `tile_for` picks
+TILES = [None, ("grouped", 16, 32, 64), ("grouped", 32, 64, 64), ("grouped", 64, 32, 32), ("pair", 16, 8, 32)]
 
 
-@pytest.mark.parametrize("n", [1, 5, 40])
-@pytest.mark.parametrize("tile", TILES)
+def launch_of(kernels, spec):
+    if spec is None:
+        return None
+    kind, *sizes = spec
+    return kernels.Tile(*sizes) if kind == "grouped" else kernels.PairTile(*sizes)
+
+
+@pytest.mark.parametrize(
+    ("n", "tile"), [(n, tile) for n in (1, 5, 40) for tile in TILES if n <= 5 or tile is None or tile[0] != "pair"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_float_expert_products(kernels, kernel_device, n, tile, dtype, with_shared):
@@ -112,23 +122,43 @@ def test_float_expert_products(kernels, kernel_device, n, tile, dtype, with_shar
     if with_shared:  # the shared expert's output, and its gate's logit as a column of the router's output
         router_out = torch.randn(n, num_experts + 1, generator=gen).to(kernel_device, dtype)
         shared = (torch.randn(n, hidden, generator=gen).to(kernel_device, dtype), router_out[:, -1])
-    launch = kernels.Tile(*tile) if tile else None
     assert kernels.fuses(dtype, gate_up, down)
-    got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch)
+    got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K"])
-@pytest.mark.parametrize("n", [1, 9])
+def test_decode_passes_take_a_gemv_per_pair_and_longer_ones_the_grouping(kernels):
+    assert isinstance(kernels.tile_for(kernels.PAIR_MAX_TOKENS, 8, 256), kernels.PairTile)
+    assert isinstance(kernels.tile_for(kernels.PAIR_MAX_TOKENS + 1, 8, 256), kernels.Tile)
+
+
+QUANT_CASES = [  # (gate|up type, down type, tokens, launch, with a shared expert): every type in every kernel
+    *[(qtype, qtype, n, ("grouped", 16, 32, 64), False) for qtype in ("Q8_0", "Q6_K", "Q4_K") for n in (1, 9)],
+    ("Q4_K", "Q6_K", 9, ("grouped", 16, 32, 64), True),
+    ("Q8_0", "Q8_0", 1, None, False),
+    ("Q6_K", "Q4_K", 1, None, False),
+    ("Q4_K", "Q6_K", 2, None, True),
+]
+
+
+@pytest.mark.parametrize(("gate_up_type", "down_type", "n", "tile", "with_shared"), QUANT_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_expert_products(kernels, kernel_device, qtype, n, dtype):
+def test_quantized_expert_products(kernels, kernel_device, gate_up_type, down_type, n, tile, dtype, with_shared):
     num_experts, hidden, inter, top_k = 6, 512, 256, 3
-    gate_up, down = quantized_experts(qtype, num_experts, hidden, inter, kernel_device)
-    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(kernel_device, dtype)
+    gate_up = quantized_experts(gate_up_type, num_experts, hidden, inter, kernel_device)[0]
+    down = quantized_experts(down_type, num_experts, hidden, inter, kernel_device)[1]
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
+    shared = None
+    if with_shared:
+        shared = (
+            torch.randn(n, hidden, generator=gen).to(kernel_device, dtype),
+            torch.randn(n, generator=gen).to(kernel_device, dtype),
+        )
     assert kernels.fuses(dtype, gate_up, down)
-    got = products(kernels, x, gate_up, down, weights, experts, tile=kernels.Tile(16, 32, 64))
-    assert_products_match(got, x, gate_up, down, weights, experts)
+    got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
+    assert_products_match(got, x, gate_up, down, weights, experts, shared)
 
 
 def test_other_expert_types_take_the_reference_and_say_they_sync(kernels, kernel_device):

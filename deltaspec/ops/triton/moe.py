@@ -1,20 +1,25 @@
 """Triton mixture-of-experts kernels with the contracts of `deltaspec.ops.moe`: the router's top-k in one
-kernel, the grouping of (token, slot) pairs by expert, and the routed experts' products as two grouped GEMMs.
+kernel, and the routed experts' products either as a GEMV per (token, slot) pair (decode) or as grouped GEMMs
+over the pairs sorted by expert (verify, batches, prefill).
 
 Nothing reads a device value on the host, so MoE passes run inside CUDA graphs:
 - `route`: softmax, top-k and renormalisation of a row's router logits in one program.
-- grouping: for a pass of up to `ALIGN_MAX_PAIRS` pairs one program sorts the pairs by expert and writes the
-  block table (`_align_kernel`); longer passes (prefill) use the torch grouping, which also never syncs.
-- `expert_products`: one launch for every selected expert's gate|up product with SiLU and the gated product
-  in its epilogue (`_gate_up_kernel`), one for the down products scaled by the routing weights
-  (`_down_kernel`), and one that sums a token's top-k outputs in float32 in slot order (`_sum_kernel`;
-  summing in the down kernel's epilogue would need atomics, whose order varies from run to run). A program
-  takes one block of one expert's pairs and a slab of output columns, so each selected expert's weights are
-  read once per pass, and blocks past the last used one return at once. Weights are float (bf16, fp16, fp32)
-  or single-segment GGUF blocks of Q8_0, Q6_K or Q4_K, dequantized in registers with the tile code of
-  `quant_dequant` exactly as the reference dequantizes them.
-The product puts the expert's output columns on the MMA's wide side and the pairs on its narrow side (padded
-to 16), so one decode token's 8 pairs cost no more tensor-core work than the weights' bytes allow.
+- decode, up to `PAIR_MAX_TOKENS` tokens: no grouping. `_pair_gate_up_kernel` runs a GEMV per pair, reading
+  the pair's expert from the routing, with SiLU and the gated product in its epilogue; `_pair_down_sum_kernel`
+  takes a slab of a token's output columns through all its slots' down products scaled by the routing weights
+  and sums them in float32 in slot order, with the gated shared expert: two launches. GGUF experts go through
+  the dense decode GEMV's products (`quant_gemv.q4_k_rows` and its siblings).
+- more tokens: for up to `ALIGN_MAX_PAIRS` pairs one program sorts the pairs by expert and writes the block
+  table (`_align_kernel`); longer passes (prefill) use the torch grouping, which also never syncs. Then one
+  launch for every selected expert's gate|up product (`_gate_up_kernel`), one for the down products scaled by
+  the routing weights (`_down_kernel`), and one that sums a token's top-k outputs in float32 in slot order
+  (`_sum_kernel`; summing in the down kernel's epilogue would need atomics, whose order varies from run to
+  run). A program takes one block of one expert's pairs and a slab of output columns, so each selected
+  expert's weights are read once per pass, and blocks past the last used one return at once. The product puts
+  the expert's output columns on the MMA's wide side and the pairs on its narrow side (padded to 16); GGUF
+  blocks are dequantized in registers with the tile code of `quant_dequant` exactly as the reference
+  dequantizes them.
+Weights are float (bf16, fp16, fp32) or single-segment GGUF blocks of Q8_0, Q6_K or Q4_K.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multi
 ALIGN_MAX_PAIRS = 4096  # the one-program grouping's limit (a bitonic sort of the pairs)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
+PAIR_MAX_TOKENS = 2  # passes of at most this many tokens run a GEMV per (token, slot) pair
+PRMT = not INTERPRETED  # the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks)
+KernelWeight = tuple[int, torch.Tensor, int, int]  # QTYPE (-1: float), the stack, its stride per expert and per row
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,26 @@ class Tile:
     num_stages: int = 3
 
 
-def tile_for(pairs: int, num_experts: int, quantized: bool = False) -> Tile:
-    """Blocks as tall as the pairs an expert gets on average: decode and verify passes give most selected
-    experts a few pairs, prefill gives each many. The short tiles are the fastest of `tools/moe_kernel_sweep.py`
-    on an H200 for 1 to 32 tokens of `qwen3.5-35b-a3b` experts (bf16; Q4_K and Q6_K)."""
-    per_expert = pairs / num_experts
+@dataclass(frozen=True)
+class PairTile:
+    """A decode pass's launch, one GEMV per (token, slot) pair and no grouping: output columns per program of
+    the gate|up product and of the down product (which also sums the slots), input values per step of float
+    experts, warps per program."""
+
+    gate_up_n: int
+    down_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+def tile_for(tokens: int, top_k: int, num_experts: int, quantized: bool = False) -> Tile | PairTile:
+    """Up to PAIR_MAX_TOKENS tokens, a GEMV per pair (the grouping would find almost every expert once and
+    cost two launches); more, blocks as tall as the pairs an expert gets on average: verify passes give most
+    selected experts a few pairs, prefill gives each many. The fastest tiles of `tools/moe_kernel_sweep.py` on
+    an H200 for `qwen3.5-35b-a3b` experts (bf16; Q4_K and Q6_K)."""
+    if tokens <= PAIR_MAX_TOKENS:
+        return PairTile(16, 8, 256, 4)
+    per_expert = tokens * top_k / num_experts
     if per_expert <= 16:
         return Tile(16, 32, 128, 4, 4) if quantized else Tile(16, 64, 128, 4, 4)
     if per_expert <= 64:
@@ -269,6 +292,24 @@ def _quant_rows_times(
 
 
 @triton.jit
+def _silu_product(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of float32 products, each rounded to `dtype` as the reference's F.silu and product round."""
+    gate = gate.to(dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (activated * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _plus_shared(total, shared_ptr, logit_ptr, token, cols, mask, stride_s, stride_l, dtype: tl.constexpr):
+    """total (float32 [BLOCK]) rounded to `dtype`, plus sigmoid(logit[token]) * shared[token, cols], rounded as
+    the reference's `out + torch.sigmoid(logit) * shared_out` rounds; float32 out."""
+    logit = tl.load(logit_ptr + token * stride_l).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
+    shared = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+    return total.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -317,10 +358,7 @@ def _gate_up_kernel(
         up = _quant_rows_times(
             x_rows, valid, w_expert, cols + inter_size, n_mask, stride_wn, H, up, QTYPE, BLOCK_N, WIDEN
         )
-    dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds
-    product = (activated * up.to(dtype).to(tl.float32)).to(dtype)  # [BLOCK_N, BLOCK_M]
+    product = _silu_product(gate, up, out_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
     out = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
     tl.store(out, product, mask=valid[None, :] & n_mask[:, None])
 
@@ -399,14 +437,151 @@ def _sum_kernel(
         total += tl.load(per_pair_ptr + (token * TOP_K + slot) * H + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if SHARED:
-        logit = tl.load(logit_ptr + token * stride_l).to(tl.float32)
-        gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
-        shared = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-        total = total.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)
+        total = _plus_shared(total, shared_ptr, logit_ptr, token, cols, mask, stride_s, stride_l, dtype)
     tl.store(out_ptr + token * H + cols, total.to(dtype), mask=mask)
 
 
-def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> tuple[int, torch.Tensor, int, int] | None:
+@triton.jit
+def _rows_times_x(
+    x_row,
+    w_ptr,
+    rows,
+    n_mask,
+    row_stride,
+    K,
+    half_exponent,
+    biased_exponent,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """[BLOCK_N] float32: weight rows `rows` of one expert (at w_ptr; row_stride elements, or bytes for GGUF
+    blocks) times the K activations at x_row, on CUDA cores: float rows in [BLOCK_N, BLOCK_K] slabs, GGUF rows
+    with the decode GEMV's products (`quant_gemv`)."""
+    if QTYPE < 0:
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * row_stride  # [BLOCK_N, 1]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+            acc += _float_slab(w_rows, ks, n_mask, k_mask).to(tl.float32) * x[None, :]
+        result = tl.sum(acc, axis=1)
+    elif QTYPE == 1:
+        w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+        start = rows.to(tl.int64) * (row_stride // 4)
+        result = quant_gemv.q4_k_rows(
+            x_row, x_row, w32_ptr, start, n_mask, 0, K // 256, half_exponent, False, BLOCK_N, PRMT
+        )
+    elif QTYPE == 2:
+        w16_ptr = w_ptr.to(tl.pointer_type(tl.int16))
+        start = rows.to(tl.int64) * row_stride
+        result = quant_gemv.q6_k_rows(
+            x_row, x_row, w_ptr, w16_ptr, start, n_mask, 0, K // 256, half_exponent, False, BLOCK_N, PRMT
+        )
+    else:
+        w16_ptr = w_ptr.to(tl.pointer_type(tl.int16))
+        start = rows.to(tl.int64) * (row_stride // 2)
+        result = quant_gemv.q8_0_rows(
+            x_row, x_row, w16_ptr, start, n_mask, 0, K // 256, biased_exponent, False, BLOCK_N, PRMT
+        )
+    return result
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    experts_ptr,
+    out_ptr,
+    H,
+    inter_size,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    half_exponent,
+    biased_exponent,
+    TOP_K: tl.constexpr,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """out[pair, cols] = silu(gate) * up of pair `program_id(0)`'s token through its expert, for output columns
+    `cols`: a GEMV per pair, no grouping (QTYPE and strides as `_gate_up_kernel`'s)."""
+    pair = tl.program_id(0)
+    expert = tl.load(experts_ptr + pair)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = cols < inter_size
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    exps = (half_exponent, biased_exponent)
+    gate = _rows_times_x(x_row, w_expert, cols, n_mask, stride_wn, H, *exps, QTYPE, BLOCK_N, BLOCK_K, PRMT)
+    up = _rows_times_x(x_row, w_expert, cols + inter_size, n_mask, stride_wn, H, *exps, QTYPE, BLOCK_N, BLOCK_K, PRMT)
+    product = _silu_product(gate, up, out_ptr.dtype.element_ty)  # [BLOCK_N]
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, product, mask=n_mask)
+
+
+@triton.jit
+def _pair_down_sum_kernel(
+    inter_ptr,
+    w_ptr,
+    experts_ptr,
+    weights_ptr,
+    shared_ptr,
+    logit_ptr,
+    out_ptr,
+    reads_ptr,
+    num_pairs,
+    inter_size,
+    H,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_s,
+    stride_l,
+    half_exponent,
+    biased_exponent,
+    TOP_K: tl.constexpr,
+    QTYPE: tl.constexpr,
+    SHARED: tl.constexpr,
+    P_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """out[token, cols] = the float32 sum over the token's slots, in slot order, of down_e(inter[pair])[cols] *
+    weight[pair] (each rounded to the output dtype), rounded, plus the gated shared expert with SHARED: the
+    down kernel and the sum kernel of the grouped path in one. Program (0, 0) adds the number of distinct
+    experts among the pass's pairs to reads[0]."""
+    token = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = cols < H
+    dtype = out_ptr.dtype.element_ty
+    exps = (half_exponent, biased_exponent)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(experts_ptr + pair)
+        x_row = inter_ptr + pair.to(tl.int64) * stride_im
+        w_expert = w_ptr + expert.to(tl.int64) * stride_we
+        acc = _rows_times_x(x_row, w_expert, cols, n_mask, stride_wn, inter_size, *exps, QTYPE, BLOCK_N, BLOCK_K, PRMT)
+        scale = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
+        total += (acc.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
+    if SHARED:
+        total = _plus_shared(total, shared_ptr, logit_ptr, token, cols, n_mask, stride_s, stride_l, dtype)
+    tl.store(out_ptr + token.to(tl.int64) * H + cols, total.to(dtype), mask=n_mask)
+    if (tl.program_id(0) == 0) & (token == 0):
+        index = tl.arange(0, P_PAD)
+        chosen = tl.load(experts_ptr + index, mask=index < num_pairs, other=-1)  # [P_PAD]
+        earlier = (chosen[:, None] == chosen[None, :]) & (index[None, :] < index[:, None])  # [P_PAD, P_PAD]
+        first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (index < num_pairs)
+        tl.atomic_add(reads_ptr, tl.sum(first.to(tl.int64), axis=0))
+
+
+def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> KernelWeight | None:
     """(QTYPE, tensor, per-expert stride, per-row stride) of an expert stack the kernels read, else None."""
     if isinstance(weight, torch.Tensor):
         if weight.dtype not in FLOAT_DTYPES or weight.stride(-1) != 1:
@@ -440,28 +615,114 @@ def expert_products(
     experts: torch.Tensor,
     expert_reads: torch.Tensor,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-    tile: Tile | None = None,
+    tile: Tile | PairTile | None = None,
 ) -> torch.Tensor:
-    """`deltaspec.ops.moe.expert_products` as grouped kernels (`tile` overrides `tile_for`: tests, sweeps)."""
+    """`deltaspec.ops.moe.expert_products` as a GEMV per pair (a few tokens) or as grouped kernels (`tile`
+    overrides `tile_for`: tests, sweeps)."""
     if not fuses(x.dtype, gate_up, down):
         return reference.expert_products(x, gate_up, down, weights, experts, expert_reads, shared)
     tokens, top_k = experts.shape
-    num_experts, hidden = gate_up.shape[0], x.shape[-1]
-    inter_size = down.shape[-1]
-    num_pairs = tokens * top_k
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    if num_pairs == 0:
+    out = torch.empty(tokens, x.shape[-1], dtype=x.dtype, device=x.device)
+    if tokens == 0:
         return out
-    tile = tile or tile_for(num_pairs, num_experts, isinstance(gate_up, QuantizedWeight))
-    grouping = group_by_expert(experts.to(torch.int32).contiguous(), num_experts, tile.block_m, expert_reads)
+    tile = tile or tile_for(tokens, top_k, gate_up.shape[0], isinstance(gate_up, QuantizedWeight))
+    inter = torch.empty(tokens * top_k, down.shape[-1], dtype=x.dtype, device=x.device)  # [P, I]
+    args = (x.contiguous(), _kernel_weight(gate_up), _kernel_weight(down), weights.contiguous())
+    args += (experts.to(torch.int32).contiguous(), expert_reads, shared, inter, out)
+    if isinstance(tile, PairTile):
+        _pair_products(*args, tile)
+    else:
+        _grouped_products(*args, tile)
+    return out
+
+
+def _pair_products(
+    x: torch.Tensor,
+    gate_up: KernelWeight,
+    down: KernelWeight,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    expert_reads: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None,
+    inter: torch.Tensor,
+    out: torch.Tensor,
+    tile: PairTile,
+) -> None:
+    """out = the experts' products of `expert_products`, one GEMV per pair: gate|up, then down with the sum."""
+    tokens, top_k = experts.shape
+    num_pairs, inter_size = inter.shape
+    hidden = x.shape[-1]
+    exponents = (quant_gemv.HALF_EXPONENT, quant_gemv.BIASED_EXPONENT)
+    launch = {"BLOCK_K": tile.block_k, "PRMT": PRMT, "num_warps": tile.num_warps}
+    qtype, w, stride_e, stride_n = gate_up
+    _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter_size, tile.gate_up_n))](
+        x,
+        w,
+        experts,
+        inter,
+        hidden,
+        inter_size,
+        x.stride(0),
+        stride_e,
+        stride_n,
+        inter.stride(0),
+        *exponents,
+        TOP_K=top_k,
+        QTYPE=qtype,
+        BLOCK_N=tile.gate_up_n,
+        **launch,
+    )
+    shared_out, shared_logit = shared if shared is not None else (out, weights)  # placeholders when absent
+    qtype, w, stride_e, stride_n = down
+    _pair_down_sum_kernel[(triton.cdiv(hidden, tile.down_n), tokens)](
+        inter,
+        w,
+        experts,
+        weights,
+        shared_out,
+        shared_logit,
+        out,
+        expert_reads,
+        num_pairs,
+        inter_size,
+        hidden,
+        inter.stride(0),
+        stride_e,
+        stride_n,
+        shared_out.stride(0),
+        shared_logit.stride(0),
+        *exponents,
+        TOP_K=top_k,
+        QTYPE=qtype,
+        SHARED=shared is not None,
+        P_PAD=max(16, triton.next_power_of_2(num_pairs)),
+        BLOCK_N=tile.down_n,
+        **launch,
+    )
+
+
+def _grouped_products(
+    x: torch.Tensor,
+    gate_up: KernelWeight,
+    down: KernelWeight,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    expert_reads: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None,
+    inter: torch.Tensor,
+    out: torch.Tensor,
+    tile: Tile,
+) -> None:
+    """out = the experts' products of `expert_products` with the pairs grouped by expert: gate|up, down, sum."""
+    tokens, top_k = experts.shape
+    num_pairs, inter_size = inter.shape
+    hidden = x.shape[-1]
+    grouping = group_by_expert(experts, gate_up[1].shape[0], tile.block_m, expert_reads)
     blocks = grouping.experts.numel()
-    x = x.contiguous()
-    weights = weights.contiguous()
     widen = x.dtype == torch.float32 or INTERPRETED
     launch = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "WIDEN": widen}
     launch |= {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)  # [P, I]
-    qtype, w, stride_e, stride_n = _kernel_weight(gate_up)
+    qtype, w, stride_e, stride_n = gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter_size, tile.block_n))](
         x,
         w,
@@ -480,7 +741,7 @@ def expert_products(
         **launch,
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
-    qtype, w, stride_e, stride_n = _kernel_weight(down)
+    qtype, w, stride_e, stride_n = down
     _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
         inter,
         w,
@@ -511,4 +772,3 @@ def expert_products(
         SHARED=shared is not None,
         BLOCK=SUM_BLOCK,
     )
-    return out

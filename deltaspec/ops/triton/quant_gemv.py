@@ -13,6 +13,8 @@ within a few float32 roundings of the float64 product). Q8_0's signed bytes beco
 one, so a few rows re-read the weight from L2. Program `grid(1)` takes super-blocks
 [s * steps_per_split, (s + 1) * steps_per_split) (the last share may be shorter); with several shares the
 partial sums go to a float32 workspace [shares, M, N] that `finish_kernel` reduces in a fixed order.
+Each kernel's product of BLOCK_N rows with one activation row is a function (`q4_k_rows`, `q6_k_rows`,
+`q8_0_rows`) that the mixture-of-experts decode kernels call on one expert's rows.
 """
 
 from __future__ import annotations
@@ -131,15 +133,38 @@ def q4_k_gemv_kernel(
     split = tl.program_id(1)
     m = tl.program_id(2)
     n_mask = rows < N
-    x_row = x_ptr + m * stride_xm
+    first = split * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
+    x_row = x_ptr + m * stride_xm
+    value = q4_k_rows(
+        x_row, order_ptr, w32_ptr, row_start, n_mask, first, last, half_exponent, HAS_ORDER, BLOCK_N, PRMT
+    )
+    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+
+
+@triton.jit
+def q4_k_rows(
+    x_row,
+    order_ptr,
+    w32_ptr,
+    row_start,
+    n_mask,
+    first,
+    last,
+    half_exponent,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """[BLOCK_N] float32: the Q4_K rows starting at words `row_start` [BLOCK_N] times the activations at x_row,
+    over super-blocks [first, last) (the layout and algebra of `q4_k_gemv_kernel`)."""
     chunk = tl.arange(0, 4)
     word = chunk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8]: word of chunk c, position i
     column = chunk[:, None] * 64 + tl.arange(0, 8)[None, :] * 4  # [4, 8]: the value of byte 0's low nibble
     shift = (chunk[None, :] % 2) * 16
     acc = tl.zeros((BLOCK_N, 4), dtype=tl.float32)
-    first = split * steps_per_split
-    for step in range(first, tl.minimum(first + steps_per_split, steps)):
+    for step in range(first, last):
         block = row_start + step * 36  # [BLOCK_N]
         quants = tl.load(w32_ptr + block[:, None, None] + 4 + word[None, :, :], mask=n_mask[:, None, None], other=0)
         head = tl.load(w32_ptr + block, mask=n_mask, other=0)
@@ -178,7 +203,7 @@ def q4_k_gemv_kernel(
         min_high = dmin[:, None] * as_float((min_word >> (shift + 8)) & 0xFF)
         acc += scale_low * (tl.sum(f_low, axis=2) - 0.5 * sums_low) - min_low * sums_low
         acc += scale_high * (tl.sum(f_high, axis=2) - 0.5 * sums_high) - min_high * sums_high
-    _store_row(part_ptr, out_ptr, tl.sum(acc, axis=1), rows, n_mask, split, m, M, N, stride_om)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -210,16 +235,50 @@ def q6_k_gemv_kernel(
     split = tl.program_id(1)
     m = tl.program_id(2)
     n_mask = rows < N
-    mask4 = n_mask[:, None, None, None]
-    x_row = x_ptr + m * stride_xm
+    first = split * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
+    value = q6_k_rows(
+        x_ptr + m * stride_xm,
+        order_ptr,
+        w_ptr,
+        w16_ptr,
+        row_start,
+        n_mask,
+        first,
+        last,
+        half_exponent,
+        HAS_ORDER,
+        BLOCK_N,
+        PRMT,
+    )
+    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+
+
+@triton.jit
+def q6_k_rows(
+    x_row,
+    order_ptr,
+    w_ptr,
+    w16_ptr,
+    row_start,
+    n_mask,
+    first,
+    last,
+    half_exponent,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """[BLOCK_N] float32: the Q6_K rows starting at bytes `row_start` [BLOCK_N] (w_ptr bytes, w16_ptr the same
+    memory as 16-bit words) times the activations at x_row, over super-blocks [first, last)."""
+    mask4 = n_mask[:, None, None, None]
     half = tl.arange(0, 2)[:, None, None]
     group = tl.arange(0, 2)[None, :, None]
     pair = group * 8 + tl.arange(0, 8)[None, None, :]  # [2, 2, 8]: 16-bit word p = g * 8 + p' of a half
     scale_slot = tl.arange(0, 2)[:, None] * 8 + tl.arange(0, 2)[None, :]  # [2, 2]: h * 8 + g
     acc = tl.zeros((BLOCK_N, 2, 2, 8), dtype=tl.float32)
-    first = split * steps_per_split
-    for step in range(first, tl.minimum(first + steps_per_split, steps)):
+    for step in range(first, last):
         block = row_start + step * 210  # [BLOCK_N] bytes
         half_words = (block // 2)[:, None, None, None]
         low0 = tl.load(w16_ptr + half_words + half * 32 + pair, mask=mask4, other=0).to(tl.int32)
@@ -251,9 +310,7 @@ def q6_k_gemv_kernel(
             scale = tl.load(w_ptr + scale_at, mask=n_mask[:, None, None], other=0).to(tl.int8, bitcast=True)
             # each thread keeps its own partial sums; they are added across the pairs once, at the end
             acc += (d[:, None, None] * scale.to(tl.float32))[:, :, :, None] * (products - 0.75 * (x0 + x1)[None])
-    _store_row(
-        part_ptr, out_ptr, tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1), rows, n_mask, split, m, M, N, stride_om
-    )
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
 @triton.jit
@@ -282,14 +339,37 @@ def q8_0_gemv_kernel(
     split = tl.program_id(1)
     m = tl.program_id(2)
     n_mask = rows < N
-    x_row = x_ptr + m * stride_xm
+    first = split * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
     row_start = rows.to(tl.int64) * row_halves  # [BLOCK_N] 16-bit words
+    x_row = x_ptr + m * stride_xm
+    value = q8_0_rows(
+        x_row, order_ptr, w16_ptr, row_start, n_mask, first, last, biased_exponent, HAS_ORDER, BLOCK_N, PRMT
+    )
+    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+
+
+@triton.jit
+def q8_0_rows(
+    x_row,
+    order_ptr,
+    w16_ptr,
+    row_start,
+    n_mask,
+    first,
+    last,
+    biased_exponent,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """[BLOCK_N] float32: the Q8_0 rows starting at 16-bit words `row_start` [BLOCK_N] times the activations at
+    x_row, over super-blocks (eight blocks) [first, last)."""
     block_of_step = tl.arange(0, 8)
     blocks = block_of_step[:, None]
     word = tl.arange(0, 16)[None, :]
     acc = tl.zeros((BLOCK_N, 8, 16), dtype=tl.float32)
-    first = split * steps_per_split
-    for step in range(first, tl.minimum(first + steps_per_split, steps)):
+    for step in range(first, last):
         block = row_start[:, None] + step * 136 + block_of_step[None, :] * 17  # [BLOCK_N, 8]
         quants = tl.load(w16_ptr + block[:, :, None] + 1 + word[None, :, :], mask=n_mask[:, None, None], other=0)
         biased = quants.to(tl.int32) ^ 0x8080  # [BLOCK_N, 8, 16]: two bytes q + 128
@@ -302,7 +382,7 @@ def q8_0_gemv_kernel(
             + q1 * _x_at(x_row, order_ptr, position + 1, HAS_ORDER)[None]
         )
         acc += d[:, :, None] * products  # each thread's partial sums, added across the words once, at the end
-    _store_row(part_ptr, out_ptr, tl.sum(tl.sum(acc, axis=2), axis=1), rows, n_mask, split, m, M, N, stride_om)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
