@@ -96,19 +96,29 @@ def assert_products_match(got: torch.Tensor, x, gate_up, down, weights, experts,
     torch.testing.assert_close(got.cpu().double(), want, rtol=bound, atol=bound * scale)
 
 
-# ("grouped", block_m, block_n, block_k) or ("pair", gate_up_n, down_n, block_k); None: what `tile_for` picks
-TILES = [None, ("grouped", 16, 32, 64), ("grouped", 32, 64, 64), ("grouped", 64, 32, 32), ("pair", 16, 8, 32)]
+# ("grouped" or "ungrouped", block_m, block_n, block_k) or ("pair", gate_up_n, down_n, block_k); None: what
+# `tile_for` picks
+TILES = [
+    None,
+    ("grouped", 16, 32, 64),
+    ("grouped", 32, 64, 64),
+    ("grouped", 64, 32, 32),
+    ("ungrouped", 16, 32, 64),
+    ("pair", 16, 8, 32),
+]
 
 
 def launch_of(kernels, spec):
     if spec is None:
         return None
     kind, *sizes = spec
-    return kernels.Tile(*sizes) if kind == "grouped" else kernels.PairTile(*sizes)
+    if kind == "pair":
+        return kernels.PairTile(*sizes)
+    return kernels.Tile(*sizes, ungrouped=kind == "ungrouped")
 
 
 @pytest.mark.parametrize(
-    ("n", "tile"), [(n, tile) for n in (1, 5, 40) for tile in TILES if n <= 5 or tile is None or tile[0] != "pair"]
+    ("n", "tile"), [(n, tile) for n in (1, 5, 40) for tile in TILES if n <= 5 or tile is None or tile[0] == "grouped"]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_shared", [False, True])
@@ -127,9 +137,10 @@ def test_float_expert_products(kernels, kernel_device, n, tile, dtype, with_shar
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
 
 
-def test_decode_passes_take_a_gemv_per_pair_and_longer_ones_the_grouping(kernels):
-    assert isinstance(kernels.tile_for(kernels.PAIR_MAX_TOKENS, 8, 256), kernels.PairTile)
-    assert isinstance(kernels.tile_for(kernels.PAIR_MAX_TOKENS + 1, 8, 256), kernels.Tile)
+def test_decode_passes_skip_the_grouping_and_longer_ones_group(kernels):
+    assert kernels.tile_for(kernels.PAIR_MAX_TOKENS, 8, 256).ungrouped
+    assert isinstance(kernels.tile_for(kernels.PAIR_MAX_TOKENS, 8, 256, quantized=True), kernels.PairTile)
+    assert not kernels.tile_for(kernels.PAIR_MAX_TOKENS + 1, 8, 256).ungrouped
 
 
 QUANT_CASES = [  # (gate|up type, down type, tokens, launch, with a shared expert): every type in every kernel

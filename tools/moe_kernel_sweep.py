@@ -3,14 +3,14 @@
 For the routed experts of `qwen3.5-35b-a3b` (256 experts, top 8, hidden 2048, expert width 512) and
 `qwen3-next-80b-a3b` (512, top 10), random bf16 experts and, for the first shape, Q4_K and Q6_K ones, times
 `expert_products` for 1 to 8192 tokens with each candidate `Tile` (grouping, gate|up, down, sum) and, up to
-PAIR_SWEEP_TOKENS tokens, each `PairTile` (a GEMV per pair: gate|up, then down with the sum), as decode runs
-them: in a CUDA graph (`do_bench_cudagraph`), each graph running the product for 8 different routings so
-that the experts it reads exceed the L2 cache. Reports the time per product, the distinct experts a product
-reads and the bandwidth that implies (their bytes / time), checks each result against the reference loop, and
-marks the launch `tile_for` picks. Writes JSON lines to the path given, each with the device and the
-project's commit.
+PAIR_SWEEP_TOKENS tokens, the ungrouped tiles and each `PairTile` (a GEMV per pair: gate|up, then down with
+the sum), as decode runs them: in a CUDA graph (`do_bench_cudagraph`), each graph running the product for 8
+different routings so that the experts it reads exceed the L2 cache. Reports the time per product, the
+distinct experts a product reads and the bandwidth that implies (their bytes / time), checks each result
+against the reference loop, and marks the launch `tile_for` picks. Writes JSON lines to the path given, each
+with the device and the project's commit.
 
-    python tools/moe_kernel_sweep.py OUT.jsonl [--quick]     # --quick: 1 to 8 tokens, the first shape
+    python tools/moe_kernel_sweep.py OUT.jsonl [--quick]     # --quick: decode launches, 1 and 2 tokens, first shape
 """
 
 import json
@@ -38,15 +38,20 @@ TILES = (
     moe.Tile(64, 128, 64, 8, 3),
     moe.Tile(128, 128, 64, 8, 3),
 )
-PAIR_TILES = (
-    moe.PairTile(16, 8, 256, 4),
-    moe.PairTile(8, 8, 256, 4),
-    moe.PairTile(32, 16, 256, 4),
-    moe.PairTile(16, 8, 512, 4),
-    moe.PairTile(16, 4, 512, 2),
+DECODE_TILES = (  # up to PAIR_SWEEP_TOKENS tokens: no grouping launch
+    moe.Tile(16, 64, 128, 4, 4, ungrouped=True),
+    moe.Tile(16, 32, 128, 4, 4, ungrouped=True),
+    moe.Tile(16, 32, 256, 4, 3, ungrouped=True),
+    moe.Tile(16, 64, 64, 4, 4, ungrouped=True),
     moe.PairTile(8, 4, 256, 2),
+    moe.PairTile(8, 8, 512, 4),
+    moe.PairTile(16, 8, 512, 4),
+    moe.PairTile(4, 4, 1024, 2),
+    moe.PairTile(16, 4, 512, 2),
+    moe.PairTile(32, 16, 256, 4),
+    moe.PairTile(32, 8, 256, 4),
 )
-PAIR_SWEEP_TOKENS = 8
+PAIR_SWEEP_TOKENS = 4
 ROUTINGS = 8
 
 
@@ -72,7 +77,7 @@ def main(out_path: str, quick: bool) -> None:
         for shape, kind in cases:
             num_experts, top_k, hidden, inter = SHAPES[shape]
             gate_up, down, expert_bytes = experts_of(kind, num_experts, hidden, inter)
-            for tokens in TOKENS[:4] if quick else TOKENS:
+            for tokens in TOKENS[:2] if quick else TOKENS:
                 x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
                 routings = [
                     moe.route(torch.randn(tokens, num_experts, device="cuda"), top_k, True) for _ in range(ROUTINGS)
@@ -81,9 +86,8 @@ def main(out_path: str, quick: bool) -> None:
                 reads = torch.zeros(1, dtype=torch.int64, device="cuda")
                 check = reference.expert_products(x.float(), _float(gate_up), _float(down), *routings[0], reads)
                 chosen = moe.tile_for(tokens, top_k, num_experts, kind != "bf16")
-                for tile in TILES + PAIR_TILES:
-                    if isinstance(tile, moe.PairTile) and tokens > PAIR_SWEEP_TOKENS:
-                        continue
+                candidates = (() if quick else TILES) + (DECODE_TILES if tokens <= PAIR_SWEEP_TOKENS else ())
+                for tile in candidates if chosen in candidates else (chosen, *candidates):
                     if isinstance(tile, moe.Tile) and tile.block_m > 16 and tokens * top_k < 8 * num_experts:
                         if tile != chosen:
                             continue  # tall blocks only where experts get many pairs
@@ -116,7 +120,8 @@ def main(out_path: str, quick: bool) -> None:
 def _describe(tile) -> str:
     if isinstance(tile, moe.PairTile):
         return f"pair gate_up_n={tile.gate_up_n} down_n={tile.down_n} k={tile.block_k} warps={tile.num_warps}"
-    return f"grouped m={tile.block_m} n={tile.block_n} k={tile.block_k} warps={tile.num_warps} stages={tile.num_stages}"
+    kind = "ungrouped" if tile.ungrouped else "grouped"
+    return f"{kind} m={tile.block_m} n={tile.block_n} k={tile.block_k} warps={tile.num_warps} stages={tile.num_stages}"
 
 
 def _float(weight):

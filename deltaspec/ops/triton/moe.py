@@ -47,13 +47,15 @@ KernelWeight = tuple[int, torch.Tensor, int, int]  # QTYPE (-1: float), the stac
 
 @dataclass(frozen=True)
 class Tile:
-    """A grouped product's launch: pairs per block (block_m), output columns and input values per program step."""
+    """A grouped product's launch: pairs per block (block_m), output columns and input values per program step;
+    `ungrouped` blocks hold one pair each, so a decode pass needs no grouping launch."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    ungrouped: bool = False  # one block per pair, the routing its block table (no grouping kernel)
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,13 @@ class PairTile:
 
 
 def tile_for(tokens: int, top_k: int, num_experts: int, quantized: bool = False) -> Tile | PairTile:
-    """Up to PAIR_MAX_TOKENS tokens, a GEMV per pair (the grouping would find almost every expert once and
-    cost two launches); more, blocks as tall as the pairs an expert gets on average: verify passes give most
-    selected experts a few pairs, prefill gives each many. The fastest tiles of `tools/moe_kernel_sweep.py` on
+    """Up to PAIR_MAX_TOKENS tokens no grouping (it would find almost every expert once, at the cost of a
+    launch): one block per pair on tensor cores for float experts, a GEMV per pair for GGUF ones. More tokens,
+    blocks as tall as the pairs an expert gets on average: verify passes give most selected experts a few
+    pairs, prefill gives each many. The fastest tiles of `tools/moe_kernel_sweep.py` on
     an H200 for `qwen3.5-35b-a3b` experts (bf16; Q4_K and Q6_K)."""
     if tokens <= PAIR_MAX_TOKENS:
-        return PairTile(16, 8, 256, 4)
+        return PairTile(8, 4, 256, 2) if quantized else Tile(16, 64, 128, 4, 4, ungrouped=True)
     per_expert = tokens * top_k / num_experts
     if per_expert <= 16:
         return Tile(16, 32, 128, 4, 4) if quantized else Tile(16, 64, 128, 4, 4)
@@ -292,6 +295,29 @@ def _quant_rows_times(
 
 
 @triton.jit
+def _block(pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr, UNGROUPED: tl.constexpr):
+    """(expert, pairs [BLOCK_M]) of block `program_id(0)`: from the block table, or with UNGROUPED pair b alone in
+    block b (block_experts_ptr is then the routing's experts [P])."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if UNGROUPED:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_pairs)
+    else:
+        pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs
+
+
+@triton.jit
+def _count_distinct(experts_ptr, num_pairs, reads_ptr, P_PAD: tl.constexpr):
+    """reads[0] += the number of distinct experts among the pass's num_pairs <= P_PAD pairs."""
+    index = tl.arange(0, P_PAD)
+    chosen = tl.load(experts_ptr + index, mask=index < num_pairs, other=-1)  # [P_PAD]
+    earlier = (chosen[:, None] == chosen[None, :]) & (index[None, :] < index[:, None])  # [P_PAD, P_PAD]
+    first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (index < num_pairs)
+    tl.atomic_add(reads_ptr, tl.sum(first.to(tl.int64), axis=0))
+
+
+@triton.jit
 def _silu_product(gate, up, dtype: tl.constexpr):
     """silu(gate) * up of float32 products, each rounded to `dtype` as the reference's F.silu and product round."""
     gate = gate.to(dtype).to(tl.float32)
@@ -329,14 +355,14 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WIDEN: tl.constexpr,
+    UNGROUPED: tl.constexpr,
 ):
     """out[pair, cols] = silu(gate) * up of the block's pairs' tokens, for output columns `cols` of the block's
     expert (QTYPE -1: float weights [E, 2I, H] with strides; else GGUF blocks, stride_we bytes per expert and
     stride_wn bytes per row)."""
-    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, UNGROUPED)  # pairs [BLOCK_M]
     if expert < 0:
         return
-    pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     valid = pairs < num_pairs
     x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -383,12 +409,12 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WIDEN: tl.constexpr,
+    UNGROUPED: tl.constexpr,
 ):
     """out[pair, cols] = down_e(inter[pair])[cols] * weight[pair], each rounded to the output dtype."""
-    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, UNGROUPED)  # pairs [BLOCK_M]
     if expert < 0:
         return
-    pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     valid = pairs < num_pairs
     safe_pairs = tl.where(valid, pairs, 0).to(tl.int64)
     x_rows = inter_ptr + safe_pairs[:, None] * stride_im  # [BLOCK_M, 1]
@@ -420,15 +446,22 @@ def _sum_kernel(
     shared_ptr,
     logit_ptr,
     out_ptr,
+    experts_ptr,
+    reads_ptr,
+    num_pairs,
     H,
     stride_s,
     stride_l,
     TOP_K: tl.constexpr,
     SHARED: tl.constexpr,
+    COUNT: tl.constexpr,
+    P_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """out[token] = the float32 sum of per_pair[token * TOP_K + slot] over the slots, in slot order, rounded;
-    with SHARED, plus sigmoid(logit[token]) * shared[token], rounded as the reference's dtype ops round."""
+    with SHARED, plus sigmoid(logit[token]) * shared[token], rounded as the reference's dtype ops round. With
+    COUNT (ungrouped blocks: no grouping kernel counted them) program (0, 0) adds the distinct experts among
+    the pass's pairs to reads[0]."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -439,6 +472,9 @@ def _sum_kernel(
     if SHARED:
         total = _plus_shared(total, shared_ptr, logit_ptr, token, cols, mask, stride_s, stride_l, dtype)
     tl.store(out_ptr + token * H + cols, total.to(dtype), mask=mask)
+    if COUNT:
+        if (token == 0) & (tl.program_id(1) == 0):
+            _count_distinct(experts_ptr, num_pairs, reads_ptr, P_PAD)
 
 
 @triton.jit
@@ -454,16 +490,17 @@ def _rows_times_x(
     QTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     PRMT: tl.constexpr,
 ):
     """[BLOCK_N] float32: weight rows `rows` of one expert (at w_ptr; row_stride elements, or bytes for GGUF
-    blocks) times the K activations at x_row, on CUDA cores: float rows in [BLOCK_N, BLOCK_K] slabs, GGUF rows
-    with the decode GEMV's products (`quant_gemv`)."""
+    blocks) times the K activations at x_row, on CUDA cores: float rows in K_TILES = cdiv(K, BLOCK_K) slabs
+    [BLOCK_N, BLOCK_K], GGUF rows with the decode GEMV's products (`quant_gemv`)."""
     if QTYPE < 0:
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * row_stride  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
+        for k_tile in tl.static_range(K_TILES):  # unrolled: every slab's load is issued before the first sum
+            ks = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
             k_mask = ks < K
             x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
             acc += _float_slab(w_rows, ks, n_mask, k_mask).to(tl.float32) * x[None, :]
@@ -507,6 +544,7 @@ def _pair_gate_up_kernel(
     QTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     PRMT: tl.constexpr,
 ):
     """out[pair, cols] = silu(gate) * up of pair `program_id(0)`'s token through its expert, for output columns
@@ -518,8 +556,9 @@ def _pair_gate_up_kernel(
     n_mask = cols < inter_size
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     exps = (half_exponent, biased_exponent)
-    gate = _rows_times_x(x_row, w_expert, cols, n_mask, stride_wn, H, *exps, QTYPE, BLOCK_N, BLOCK_K, PRMT)
-    up = _rows_times_x(x_row, w_expert, cols + inter_size, n_mask, stride_wn, H, *exps, QTYPE, BLOCK_N, BLOCK_K, PRMT)
+    gate = _rows_times_x(x_row, w_expert, cols, n_mask, stride_wn, H, *exps, QTYPE, BLOCK_N, BLOCK_K, K_TILES, PRMT)
+    up_rows = cols + inter_size
+    up = _rows_times_x(x_row, w_expert, up_rows, n_mask, stride_wn, H, *exps, QTYPE, BLOCK_N, BLOCK_K, K_TILES, PRMT)
     product = _silu_product(gate, up, out_ptr.dtype.element_ty)  # [BLOCK_N]
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, product, mask=n_mask)
 
@@ -550,6 +589,7 @@ def _pair_down_sum_kernel(
     P_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     PRMT: tl.constexpr,
 ):
     """out[token, cols] = the float32 sum over the token's slots, in slot order, of down_e(inter[pair])[cols] *
@@ -567,18 +607,21 @@ def _pair_down_sum_kernel(
         expert = tl.load(experts_ptr + pair)
         x_row = inter_ptr + pair.to(tl.int64) * stride_im
         w_expert = w_ptr + expert.to(tl.int64) * stride_we
-        acc = _rows_times_x(x_row, w_expert, cols, n_mask, stride_wn, inter_size, *exps, QTYPE, BLOCK_N, BLOCK_K, PRMT)
+        acc = _rows_times_x(
+            x_row, w_expert, cols, n_mask, stride_wn, inter_size, *exps, QTYPE, BLOCK_N, BLOCK_K, K_TILES, PRMT
+        )
         scale = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
         total += (acc.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
     if SHARED:
         total = _plus_shared(total, shared_ptr, logit_ptr, token, cols, n_mask, stride_s, stride_l, dtype)
     tl.store(out_ptr + token.to(tl.int64) * H + cols, total.to(dtype), mask=n_mask)
     if (tl.program_id(0) == 0) & (token == 0):
-        index = tl.arange(0, P_PAD)
-        chosen = tl.load(experts_ptr + index, mask=index < num_pairs, other=-1)  # [P_PAD]
-        earlier = (chosen[:, None] == chosen[None, :]) & (index[None, :] < index[:, None])  # [P_PAD, P_PAD]
-        first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (index < num_pairs)
-        tl.atomic_add(reads_ptr, tl.sum(first.to(tl.int64), axis=0))
+        _count_distinct(experts_ptr, num_pairs, reads_ptr, P_PAD)
+
+
+def _pairs_pad(num_pairs: int) -> int:
+    """The power of two (at least 16) that holds a decode pass's pairs, for `_count_distinct`."""
+    return max(16, triton.next_power_of_2(num_pairs))
 
 
 def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> KernelWeight | None:
@@ -670,6 +713,7 @@ def _pair_products(
         TOP_K=top_k,
         QTYPE=qtype,
         BLOCK_N=tile.gate_up_n,
+        K_TILES=triton.cdiv(hidden, tile.block_k),
         **launch,
     )
     shared_out, shared_logit = shared if shared is not None else (out, weights)  # placeholders when absent
@@ -695,8 +739,9 @@ def _pair_products(
         TOP_K=top_k,
         QTYPE=qtype,
         SHARED=shared is not None,
-        P_PAD=max(16, triton.next_power_of_2(num_pairs)),
+        P_PAD=_pairs_pad(num_pairs),
         BLOCK_N=tile.down_n,
+        K_TILES=triton.cdiv(inter_size, tile.block_k),
         **launch,
     )
 
@@ -717,10 +762,14 @@ def _grouped_products(
     tokens, top_k = experts.shape
     num_pairs, inter_size = inter.shape
     hidden = x.shape[-1]
-    grouping = group_by_expert(experts, gate_up[1].shape[0], tile.block_m, expert_reads)
+    if tile.ungrouped:  # block b is pair b alone: the routing is the block table, the sum kernel counts
+        grouping = reference.Grouping(experts, experts.view(-1), tile.block_m)
+    else:
+        grouping = group_by_expert(experts, gate_up[1].shape[0], tile.block_m, expert_reads)
     blocks = grouping.experts.numel()
     widen = x.dtype == torch.float32 or INTERPRETED
     launch = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "WIDEN": widen}
+    launch["UNGROUPED"] = tile.ungrouped
     launch |= {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
     qtype, w, stride_e, stride_n = gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter_size, tile.block_n))](
@@ -765,10 +814,15 @@ def _grouped_products(
         shared_out,
         shared_logit,
         out,
+        experts,
+        expert_reads,
+        num_pairs,
         hidden,
         shared_out.stride(0),
         shared_logit.stride(0),
         TOP_K=top_k,
         SHARED=shared is not None,
+        COUNT=tile.ungrouped,
+        P_PAD=_pairs_pad(num_pairs) if tile.ungrouped else 16,
         BLOCK=SUM_BLOCK,
     )
