@@ -100,7 +100,8 @@ def test_a_shipped_table_for_the_same_stack_skips_measuring(cache_root, tmp_path
     assert not reused.measured and reused.table == measured.table
 
 
-def test_the_shipped_h200_table_covers_the_27b_shape():
+@pytest.mark.parametrize("shape", ["qwen3.5-27b", "qwen3.5-35b-a3b"])
+def test_the_shipped_h200_table_covers_the_measured_shapes(shape):
     from deltaspec.engine.setup import ROUTED_WEIGHT_ELEMENTS
     from deltaspec.model.hybrid import HybridModel
     from deltaspec.model.shapes import shape_config
@@ -110,7 +111,7 @@ def test_the_shipped_h200_table_covers_the_27b_shape():
     assert files
     table = json.loads(files[0].read_text())
     with torch.device("meta"):
-        model = HybridModel(shape_config("qwen3.5-27b"), REFERENCE, torch.bfloat16, "meta", num_mtp_layers=1)
+        model = HybridModel(shape_config(shape), REFERENCE, torch.bfloat16, "meta", num_mtp_layers=1)
     model.fuse_projections()
     routed = {f"{n}x{k}" for (n, k) in model.linear_shapes() if n * k >= ROUTED_WEIGHT_ELEMENTS}
     assert routed <= set(table["shapes"]) and all(len(v) == len(ROW_BUCKETS) for v in table["shapes"].values())

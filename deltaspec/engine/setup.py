@@ -32,7 +32,7 @@ from deltaspec.spec.factory import make_drafter
 from deltaspec.spec.mtp import MTPDrafter
 from deltaspec.spec.policy import VerifyCostTable
 
-ROUTED_WEIGHT_ELEMENTS = 1 << 22  # weights of at least 4 M elements get a measured GEMM route
+ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf16) get a measured GEMM route
 
 
 def engine_model(planned: Planned, ops: OpTable, progress: bool) -> HybridModel:
