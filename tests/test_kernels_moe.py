@@ -145,7 +145,7 @@ def test_decode_passes_skip_the_grouping_and_longer_ones_group(kernels):
 
 GROUPED_16 = ("grouped", 16, 32, 64)
 # (gate|up type, down type, tokens, launch, with a shared expert, dtype): every type in every kernel; the decode
-# GEMVs (launch None) once per case, in one dtype, to keep the interpreter's share of CI short
+# GEMVs once per case, in one dtype and wide slabs, to keep the interpreter's share of CI short
 QUANT_CASES = [
     *[
         (qtype, qtype, n, GROUPED_16, False, dtype)
@@ -155,8 +155,8 @@ QUANT_CASES = [
     ],
     *[("Q4_K", "Q6_K", 9, GROUPED_16, True, dtype) for dtype in (torch.float32, torch.bfloat16)],
     ("Q8_0", "Q8_0", 1, None, False, torch.bfloat16),
-    ("Q6_K", "Q4_K", 1, None, False, torch.float32),
-    ("Q4_K", "Q6_K", 2, None, True, torch.bfloat16),
+    ("Q6_K", "Q4_K", 1, ("pair", 32, 16, 256), False, torch.float32),
+    ("Q4_K", "Q6_K", 2, ("pair", 32, 16, 256), True, torch.bfloat16),
 ]
 
 
