@@ -40,7 +40,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multi
 ALIGN_MAX_PAIRS = 4096  # the one-program grouping's limit (a bitonic sort of the pairs)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
-PAIR_MAX_TOKENS = 2  # passes of at most this many tokens run a GEMV per (token, slot) pair
+PAIR_MAX_TOKENS = 2  # passes of at most this many tokens skip the grouping (`tile_for`)
 PRMT = not INTERPRETED  # the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks)
 KernelWeight = tuple[int, torch.Tensor, int, int]  # QTYPE (-1: float), the stack, its stride per expert and per row
 
@@ -74,8 +74,8 @@ def tile_for(tokens: int, top_k: int, num_experts: int, quantized: bool = False)
     """Up to PAIR_MAX_TOKENS tokens no grouping (it would find almost every expert once, at the cost of a
     launch): one block per pair on tensor cores for float experts, a GEMV per pair for GGUF ones. More tokens,
     blocks as tall as the pairs an expert gets on average: verify passes give most selected experts a few
-    pairs, prefill gives each many. The fastest tiles of `tools/moe_kernel_sweep.py` on
-    an H200 for `qwen3.5-35b-a3b` experts (bf16; Q4_K and Q6_K)."""
+    pairs, prefill gives each many. The fastest launches of `tools/moe_kernel_sweep.py` on an H200 for
+    `qwen3.5-35b-a3b` experts (bf16; Q4_K and Q6_K)."""
     if tokens <= PAIR_MAX_TOKENS:
         return PairTile(8, 4, 256, 2) if quantized else Tile(16, 64, 128, 4, 4, ungrouped=True)
     per_expert = tokens * top_k / num_experts
@@ -639,7 +639,7 @@ def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> KernelWeight | Non
 
 
 def fuses(x_dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight) -> bool:
-    """Whether `expert_products` runs the grouped kernels (else the reference loop, which syncs with the host)."""
+    """Whether `expert_products` runs the kernels (else the reference loop, which syncs with the host)."""
     return x_dtype in FLOAT_DTYPES and _kernel_weight(gate_up) is not None and _kernel_weight(down) is not None
 
 
