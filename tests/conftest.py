@@ -20,7 +20,8 @@ VARIANTS = {
         dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
     ),
     "qwen3_next_r3_moe": ("qwen3_next", dict(linear_num_value_heads=6, mlp_only_layers=[1])),
-    "qwen3_5_moe_r2": ("qwen3_5_moe", dict(num_hidden_layers=5)),
+    # the shared expert as wide as the routed ones: on CUDA it runs in their launches (qwen3_next_r3_moe's apart)
+    "qwen3_5_moe_r2": ("qwen3_5_moe", dict(num_hidden_layers=5, shared_expert_intermediate_size=32)),
 }
 
 

@@ -54,6 +54,11 @@ def test_one_program_grouping_equals_the_torch_grouping(kernels, kernel_device, 
     assert torch.equal(got.experts.cpu(), want.experts.cpu())
     assert torch.equal(got.pairs.cpu(), want.pairs.cpu())
     assert reads.tolist() == [experts.unique().numel()] * 2
+    below = num_experts // 2  # counting only the experts below an id (the shared expert's pairs are expert E's)
+    reads.zero_()
+    kernels.group_by_expert(experts, num_experts, block_m, reads[:1], counted=below)
+    moe.group_by_expert(experts, num_experts, block_m, reads[1:], counted=below)
+    assert reads.tolist() == [experts[experts < below].unique().numel()] * 2
 
 
 def float_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str):
@@ -87,7 +92,9 @@ def assert_products_match(got: torch.Tensor, x, gate_up, down, weights, experts,
     def wide(w):
         return w.to("cpu") if isinstance(w, QuantizedWeight) else w.cpu().double()
 
-    wide_shared = tuple(t.cpu().double() for t in shared) if shared else None
+    wide_shared = None
+    if shared is not None:
+        wide_shared = moe.SharedExpert(wide(shared.gate_up), wide(shared.down), shared.logit.cpu().double())
     reads = torch.zeros(1, dtype=torch.int64)
     args = (wide(gate_up), wide(down), weights.cpu().double(), experts.cpu(), reads, wide_shared)
     want = moe.expert_products(x.cpu().double(), *args)
@@ -117,21 +124,37 @@ def launch_of(kernels, spec):
     return kernels.Tile(*sizes, ungrouped=kind == "ungrouped")
 
 
+def shared_expert(kernels, stacks, weights, n, kind, gen, dtype) -> moe.SharedExpert:
+    """The shared expert of `weights` (gate|up, down) beside the routed `stacks`, its gate logit a column of the
+    router's output, checking that it takes the launches `kind` says: "expert" (shaped and stored like the
+    routed experts: the same launches) or "apart" (not: multiplied before them)."""
+    logit = torch.randn(n, 9, generator=gen).to(stacks[0].device, dtype)[:, -1]
+    shared = moe.SharedExpert(*weights, logit)
+    assert kernels.runs_shared_as_expert(*stacks, shared) == (kind == "expert")
+    return shared
+
+
+def float_shared(kernels, gate_up, down, n, kind, gen, dtype) -> moe.SharedExpert | None:
+    """None, or a shared expert for float experts: one more expert of their widths, or of half the intermediate."""
+    if kind is None:
+        return None
+    inter = down.shape[-1] if kind == "expert" else down.shape[-1] // 2
+    weights = tuple(w[0] for w in float_experts(1, gate_up.shape[-1], inter, dtype, gate_up.device))
+    return shared_expert(kernels, (gate_up, down), weights, n, kind, gen, dtype)
+
+
 @pytest.mark.parametrize(
     ("n", "tile"), [(n, tile) for n in (1, 5, 40) for tile in TILES if n <= 5 or tile is None or tile[0] == "grouped"]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("with_shared", [None, "expert", "apart"])
 def test_float_expert_products(kernels, kernel_device, n, tile, dtype, with_shared):
     num_experts, hidden, inter, top_k = 12, 96, 80, 4  # widths that leave tiles partly empty
     gate_up, down = float_experts(num_experts, hidden, inter, dtype, kernel_device)
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
-    shared = None
-    if with_shared:  # the shared expert's output, and its gate's logit as a column of the router's output
-        router_out = torch.randn(n, num_experts + 1, generator=gen).to(kernel_device, dtype)
-        shared = (torch.randn(n, hidden, generator=gen).to(kernel_device, dtype), router_out[:, -1])
+    shared = float_shared(kernels, gate_up, down, n, with_shared, gen, dtype)
     assert kernels.fuses(dtype, gate_up, down)
     got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
@@ -153,10 +176,12 @@ QUANT_CASES = [
         for n in (1, 9)
         for dtype in (torch.float32, torch.bfloat16)
     ],
-    *[("Q4_K", "Q6_K", 9, GROUPED_16, True, dtype) for dtype in (torch.float32, torch.bfloat16)],
+    *[("Q4_K", "Q6_K", 9, GROUPED_16, "expert", dtype) for dtype in (torch.float32, torch.bfloat16)],
+    ("Q6_K", "Q6_K", 9, GROUPED_16, "apart", torch.bfloat16),
     ("Q8_0", "Q8_0", 1, None, False, torch.bfloat16),
     ("Q6_K", "Q4_K", 1, ("pair", 32, 16, 256), False, torch.float32),
-    ("Q4_K", "Q6_K", 2, ("pair", 32, 16, 256), True, torch.bfloat16),
+    ("Q4_K", "Q6_K", 2, ("pair", 32, 16, 256), "expert", torch.bfloat16),
+    ("Q4_K", "Q6_K", 1, ("pair", 32, 16, 256), "apart", torch.bfloat16),
 ]
 
 
@@ -169,11 +194,11 @@ def test_quantized_expert_products(kernels, kernel_device, gate_up_type, down_ty
     x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
     shared = None
-    if with_shared:
-        shared = (
-            torch.randn(n, hidden, generator=gen).to(kernel_device, dtype),
-            torch.randn(n, generator=gen).to(kernel_device, dtype),
-        )
+    if with_shared:  # one more expert of the routed types, or ("apart") its gate|up in Q8_0 instead
+        shared_type = gate_up_type if with_shared == "expert" else "Q8_0"
+        one_gate_up = quantized_experts(shared_type, 1, hidden, inter, kernel_device)[0][0]
+        one_down = quantized_experts(down_type, 1, hidden, inter, kernel_device)[1][0]
+        shared = shared_expert(kernels, (gate_up, down), (one_gate_up, one_down), n, with_shared, gen, dtype)
     assert kernels.fuses(dtype, gate_up, down)
     got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
@@ -189,11 +214,14 @@ def test_other_expert_types_take_the_reference_and_say_they_sync(kernels, kernel
 
 @pytest.mark.skipif(triton_interpreted(), reason="a prefill's worth of pairs is too slow for the interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_sized_products_use_the_torch_grouping(kernels, kernel_device, dtype):
+@pytest.mark.parametrize("with_shared", [None, "expert"])
+def test_prefill_sized_products_use_the_torch_grouping(kernels, kernel_device, dtype, with_shared):
     num_experts, hidden, inter, top_k, n = 64, 256, 128, 8, 1024  # 8192 pairs: past the one-program grouping
     assert n * top_k > kernels.ALIGN_MAX_PAIRS
     gate_up, down = float_experts(num_experts, hidden, inter, dtype, kernel_device)
-    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(9)).to(kernel_device, dtype)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, 9, kernel_device), top_k, True)
-    got = products(kernels, x, gate_up, down, weights, experts)
-    assert_products_match(got, x, gate_up, down, weights, experts)
+    shared = float_shared(kernels, gate_up, down, n, with_shared, gen, dtype)
+    got = products(kernels, x, gate_up, down, weights, experts, shared)
+    assert_products_match(got, x, gate_up, down, weights, experts, shared)

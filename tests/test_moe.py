@@ -72,12 +72,15 @@ def test_reference_products_follow_the_token_by_token_definition():
     gate_up, down = expert_weights(6, 16, 8, seed=1)
     x = torch.randn(9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     weights, experts = moe.route(torch.randn(9, 6, dtype=torch.float64), 3, True)
-    shared_out, shared_logit = torch.randn(9, 16, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    shared_gate_up, shared_down = (w[0] for w in expert_weights(1, 16, 5, seed=5))
+    shared_logit = torch.randn(9, dtype=torch.float64)
     reads = torch.zeros(1, dtype=torch.int64)
-    got = moe.expert_products(x, gate_up, down, weights, experts, reads, (shared_out, shared_logit))
+    shared = moe.SharedExpert(shared_gate_up, shared_down, shared_logit)
+    got = moe.expert_products(x, gate_up, down, weights, experts, reads, shared)
     assert reads.item() == len(set(experts.reshape(-1).tolist()))
     for token in range(9):
-        want = torch.sigmoid(shared_logit[token]) * shared_out[token]
+        gate, up = (shared_gate_up @ x[token]).chunk(2)
+        want = torch.sigmoid(shared_logit[token]) * (shared_down @ (F.silu(gate) * up))
         for slot in range(3):
             e = experts[token, slot].item()
             gate, up = (gate_up[e] @ x[token]).chunk(2)

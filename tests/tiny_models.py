@@ -56,15 +56,8 @@ def make_model(kind: str, seed: int = 0, **overrides):
         config = tf.Qwen3_5TextConfig(**_common(**overrides))
         model = tf.Qwen3_5ForCausalLM(config)
     elif kind == "qwen3_5_moe":
-        config = tf.Qwen3_5MoeTextConfig(
-            **_common(
-                num_experts=6,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=48,
-                **overrides,
-            )
-        )
+        moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        config = tf.Qwen3_5MoeTextConfig(**_common(**(moe | overrides)))
         model = tf.Qwen3_5MoeForCausalLM(config)
     elif kind == "qwen3_next":
         config = tf.Qwen3NextConfig(

@@ -1,8 +1,9 @@
-"""One pass's schedule entry (`Scheduled`: a sequence and its rows) and the flat `ForwardBatch` built from a
-schedule for an eager pass."""
+"""One pass's schedule entry (`Scheduled`: a sequence and its rows), the flat `ForwardBatch` built from a
+schedule for an eager pass, and the device index tensors a pass gathers its rows with."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,13 @@ class Scheduled:
     def completes_prompt(self) -> bool:
         """After this pass the sequence has computed all of its tokens and samples a new one."""
         return self.seq.num_computed + self.num_rows >= self.seq.num_tokens
+
+
+@functools.lru_cache(maxsize=512)
+def device_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[len(rows)] long on `device`, kept for the next pass with the same rows (a decode step's are the same
+    every step), so a graph replay's gathers need no host-to-device copy. Read-only."""
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:

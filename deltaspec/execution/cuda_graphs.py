@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from deltaspec.cache.model_caches import ModelCaches
-from deltaspec.execution.batch import Scheduled
+from deltaspec.execution.batch import Scheduled, device_index
 from deltaspec.execution.graph_buckets import batch_sizes, row_sizes
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.hybrid import HybridModel
@@ -121,7 +121,7 @@ class CudaGraphRunner:
         num_rows = self._fill(bucket.inputs, schedule, key[1])
         bucket.graph.replay()
         self.replays[key] += 1
-        rows = torch.tensor([b * key[1] + i for b, n in enumerate(num_rows) for i in range(n)], device=self.device)
+        rows = device_index(tuple(b * key[1] + i for b, n in enumerate(num_rows) for i in range(n)), self.device)
         features = None if bucket.features is None else bucket.features.index_select(0, rows)
         return GraphPass(bucket.hidden.index_select(0, rows), features, bucket.logits, bucket.greedy, rows)
 

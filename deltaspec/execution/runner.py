@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaspec.cache.model_caches import ModelCaches
-from deltaspec.execution.batch import Scheduled, build_batch
+from deltaspec.execution.batch import Scheduled, build_batch, device_index
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.sequence import Sequence
 from deltaspec.model.hybrid import HybridModel
@@ -97,8 +97,9 @@ class Runner:
 
     def _token_rows_at(self, firsts: list[int], schedule: list[Scheduled]) -> torch.Tensor:
         """[token rows of the pass] long: where each token row lies, sequence i's rows starting at `firsts[i]`."""
-        rows = [first + r for item, first in zip(schedule, firsts) for r in token_rows(item)]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return device_index(
+            tuple(first + r for item, first in zip(schedule, firsts) for r in token_rows(item)), self.device
+        )
 
     def _outputs(
         self,

@@ -11,6 +11,7 @@ from torch import nn
 
 from deltaspec.config import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.moe import SharedExpert
 from deltaspec.ops.quant.weight import QuantizedWeight
 
 
@@ -150,7 +151,8 @@ class SparseMoE(nn.Module):
     """Softmax router (fp32), top-k experts (renormalised), plus a sigmoid-gated shared expert.
 
     Once loaded (`fuse`), the router and the shared expert's gate read x in one GEMM (`router`), and the op
-    table's `moe_experts` adds the gated shared expert's output to the routed ones. `expert_reads` [1] int64
+    table's `moe_experts` multiplies the shared expert along with the routed ones (the kernels as one more
+    expert) and adds its gated output. `expert_reads` [1] int64
     counts, over all passes, the distinct experts each pass read (benchmarks turn it into bytes per step)."""
 
     def __init__(self, moe: MoEConfig, hidden: int, ops: OpTable):
@@ -179,7 +181,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, *shared_logit = self.router(x)  # [N, E] (and [N, 1])
         weights, experts = self.ops.moe_route(logits, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
-        shared = (self.shared_expert(x), shared_logit[0].squeeze(-1)) if shared_logit else None
+        shared = None
+        if shared_logit:
+            mlp = self.shared_expert
+            shared = SharedExpert(mlp.gate_up_proj.weight, mlp.down_proj.weight, shared_logit[0].squeeze(-1))
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         return self.ops.moe_experts(x, gate_up, down, weights, experts, self.expert_reads, shared)
 

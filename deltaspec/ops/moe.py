@@ -5,7 +5,8 @@ Rounding points (the kernels keep them): router probabilities in float32 (float6
 chosen weights renormalised there and rounded to the activations' dtype where they scale an expert's output;
 each expert's gate|up product, SiLU, the gated product, the down product and its scaled output rounded to the
 dtype as `F.linear` / `F.silu` would; the top-k outputs of a token summed in float32 (float64) in slot order,
-then rounded once; the sigmoid-gated shared expert added in the dtype, as `out + sigmoid(g) * shared` rounds.
+then rounded once; the shared expert's product rounded as a routed expert's (unscaled), and added gated in the
+dtype, as `out + sigmoid(g) * shared` rounds.
 Nothing here reads a device value on the host except `expert_products`, the readable loop over the experts a
 pass selected.
 """
@@ -26,6 +27,16 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A MoE layer's shared expert, which every token goes through, gated by sigmoid(logit): gate_up [2I, H]
+    (gate rows first), down [H, I] (float tensors or GGUF blocks), logit [N] (a column of the router's output)."""
+
+    gate_up: torch.Tensor | QuantizedWeight
+    down: torch.Tensor | QuantizedWeight
+    logit: torch.Tensor
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -50,18 +61,22 @@ class Grouping:
 
 
 def group_by_expert(
-    experts: torch.Tensor, num_experts: int, block_m: int, expert_reads: torch.Tensor | None = None
+    experts: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    expert_reads: torch.Tensor | None = None,
+    counted: int | None = None,
 ) -> Grouping:
     """The grouping of `experts` [N, top_k] (int32): shapes depend only on N, top_k, E and block_m, and no value
     is read on the host, so it runs inside a CUDA graph. Within an expert, pairs keep their order. The number of
-    distinct experts is added to `expert_reads` [1] int64 when given."""
+    distinct experts below `counted` (default: all) is added to `expert_reads` [1] int64 when given."""
     flat = experts.reshape(-1).long()  # [P]
     num_pairs = flat.numel()
     blocks_bound = max_blocks(num_pairs, num_experts, block_m)
     order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     if expert_reads is not None:
-        expert_reads += (counts > 0).sum()
+        expert_reads += (counts[:counted] > 0).sum()
     blocks = (counts + block_m - 1) // block_m  # [E]
     block_end = blocks.cumsum(0)  # [E]
     first_pair = counts.cumsum(0) - counts  # [E] where each expert's pairs start in `order`
@@ -80,6 +95,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Te
     return quantized_linear(x, weight) if isinstance(weight, QuantizedWeight) else F.linear(x, weight)
 
 
+def shared_output(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
+    """x [N, H] -> the shared expert's down(silu(gate(x)) * up(x)) [N, H], rounded as a routed expert's product."""
+    gate, up = _linear(x, shared.gate_up).chunk(2, dim=-1)
+    return _linear(F.silu(gate) * up, shared.down)
+
+
 def experts_sync(
     dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight
 ) -> bool:
@@ -94,14 +115,14 @@ def expert_products(
     weights: torch.Tensor,
     experts: torch.Tensor,
     expert_reads: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """sum over slots j of weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], plus
-    sigmoid(shared_logit[t]) * shared_out[t] for `shared` = (shared_out [N, H], shared_logit [N]).
+    sigmoid(shared.logit[t]) * the shared expert's product of x_t.
 
     x [N, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [N, k] float; experts [N, k]
     int -> [N, H] in x's dtype, rounded as the module docstring says (the shared term and the sum with it as
-    `out + torch.sigmoid(logit) * shared_out` round in x's dtype). Adds the distinct experts read to
+    `out + torch.sigmoid(logit) * shared_output(x, shared)` round in x's dtype). Adds the distinct experts read to
     `expert_reads` [1] int64."""
     n, top_k = experts.shape
     chosen = experts.unique().tolist()
@@ -117,5 +138,4 @@ def expert_products(
         total += per_slot[:, slot]
     if shared is None:
         return total.to(x.dtype)
-    shared_out, shared_logit = shared
-    return total.to(x.dtype) + torch.sigmoid(shared_logit)[:, None] * shared_out
+    return total.to(x.dtype) + torch.sigmoid(shared.logit)[:, None] * shared_output(x, shared)

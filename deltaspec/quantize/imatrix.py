@@ -39,7 +39,7 @@ class ImportanceCollector:
             elif isinstance(module, MLP):  # its gate_up_proj is multiplied without a module call
                 self._hook(module, [f"{name}.gate_proj.weight", f"{name}.up_proj.weight"])
             elif isinstance(module, SparseMoE):
-                self.handles.append(module.register_forward_pre_hook(self._experts_hook(f"{name}.experts")))
+                self.handles.append(module.register_forward_pre_hook(self._experts_hook(name)))
 
     def _hook(self, module: nn.Module, weights: list[str]) -> None:
         def hook(_module, args):
@@ -50,11 +50,16 @@ class ImportanceCollector:
 
         self.handles.append(module.register_forward_pre_hook(hook))
 
-    def _experts_hook(self, name: str):
+    def _experts_hook(self, layer: str):
+        name = f"{layer}.experts"
+
         def hook(moe: SparseMoE, args):
-            """The routing of the layer's input, computed again here (the experts are multiplied by an op, not a
-            module call); the router's weight is multiplied directly so that its own hook counts x once."""
+            """The routing of the layer's input, computed again here (the experts, and the shared expert, are
+            multiplied by an op, not a module call); the router's weight is multiplied directly so that its own
+            hook counts x once."""
             x = args[0]  # [N, H]
+            if hasattr(moe, "shared_expert"):
+                self._shared_expert(f"{layer}.shared_expert", moe.shared_expert.gate_up_proj.weight, x)
             module, n_experts = moe.experts, moe.moe.num_experts
             logits = project(moe.ops, x, moe.router.weight)[:, :n_experts]  # [N, E]
             top_idx = moe.ops.moe_route(logits, moe.moe.num_experts_per_tok, moe.moe.norm_topk_prob)[1].long()
@@ -72,6 +77,14 @@ class ImportanceCollector:
                 self._add(f"{name}.{part}", squares, counts)
 
         return hook
+
+    def _shared_expert(self, name: str, gate_up: torch.Tensor, x: torch.Tensor) -> None:
+        """A shared expert sees every token: its gate and up read x, its down `silu(gate) * up`."""
+        squares = x.float().square().sum(0)  # [H]
+        self._add(f"{name}.gate_proj.weight", squares, x.shape[0])
+        self._add(f"{name}.up_proj.weight", squares, x.shape[0])
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        self._add(f"{name}.down_proj.weight", (F.silu(gate) * up).float().square().sum(0), x.shape[0])
 
     def _add(self, weight: str, squares: torch.Tensor, count: int | torch.Tensor) -> None:
         self.sums[weight] = self.sums[weight] + squares if weight in self.sums else squares

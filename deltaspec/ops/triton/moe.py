@@ -28,12 +28,13 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from deltaspec.ops import moe as reference
 from deltaspec.ops.quant.weight import QuantizedWeight
-from deltaspec.ops.triton import quant_gemv
+from deltaspec.ops.triton import activation, quant_gemv, quant_matmul
 from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, _q4_k_half_chunk, _tile
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bf16 dot operands raw
@@ -160,6 +161,7 @@ def _align_kernel(
     reads_ptr,
     num_pairs,
     E,
+    counted,
     slots,
     blocks,
     P_PAD: tl.constexpr,
@@ -171,13 +173,14 @@ def _align_kernel(
     """`deltaspec.ops.moe.group_by_expert` in one program: pairs sorted by (expert, pair) with a bitonic sort,
     each expert's count rounded up to whole blocks, each sorted pair written to its row, and each block's expert
     carried forward from the first block of every used expert. `scratch` [2, E_PAD] int32 lets the program
-    gather per-expert starts by the sorted pairs' experts; the number of used experts is added to reads[0]."""
+    gather per-expert starts by the sorted pairs' experts; the number of used experts below `counted` is added to
+    reads[0]."""
     pair = tl.arange(0, P_PAD)
     expert = tl.load(experts_ptr + pair, mask=pair < num_pairs, other=E)  # [P_PAD], E past the pairs
     counts = tl.histogram(expert, E_PAD)  # [E_PAD]
     expert_ids = tl.arange(0, E_PAD)
     nblocks = tl.where(expert_ids < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
-    tl.atomic_add(reads_ptr, tl.sum((nblocks > 0).to(tl.int64), axis=0))
+    tl.atomic_add(reads_ptr, tl.sum(((nblocks > 0) & (expert_ids < counted)).to(tl.int64), axis=0))
     block_end = tl.cumsum(nblocks, axis=0)
     block_start = block_end - nblocks
     pair_start = tl.cumsum(counts, axis=0) - counts
@@ -206,12 +209,12 @@ def _align_kernel(
 
 
 def group_by_expert(
-    experts: torch.Tensor, num_experts: int, block_m: int, expert_reads: torch.Tensor
+    experts: torch.Tensor, num_experts: int, block_m: int, expert_reads: torch.Tensor, counted: int | None = None
 ) -> reference.Grouping:
     """`deltaspec.ops.moe.group_by_expert`: one program for up to ALIGN_MAX_PAIRS pairs, else the torch one."""
     num_pairs = experts.numel()
     if num_pairs > ALIGN_MAX_PAIRS or num_pairs == 0:
-        return reference.group_by_expert(experts, num_experts, block_m, expert_reads)
+        return reference.group_by_expert(experts, num_experts, block_m, expert_reads, counted)
     blocks = reference.max_blocks(num_pairs, num_experts, block_m)
     pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=experts.device)
     block_experts = torch.empty(blocks, dtype=torch.int32, device=experts.device)
@@ -226,6 +229,7 @@ def group_by_expert(
         expert_reads,
         num_pairs,
         num_experts,
+        num_experts if counted is None else counted,
         blocks * block_m,
         blocks,
         P_PAD=p_pad,
@@ -295,16 +299,35 @@ def _quant_rows_times(
 
 
 @triton.jit
-def _block(pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr, UNGROUPED: tl.constexpr):
+def _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M: tl.constexpr, UNGROUPED: tl.constexpr):
     """(expert, pairs [BLOCK_M]) of block `program_id(0)`: from the block table, or with UNGROUPED pair b alone in
-    block b (block_experts_ptr is then the routing's experts [P])."""
+    block b (block_experts_ptr is then the routing's experts [routed_pairs]; the shared expert's pairs after
+    them are expert E)."""
     block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
     if UNGROUPED:
+        expert = tl.load(block_experts_ptr + block, mask=block < routed_pairs, other=E)
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_pairs)
     else:
+        expert = tl.load(block_experts_ptr + block)
         pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     return expert, pairs
+
+
+@triton.jit
+def _token_of(pairs, routed_pairs, TOP_K: tl.constexpr):
+    """The token of each pair: routed pair p is token p // TOP_K's slot p % TOP_K, shared pair routed_pairs + t
+    is token t's."""
+    return tl.where(pairs < routed_pairs, pairs // TOP_K, pairs - routed_pairs)
+
+
+@triton.jit
+def _expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W: tl.constexpr):
+    """Where `expert`'s weights start: in the routed stack, or (with SHARED_W) the shared expert's for expert E."""
+    start = w_ptr + expert.to(tl.int64) * stride_we
+    if SHARED_W:
+        if expert == E:
+            start = shared_w_ptr
+    return start
 
 
 @triton.jit
@@ -326,23 +349,26 @@ def _silu_product(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _plus_shared(total, shared_ptr, logit_ptr, token, cols, mask, stride_s, stride_l, dtype: tl.constexpr):
-    """total (float32 [BLOCK]) rounded to `dtype`, plus sigmoid(logit[token]) * shared[token, cols], rounded as
-    the reference's `out + torch.sigmoid(logit) * shared_out` rounds; float32 out."""
+def _plus_shared(total, shared, logit_ptr, token, stride_l, dtype: tl.constexpr):
+    """total (float32 [BLOCK]) rounded to `dtype`, plus sigmoid(logit[token]) * shared (the shared expert's
+    product [BLOCK], in `dtype`), rounded as the reference's `out + torch.sigmoid(logit) * shared_out` rounds;
+    float32 out."""
     logit = tl.load(logit_ptr + token * stride_l).to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
-    shared = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-    return total.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)
+    return total.to(dtype).to(tl.float32) + (gate * shared.to(tl.float32)).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    shared_w_ptr,
     pairs_ptr,
     block_experts_ptr,
     out_ptr,
     num_pairs,
+    routed_pairs,
+    E,
     H,
     inter_size,
     stride_xm,
@@ -351,6 +377,7 @@ def _gate_up_kernel(
     stride_om,
     TOP_K: tl.constexpr,
     QTYPE: tl.constexpr,
+    SHARED_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -359,15 +386,17 @@ def _gate_up_kernel(
 ):
     """out[pair, cols] = silu(gate) * up of the block's pairs' tokens, for output columns `cols` of the block's
     expert (QTYPE -1: float weights [E, 2I, H] with strides; else GGUF blocks, stride_we bytes per expert and
-    stride_wn bytes per row)."""
-    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, UNGROUPED)  # pairs [BLOCK_M]
+    stride_wn bytes per row). num_pairs counts the routed pairs and, with SHARED_W, one pair per token for the
+    shared expert (expert E, its weights [2I, H] at shared_w_ptr with the same row stride)."""
+    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M, UNGROUPED)
     if expert < 0:
         return
-    valid = pairs < num_pairs
-    x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    valid = pairs < num_pairs  # [BLOCK_M]
+    tokens = tl.where(valid, _token_of(pairs, routed_pairs, TOP_K), 0)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < inter_size
-    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    w_expert = _expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W)
     gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if QTYPE < 0:
@@ -393,11 +422,14 @@ def _gate_up_kernel(
 def _down_kernel(
     inter_ptr,
     w_ptr,
+    shared_w_ptr,
     pairs_ptr,
     block_experts_ptr,
     weights_ptr,
     out_ptr,
     num_pairs,
+    routed_pairs,
+    E,
     inter_size,
     H,
     stride_im,
@@ -405,22 +437,24 @@ def _down_kernel(
     stride_wn,
     stride_om,
     QTYPE: tl.constexpr,
+    SHARED_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WIDEN: tl.constexpr,
     UNGROUPED: tl.constexpr,
 ):
-    """out[pair, cols] = down_e(inter[pair])[cols] * weight[pair], each rounded to the output dtype."""
-    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, UNGROUPED)  # pairs [BLOCK_M]
+    """out[pair, cols] = down_e(inter[pair])[cols] * weight[pair], each rounded to the output dtype; the shared
+    expert's pairs (SHARED_W, as `_gate_up_kernel`'s) unscaled."""
+    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M, UNGROUPED)
     if expert < 0:
         return
-    valid = pairs < num_pairs
+    valid = pairs < num_pairs  # [BLOCK_M]
     safe_pairs = tl.where(valid, pairs, 0).to(tl.int64)
     x_rows = inter_ptr + safe_pairs[:, None] * stride_im  # [BLOCK_M, 1]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < H
-    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    w_expert = _expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if QTYPE < 0:
         w_rows = w_expert + cols.to(tl.int64)[:, None] * stride_wn
@@ -434,7 +468,8 @@ def _down_kernel(
             x_rows, valid, w_expert, cols, n_mask, stride_wn, inter_size, acc, QTYPE, BLOCK_N, WIDEN
         )
     dtype = out_ptr.dtype.element_ty
-    scale = tl.load(weights_ptr + safe_pairs, mask=valid, other=0.0).to(dtype).to(tl.float32)  # [BLOCK_M]
+    routed = valid & (pairs < routed_pairs)
+    scale = tl.load(weights_ptr + safe_pairs, mask=routed, other=1.0).to(dtype).to(tl.float32)  # [BLOCK_M]
     scaled = (acc.to(dtype).to(tl.float32) * scale[None, :]).to(dtype)  # [BLOCK_N, BLOCK_M]
     out = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
     tl.store(out, scaled, mask=valid[None, :] & n_mask[:, None])
@@ -470,7 +505,8 @@ def _sum_kernel(
         total += tl.load(per_pair_ptr + (token * TOP_K + slot) * H + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if SHARED:
-        total = _plus_shared(total, shared_ptr, logit_ptr, token, cols, mask, stride_s, stride_l, dtype)
+        shared = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0)
+        total = _plus_shared(total, shared, logit_ptr, token, stride_l, dtype)
     tl.store(out_ptr + token * H + cols, total.to(dtype), mask=mask)
     if COUNT:
         if (token == 0) & (tl.program_id(1) == 0):
@@ -530,8 +566,11 @@ def _rows_times_x(
 def _pair_gate_up_kernel(
     x_ptr,
     w_ptr,
+    shared_w_ptr,
     experts_ptr,
     out_ptr,
+    routed_pairs,
+    E,
     H,
     inter_size,
     stride_xm,
@@ -542,19 +581,20 @@ def _pair_gate_up_kernel(
     biased_exponent,
     TOP_K: tl.constexpr,
     QTYPE: tl.constexpr,
+    SHARED_W: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     PRMT: tl.constexpr,
 ):
     """out[pair, cols] = silu(gate) * up of pair `program_id(0)`'s token through its expert, for output columns
-    `cols`: a GEMV per pair, no grouping (QTYPE and strides as `_gate_up_kernel`'s)."""
+    `cols`: a GEMV per pair, no grouping (QTYPE, strides and the shared expert's pairs as `_gate_up_kernel`'s)."""
     pair = tl.program_id(0)
-    expert = tl.load(experts_ptr + pair)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+    expert = tl.load(experts_ptr + pair, mask=pair < routed_pairs, other=E)
+    x_row = x_ptr + _token_of(pair, routed_pairs, TOP_K).to(tl.int64) * stride_xm
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < inter_size
-    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    w_expert = _expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W)
     exps = (half_exponent, biased_exponent)
     gate = _rows_times_x(x_row, w_expert, cols, n_mask, stride_wn, H, *exps, QTYPE, BLOCK_N, BLOCK_K, K_TILES, PRMT)
     up_rows = cols + inter_size
@@ -567,13 +607,14 @@ def _pair_gate_up_kernel(
 def _pair_down_sum_kernel(
     inter_ptr,
     w_ptr,
+    shared_w_ptr,
     experts_ptr,
     weights_ptr,
     shared_ptr,
     logit_ptr,
     out_ptr,
     reads_ptr,
-    num_pairs,
+    routed_pairs,
     inter_size,
     H,
     stride_im,
@@ -586,6 +627,7 @@ def _pair_down_sum_kernel(
     TOP_K: tl.constexpr,
     QTYPE: tl.constexpr,
     SHARED: tl.constexpr,
+    SHARED_W: tl.constexpr,
     P_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -594,8 +636,9 @@ def _pair_down_sum_kernel(
 ):
     """out[token, cols] = the float32 sum over the token's slots, in slot order, of down_e(inter[pair])[cols] *
     weight[pair] (each rounded to the output dtype), rounded, plus the gated shared expert with SHARED: the
-    down kernel and the sum kernel of the grouped path in one. Program (0, 0) adds the number of distinct
-    experts among the pass's pairs to reads[0]."""
+    down kernel and the sum kernel of the grouped path in one. The shared expert's product is shared[token]
+    or, with SHARED_W, its down weights (at shared_w_ptr) times inter[routed_pairs + token]. Program (0, 0)
+    adds the number of distinct routed experts among the pass's pairs to reads[0]."""
     token = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < H
@@ -613,10 +656,17 @@ def _pair_down_sum_kernel(
         scale = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
         total += (acc.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
     if SHARED:
-        total = _plus_shared(total, shared_ptr, logit_ptr, token, cols, n_mask, stride_s, stride_l, dtype)
+        if SHARED_W:
+            x_row = inter_ptr + (routed_pairs + token).to(tl.int64) * stride_im
+            shared = _rows_times_x(
+                x_row, shared_w_ptr, cols, n_mask, stride_wn, inter_size, *exps, QTYPE, BLOCK_N, BLOCK_K, K_TILES, PRMT
+            ).to(dtype)
+        else:
+            shared = tl.load(shared_ptr + token * stride_s + cols, mask=n_mask, other=0.0)
+        total = _plus_shared(total, shared, logit_ptr, token, stride_l, dtype)
     tl.store(out_ptr + token.to(tl.int64) * H + cols, total.to(dtype), mask=n_mask)
     if (tl.program_id(0) == 0) & (token == 0):
-        _count_distinct(experts_ptr, num_pairs, reads_ptr, P_PAD)
+        _count_distinct(experts_ptr, routed_pairs, reads_ptr, P_PAD)
 
 
 def _pairs_pad(num_pairs: int) -> int:
@@ -625,17 +675,18 @@ def _pairs_pad(num_pairs: int) -> int:
 
 
 def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> KernelWeight | None:
-    """(QTYPE, tensor, per-expert stride, per-row stride) of an expert stack the kernels read, else None."""
+    """(QTYPE, tensor, per-expert stride, per-row stride) of an expert stack (or of one expert's [rows, in]
+    weight) the kernels read, else None."""
     if isinstance(weight, torch.Tensor):
         if weight.dtype not in FLOAT_DTYPES or weight.stride(-1) != 1:
             return None
-        return -1, weight, weight.stride(0), weight.stride(1)
+        return -1, weight, weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2)
     (qtype, data), *rest = weight.segments
     if rest or qtype not in KERNEL_TYPES or weight.input_order is not None or weight.in_features % 256:
         return None
     if not data.is_contiguous():
         return None
-    return KERNEL_TYPES[qtype], data, data.stride(0), data.stride(1)
+    return KERNEL_TYPES[qtype], data, data.stride(0) if data.dim() == 3 else 0, data.stride(-2)
 
 
 def fuses(x_dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight) -> bool:
@@ -650,6 +701,82 @@ def experts_sync(
     return not fuses(dtype, gate_up, down)
 
 
+def _as_expert(
+    shared: torch.Tensor | QuantizedWeight, stack: torch.Tensor | QuantizedWeight, routed: KernelWeight
+) -> torch.Tensor | None:
+    """The shared expert's weight as the kernels read one more expert of the routed `stack` (same shape per
+    expert, type and row stride), else None."""
+    mine = _kernel_weight(shared)
+    if mine is None or tuple(shared.shape) != tuple(stack.shape[1:]):
+        return None
+    qtype, tensor, _, row_stride = mine
+    return tensor if (qtype, row_stride, tensor.dtype) == (routed[0], routed[3], routed[1].dtype) else None
+
+
+def _shared_as_expert(
+    gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight, shared: reference.SharedExpert | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The shared expert's (gate|up, down) as the kernels read one more routed expert, when it is shaped and
+    stored like them (the Qwen3.5 / Qwen3-Next MoE layers: same intermediate size, same type), else None."""
+    if shared is None:
+        return None
+    pair = (
+        _as_expert(shared.gate_up, gate_up, _kernel_weight(gate_up)),
+        _as_expert(shared.down, down, _kernel_weight(down)),
+    )
+    return None if None in pair else pair
+
+
+def runs_shared_as_expert(
+    gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight, shared: reference.SharedExpert
+) -> bool:
+    """Whether `expert_products` multiplies `shared` in the routed experts' launches (else before them)."""
+    return fuses(shared.logit.dtype, gate_up, down) and _shared_as_expert(gate_up, down, shared) is not None
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """What the expert kernels of one pass read and write. Pairs 0..routed_pairs-1 are the routing's (token p //
+    top_k, slot p % top_k); with `shared_weights` the shared expert runs in the same launches as expert E, one
+    pair per token after the routed ones."""
+
+    x: torch.Tensor  # [N, H]
+    gate_up: KernelWeight
+    down: KernelWeight
+    weights: torch.Tensor  # [N, top_k] float
+    experts: torch.Tensor  # [N, top_k] int32
+    expert_reads: torch.Tensor  # [1] int64
+    shared_logit: torch.Tensor | None  # [N]
+    shared_out: torch.Tensor | None  # [N, H] the shared expert's product computed outside the kernels
+    shared_weights: tuple[torch.Tensor, torch.Tensor] | None  # gate|up, down of the shared expert as expert E
+    inter: torch.Tensor  # [pairs, I] the gated products
+    out: torch.Tensor  # [N, H]
+
+    @property
+    def routed_pairs(self) -> int:
+        return self.experts.numel()
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up[1].shape[0]
+
+    def shared_args(self, down: bool) -> dict:
+        """The shared expert's weight pointer (the routed stack as a placeholder) and the SHARED_W flag."""
+        if self.shared_weights is None:
+            return {"shared_w_ptr": (self.down if down else self.gate_up)[1], "SHARED_W": False}
+        return {"shared_w_ptr": self.shared_weights[int(down)], "SHARED_W": True}
+
+
+def _shared_output(x: torch.Tensor, shared: reference.SharedExpert) -> torch.Tensor:
+    """The shared expert's product outside the expert kernels (its weights are not one more expert of the
+    stack's kind): the dense GGUF GEMM for blocks, torch's for float weights."""
+
+    def linear(a: torch.Tensor, w: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        return quant_matmul.quantized_linear(a, w) if isinstance(w, QuantizedWeight) else F.linear(a, w)
+
+    return linear(activation.silu_mul(linear(x, shared.gate_up)), shared.down)
+
+
 def expert_products(
     x: torch.Tensor,
     gate_up: torch.Tensor | QuantizedWeight,
@@ -657,11 +784,12 @@ def expert_products(
     weights: torch.Tensor,
     experts: torch.Tensor,
     expert_reads: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: reference.SharedExpert | None = None,
     tile: Tile | PairTile | None = None,
 ) -> torch.Tensor:
     """`deltaspec.ops.moe.expert_products` as a GEMV per pair (a few tokens) or as grouped kernels (`tile`
-    overrides `tile_for`: tests, sweeps)."""
+    overrides `tile_for`: tests, sweeps). A shared expert shaped and stored like the routed ones runs in the
+    same launches as one more expert; another is multiplied first, its product added in the sum."""
     if not fuses(x.dtype, gate_up, down):
         return reference.expert_products(x, gate_up, down, weights, experts, expert_reads, shared)
     tokens, top_k = experts.shape
@@ -669,160 +797,163 @@ def expert_products(
     if tokens == 0:
         return out
     tile = tile or tile_for(tokens, top_k, gate_up.shape[0], isinstance(gate_up, QuantizedWeight))
-    inter = torch.empty(tokens * top_k, down.shape[-1], dtype=x.dtype, device=x.device)  # [P, I]
-    args = (x.contiguous(), _kernel_weight(gate_up), _kernel_weight(down), weights.contiguous())
-    args += (experts.to(torch.int32).contiguous(), expert_reads, shared, inter, out)
+    shared_weights = _shared_as_expert(gate_up, down, shared)
+    pairs = tokens * top_k + (tokens if shared_weights else 0)
+    operands = _Operands(
+        x=x.contiguous(),
+        gate_up=_kernel_weight(gate_up),
+        down=_kernel_weight(down),
+        weights=weights.contiguous(),
+        experts=experts.to(torch.int32).contiguous(),
+        expert_reads=expert_reads,
+        shared_logit=None if shared is None else shared.logit,
+        shared_out=_shared_output(x, shared) if shared is not None and shared_weights is None else None,
+        shared_weights=shared_weights,
+        inter=torch.empty(pairs, down.shape[-1], dtype=x.dtype, device=x.device),
+        out=out,
+    )
     if isinstance(tile, PairTile):
-        _pair_products(*args, tile)
+        _pair_products(operands, tile)
     else:
-        _grouped_products(*args, tile)
+        _grouped_products(operands, tile)
     return out
 
 
-def _pair_products(
-    x: torch.Tensor,
-    gate_up: KernelWeight,
-    down: KernelWeight,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    expert_reads: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None,
-    inter: torch.Tensor,
-    out: torch.Tensor,
-    tile: PairTile,
-) -> None:
+def _pair_products(ops: _Operands, tile: PairTile) -> None:
     """out = the experts' products of `expert_products`, one GEMV per pair: gate|up, then down with the sum."""
-    tokens, top_k = experts.shape
-    num_pairs, inter_size = inter.shape
-    hidden = x.shape[-1]
+    tokens, top_k = ops.experts.shape
+    num_pairs, inter_size = ops.inter.shape
+    hidden = ops.x.shape[-1]
     exponents = (quant_gemv.HALF_EXPONENT, quant_gemv.BIASED_EXPONENT)
     launch = {"BLOCK_K": tile.block_k, "PRMT": PRMT, "num_warps": tile.num_warps}
-    qtype, w, stride_e, stride_n = gate_up
+    qtype, w, stride_e, stride_n = ops.gate_up
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter_size, tile.gate_up_n))](
-        x,
+        ops.x,
         w,
-        experts,
-        inter,
-        hidden,
-        inter_size,
-        x.stride(0),
-        stride_e,
-        stride_n,
-        inter.stride(0),
-        *exponents,
+        experts_ptr=ops.experts,
+        out_ptr=ops.inter,
+        routed_pairs=ops.routed_pairs,
+        E=ops.num_experts,
+        H=hidden,
+        inter_size=inter_size,
+        stride_xm=ops.x.stride(0),
+        stride_we=stride_e,
+        stride_wn=stride_n,
+        stride_om=ops.inter.stride(0),
+        half_exponent=exponents[0],
+        biased_exponent=exponents[1],
         TOP_K=top_k,
         QTYPE=qtype,
         BLOCK_N=tile.gate_up_n,
         K_TILES=triton.cdiv(hidden, tile.block_k),
+        **ops.shared_args(down=False),
         **launch,
     )
-    shared_out, shared_logit = shared if shared is not None else (out, weights)  # placeholders when absent
-    qtype, w, stride_e, stride_n = down
+    shared_out = ops.shared_out if ops.shared_out is not None else ops.out  # a placeholder when unused
+    shared_logit = ops.shared_logit if ops.shared_logit is not None else ops.weights
+    qtype, w, stride_e, stride_n = ops.down
     _pair_down_sum_kernel[(triton.cdiv(hidden, tile.down_n), tokens)](
-        inter,
+        ops.inter,
         w,
-        experts,
-        weights,
-        shared_out,
-        shared_logit,
-        out,
-        expert_reads,
-        num_pairs,
-        inter_size,
-        hidden,
-        inter.stride(0),
-        stride_e,
-        stride_n,
-        shared_out.stride(0),
-        shared_logit.stride(0),
-        *exponents,
+        experts_ptr=ops.experts,
+        weights_ptr=ops.weights,
+        shared_ptr=shared_out,
+        logit_ptr=shared_logit,
+        out_ptr=ops.out,
+        reads_ptr=ops.expert_reads,
+        routed_pairs=ops.routed_pairs,
+        inter_size=inter_size,
+        H=hidden,
+        stride_im=ops.inter.stride(0),
+        stride_we=stride_e,
+        stride_wn=stride_n,
+        stride_s=shared_out.stride(0),
+        stride_l=shared_logit.stride(0),
+        half_exponent=exponents[0],
+        biased_exponent=exponents[1],
         TOP_K=top_k,
         QTYPE=qtype,
-        SHARED=shared is not None,
-        P_PAD=_pairs_pad(num_pairs),
+        SHARED=ops.shared_logit is not None,
+        P_PAD=_pairs_pad(ops.routed_pairs),
         BLOCK_N=tile.down_n,
         K_TILES=triton.cdiv(inter_size, tile.block_k),
+        **ops.shared_args(down=True),
         **launch,
     )
 
 
-def _grouped_products(
-    x: torch.Tensor,
-    gate_up: KernelWeight,
-    down: KernelWeight,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    expert_reads: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None,
-    inter: torch.Tensor,
-    out: torch.Tensor,
-    tile: Tile,
-) -> None:
+def _grouped_products(ops: _Operands, tile: Tile) -> None:
     """out = the experts' products of `expert_products` with the pairs grouped by expert: gate|up, down, sum."""
-    tokens, top_k = experts.shape
-    num_pairs, inter_size = inter.shape
-    hidden = x.shape[-1]
+    tokens, top_k = ops.experts.shape
+    num_pairs, inter_size = ops.inter.shape
+    hidden = ops.x.shape[-1]
+    num_experts, routed_pairs = ops.num_experts, ops.routed_pairs
     if tile.ungrouped:  # block b is pair b alone: the routing is the block table, the sum kernel counts
-        grouping = reference.Grouping(experts, experts.view(-1), tile.block_m)
+        grouping = reference.Grouping(ops.experts, ops.experts.view(-1), tile.block_m)
+        blocks = num_pairs
     else:
-        grouping = group_by_expert(experts, gate_up[1].shape[0], tile.block_m, expert_reads)
-    blocks = grouping.experts.numel()
-    widen = x.dtype == torch.float32 or INTERPRETED
+        experts, grouped = ops.experts.view(-1), num_experts
+        if ops.shared_weights is not None:  # the shared expert's pairs are expert E's
+            experts, grouped = torch.cat([experts, experts.new_full((tokens,), num_experts)]), num_experts + 1
+        grouping = group_by_expert(experts.view(-1, 1), grouped, tile.block_m, ops.expert_reads, num_experts)
+        blocks = grouping.experts.numel()
+    widen = ops.x.dtype == torch.float32 or INTERPRETED
     launch = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "WIDEN": widen}
-    launch["UNGROUPED"] = tile.ungrouped
-    launch |= {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    qtype, w, stride_e, stride_n = gate_up
+    launch |= {"UNGROUPED": tile.ungrouped, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    table = {"pairs_ptr": grouping.pairs, "block_experts_ptr": grouping.experts, "num_pairs": num_pairs}
+    table |= {"routed_pairs": routed_pairs, "E": num_experts}
+    qtype, w, stride_e, stride_n = ops.gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter_size, tile.block_n))](
-        x,
+        ops.x,
         w,
-        grouping.pairs,
-        grouping.experts,
-        inter,
-        num_pairs,
-        hidden,
-        inter_size,
-        x.stride(0),
-        stride_e,
-        stride_n,
-        inter.stride(0),
+        out_ptr=ops.inter,
+        H=hidden,
+        inter_size=inter_size,
+        stride_xm=ops.x.stride(0),
+        stride_we=stride_e,
+        stride_wn=stride_n,
+        stride_om=ops.inter.stride(0),
         TOP_K=top_k,
         QTYPE=qtype,
+        **table,
+        **ops.shared_args(down=False),
         **launch,
     )
-    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
-    qtype, w, stride_e, stride_n = down
+    per_pair = torch.empty(num_pairs, hidden, dtype=ops.x.dtype, device=ops.x.device)  # [pairs, H]
+    qtype, w, stride_e, stride_n = ops.down
     _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
-        inter,
+        ops.inter,
         w,
-        grouping.pairs,
-        grouping.experts,
-        weights,
-        per_pair,
-        num_pairs,
-        inter_size,
-        hidden,
-        inter.stride(0),
-        stride_e,
-        stride_n,
-        per_pair.stride(0),
+        weights_ptr=ops.weights,
+        out_ptr=per_pair,
+        inter_size=inter_size,
+        H=hidden,
+        stride_im=ops.inter.stride(0),
+        stride_we=stride_e,
+        stride_wn=stride_n,
+        stride_om=per_pair.stride(0),
         QTYPE=qtype,
+        **table,
+        **ops.shared_args(down=True),
         **launch,
     )
-    shared_out, shared_logit = shared if shared is not None else (out, weights)  # placeholders when absent
+    shared_out = per_pair[routed_pairs:] if ops.shared_weights is not None else ops.shared_out
+    shared_out = shared_out if shared_out is not None else ops.out  # a placeholder when there is none
+    shared_logit = ops.shared_logit if ops.shared_logit is not None else ops.weights
     _sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
         per_pair,
         shared_out,
         shared_logit,
-        out,
-        experts,
-        expert_reads,
-        num_pairs,
+        ops.out,
+        ops.experts,
+        ops.expert_reads,
+        routed_pairs,
         hidden,
         shared_out.stride(0),
         shared_logit.stride(0),
         TOP_K=top_k,
-        SHARED=shared is not None,
+        SHARED=ops.shared_logit is not None,
         COUNT=tile.ungrouped,
-        P_PAD=_pairs_pad(num_pairs) if tile.ungrouped else 16,
+        P_PAD=_pairs_pad(routed_pairs) if tile.ungrouped else 16,
         BLOCK=SUM_BLOCK,
     )
