@@ -126,11 +126,15 @@ class CudaGraphRunner:
         return GraphPass(bucket.hidden.index_select(0, rows), features, bucket.logits, bucket.greedy, rows)
 
     def _fill(self, inputs: StaticInputs, schedule: list[Scheduled], rows: int) -> list[int]:
-        """Write the pass's inputs into the bucket's static tensors; returns each sequence's real rows."""
-        size = inputs.batch.layout.num_seqs
+        """Write the pass's inputs into the bucket's static tensors; returns each sequence's real rows. Only the
+        block-table columns some sequence of the pass uses are written (the attention reads no further than a
+        sequence's context), and only as far as the last of them is copied: a table is as wide as the longest
+        context allowed, a step's sequences mostly use a few columns of it."""
+        size, width = inputs.batch.layout.num_seqs, self.table_width
         token_ids, positions, slot_mapping = [0] * (size * rows), list(range(rows)) * size, [-1] * (size * rows)
         context, slots, fold = [rows] * size, [self.scratch_slot] * size, [0] * size
-        tables = [0] * (size * self.table_width)
+        used = max(len(item.seq.blocks) for item in schedule)
+        tables = [[0] * used for _ in range(size)]
         real_rows = []
         for b, item in enumerate(schedule):
             seq, start, n = item.seq, item.seq.num_computed, item.num_rows
@@ -140,12 +144,14 @@ class CudaGraphRunner:
             token_ids[b * rows : b * rows + n] = ids[start : start + n]
             slot_mapping[b * rows : b * rows + n] = [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
             context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.replay.pending_fold
-            tables[b * self.table_width : b * self.table_width + len(seq.blocks)] = seq.blocks
+            tables[b][: len(seq.blocks)] = seq.blocks
             real_rows.append(n)
         inputs.host_longs.copy_(torch.tensor(token_ids + positions + slot_mapping + slots, dtype=torch.long))
-        inputs.host_ints.copy_(torch.tensor(context + fold + tables, dtype=torch.int32))
+        inputs.host_ints[: 2 * size].copy_(torch.tensor(context + fold, dtype=torch.int32))
+        inputs.host_ints[2 * size :].view(size, width)[:, :used].copy_(torch.tensor(tables, dtype=torch.int32))
+        end = 2 * size + (size - 1) * width + used  # [size, width] tables: the last used column of the last row
         inputs.longs.copy_(inputs.host_longs, non_blocking=True)
-        inputs.ints.copy_(inputs.host_ints, non_blocking=True)
+        inputs.ints[:end].copy_(inputs.host_ints[:end], non_blocking=True)
         return real_rows
 
     def _static_inputs(self, size: int, rows: int) -> StaticInputs:
@@ -163,8 +169,8 @@ class CudaGraphRunner:
             ForwardBatch(token_ids, positions, slot_mapping, layout),
             longs,
             ints,
-            torch.empty_like(longs, device="cpu").pin_memory(),
-            torch.empty_like(ints, device="cpu").pin_memory(),
+            torch.zeros_like(longs, device="cpu").pin_memory(),
+            torch.zeros_like(ints, device="cpu").pin_memory(),  # table columns a pass leaves keep valid ids
         )
         self._pad(inputs, rows)
         return inputs
