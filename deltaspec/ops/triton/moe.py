@@ -4,11 +4,15 @@ over the pairs sorted by expert (verify, batches, prefill).
 
 Nothing reads a device value on the host, so MoE passes run inside CUDA graphs:
 - `route`: softmax, top-k and renormalisation of a row's router logits in one program.
-- decode, up to `PAIR_MAX_TOKENS` tokens: no grouping. `_pair_gate_up_kernel` runs a GEMV per pair, reading
-  the pair's expert from the routing, with SiLU and the gated product in its epilogue; `_pair_down_sum_kernel`
-  takes a slab of a token's output columns through all its slots' down products scaled by the routing weights
-  and sums them in float32 in slot order, with the gated shared expert: two launches. GGUF experts go through
-  the dense decode GEMV's products (`quant_gemv.q4_k_rows` and its siblings).
+- decode, up to `PAIR_MAX_TOKENS` tokens: no grouping. Float experts run the grouped kernels below with one
+  block per pair, the routing being the block table. For GGUF experts `_pair_gate_up_kernel` runs a GEMV per
+  pair, reading the pair's expert from the routing, with SiLU and the gated product in its epilogue;
+  `_pair_down_sum_kernel` takes a slab of a token's output columns through all its slots' down products scaled
+  by the routing weights and sums them in float32 in slot order, with the gated shared expert: two launches.
+  Their products are the dense decode GEMV's (`quant_gemv.q4_k_rows` and its siblings).
+- a shared expert shaped and stored like the routed ones (the Qwen3.5 / Qwen3-Next layers) is expert E of the
+  same launches, one pair per token after the routed pairs, its product unscaled and added gated in the sum;
+  another one is multiplied first and its product read by the sum.
 - more tokens: for up to `ALIGN_MAX_PAIRS` pairs one program sorts the pairs by expert and writes the block
   table (`_align_kernel`); longer passes (prefill) use the torch grouping, which also never syncs. Then one
   launch for every selected expert's gate|up product (`_gate_up_kernel`), one for the down products scaled by
