@@ -124,23 +124,25 @@ def launch_of(kernels, spec):
     return kernels.Tile(*sizes, ungrouped=kind == "ungrouped")
 
 
-def shared_expert(kernels, stacks, weights, n, kind, gen, dtype) -> moe.SharedExpert:
+def shared_expert(kernels, stacks, weights, n, kind, gen, dtype, top_k) -> moe.SharedExpert:
     """The shared expert of `weights` (gate|up, down) beside the routed `stacks`, its gate logit a column of the
     router's output, checking that it takes the launches `kind` says: "expert" (shaped and stored like the
     routed experts: the same launches) or "apart" (not: multiplied before them)."""
     logit = torch.randn(n, 9, generator=gen).to(stacks[0].device, dtype)[:, -1]
     shared = moe.SharedExpert(*weights, logit)
-    assert kernels.runs_shared_as_expert(*stacks, shared) == (kind == "expert")
+    assert kernels.runs_shared_as_expert(*stacks, shared, top_k) == (kind == "expert")
     return shared
 
 
-def float_shared(kernels, gate_up, down, n, kind, gen, dtype) -> moe.SharedExpert | None:
-    """None, or a shared expert for float experts: one more expert of their widths, or of half the intermediate."""
+def float_shared(kernels, gate_up, down, n, kind, gen, dtype, top_k, same_widths=None) -> moe.SharedExpert | None:
+    """None, or a shared expert for float experts: one more expert of their widths (default: for "expert"), or
+    of half their intermediate size."""
     if kind is None:
         return None
-    inter = down.shape[-1] if kind == "expert" else down.shape[-1] // 2
+    same_widths = kind == "expert" if same_widths is None else same_widths
+    inter = down.shape[-1] if same_widths else down.shape[-1] // 2
     weights = tuple(w[0] for w in float_experts(1, gate_up.shape[-1], inter, dtype, gate_up.device))
-    return shared_expert(kernels, (gate_up, down), weights, n, kind, gen, dtype)
+    return shared_expert(kernels, (gate_up, down), weights, n, kind, gen, dtype, top_k)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +156,7 @@ def test_float_expert_products(kernels, kernel_device, n, tile, dtype, with_shar
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, n, kernel_device), top_k, True)
-    shared = float_shared(kernels, gate_up, down, n, with_shared, gen, dtype)
+    shared = float_shared(kernels, gate_up, down, n, with_shared, gen, dtype, top_k)
     assert kernels.fuses(dtype, gate_up, down)
     got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
@@ -198,7 +200,7 @@ def test_quantized_expert_products(kernels, kernel_device, gate_up_type, down_ty
         shared_type = gate_up_type if with_shared == "expert" else "Q8_0"
         one_gate_up = quantized_experts(shared_type, 1, hidden, inter, kernel_device)[0][0]
         one_down = quantized_experts(down_type, 1, hidden, inter, kernel_device)[1][0]
-        shared = shared_expert(kernels, (gate_up, down), (one_gate_up, one_down), n, with_shared, gen, dtype)
+        shared = shared_expert(kernels, (gate_up, down), (one_gate_up, one_down), n, with_shared, gen, dtype, top_k)
     assert kernels.fuses(dtype, gate_up, down)
     got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
@@ -214,14 +216,15 @@ def test_other_expert_types_take_the_reference_and_say_they_sync(kernels, kernel
 
 @pytest.mark.skipif(triton_interpreted(), reason="a prefill's worth of pairs is too slow for the interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_shared", [None, "expert"])
+@pytest.mark.parametrize("with_shared", [None, "apart"])
 def test_prefill_sized_products_use_the_torch_grouping(kernels, kernel_device, dtype, with_shared):
+    """Past the one-program grouping even a shared expert shaped like the routed ones is multiplied apart."""
     num_experts, hidden, inter, top_k, n = 64, 256, 128, 8, 1024  # 8192 pairs: past the one-program grouping
     assert n * top_k > kernels.ALIGN_MAX_PAIRS
     gate_up, down = float_experts(num_experts, hidden, inter, dtype, kernel_device)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
     weights, experts = moe.route(skewed_logits(n, num_experts, 9, kernel_device), top_k, True)
-    shared = float_shared(kernels, gate_up, down, n, with_shared, gen, dtype)
+    shared = float_shared(kernels, gate_up, down, n, with_shared, gen, dtype, top_k, same_widths=True)
     got = products(kernels, x, gate_up, down, weights, experts, shared)
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
