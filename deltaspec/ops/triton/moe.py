@@ -773,11 +773,14 @@ class _Operands:
     def num_experts(self) -> int:
         return self.gate_up[1].shape[0]
 
-    def shared_args(self, down: bool) -> dict:
-        """The shared expert's weight pointer (the routed stack as a placeholder) and the SHARED_W flag."""
+    def weight_args(self, down: bool) -> dict:
+        """The kernels' arguments for the routed gate|up (or down) stack: its type and strides, and the shared
+        expert's weights with the SHARED_W flag (the routed stack as a placeholder when it is not expert E)."""
+        qtype, stack, stride_e, stride_n = self.down if down else self.gate_up
+        args = {"w_ptr": stack, "stride_we": stride_e, "stride_wn": stride_n, "QTYPE": qtype}
         if self.shared_weights is None:
-            return {"shared_w_ptr": (self.down if down else self.gate_up)[1], "SHARED_W": False}
-        return {"shared_w_ptr": self.shared_weights[int(down)], "SHARED_W": True}
+            return args | {"shared_w_ptr": stack, "SHARED_W": False}
+        return args | {"shared_w_ptr": self.shared_weights[int(down)], "SHARED_W": True}
 
 
 def _shared_output(x: torch.Tensor, shared: reference.SharedExpert) -> torch.Tensor:
@@ -837,12 +840,10 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
     tokens, top_k = ops.experts.shape
     num_pairs, inter_size = ops.inter.shape
     hidden = ops.x.shape[-1]
-    exponents = (quant_gemv.HALF_EXPONENT, quant_gemv.BIASED_EXPONENT)
     launch = {"BLOCK_K": tile.block_k, "PRMT": PRMT, "num_warps": tile.num_warps}
-    qtype, w, stride_e, stride_n = ops.gate_up
+    launch |= {"half_exponent": quant_gemv.HALF_EXPONENT, "biased_exponent": quant_gemv.BIASED_EXPONENT}
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter_size, tile.gate_up_n))](
         ops.x,
-        w,
         experts_ptr=ops.experts,
         out_ptr=ops.inter,
         routed_pairs=ops.routed_pairs,
@@ -850,24 +851,17 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
         H=hidden,
         inter_size=inter_size,
         stride_xm=ops.x.stride(0),
-        stride_we=stride_e,
-        stride_wn=stride_n,
         stride_om=ops.inter.stride(0),
-        half_exponent=exponents[0],
-        biased_exponent=exponents[1],
         TOP_K=top_k,
-        QTYPE=qtype,
         BLOCK_N=tile.gate_up_n,
         K_TILES=triton.cdiv(hidden, tile.block_k),
-        **ops.shared_args(down=False),
+        **ops.weight_args(down=False),
         **launch,
     )
     shared_out = ops.shared_out if ops.shared_out is not None else ops.out  # a placeholder when unused
     shared_logit = ops.shared_logit if ops.shared_logit is not None else ops.weights
-    qtype, w, stride_e, stride_n = ops.down
     _pair_down_sum_kernel[(triton.cdiv(hidden, tile.down_n), tokens)](
         ops.inter,
-        w,
         experts_ptr=ops.experts,
         weights_ptr=ops.weights,
         shared_ptr=shared_out,
@@ -878,19 +872,14 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
         inter_size=inter_size,
         H=hidden,
         stride_im=ops.inter.stride(0),
-        stride_we=stride_e,
-        stride_wn=stride_n,
         stride_s=shared_out.stride(0),
         stride_l=shared_logit.stride(0),
-        half_exponent=exponents[0],
-        biased_exponent=exponents[1],
         TOP_K=top_k,
-        QTYPE=qtype,
         SHARED=ops.shared_logit is not None,
         P_PAD=_pairs_pad(ops.routed_pairs),
         BLOCK_N=tile.down_n,
         K_TILES=triton.cdiv(inter_size, tile.block_k),
-        **ops.shared_args(down=True),
+        **ops.weight_args(down=True),
         **launch,
     )
 
@@ -915,39 +904,29 @@ def _grouped_products(ops: _Operands, tile: Tile) -> None:
     launch |= {"UNGROUPED": tile.ungrouped, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
     table = {"pairs_ptr": grouping.pairs, "block_experts_ptr": grouping.experts, "num_pairs": num_pairs}
     table |= {"routed_pairs": routed_pairs, "E": num_experts}
-    qtype, w, stride_e, stride_n = ops.gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter_size, tile.block_n))](
         ops.x,
-        w,
         out_ptr=ops.inter,
         H=hidden,
         inter_size=inter_size,
         stride_xm=ops.x.stride(0),
-        stride_we=stride_e,
-        stride_wn=stride_n,
         stride_om=ops.inter.stride(0),
         TOP_K=top_k,
-        QTYPE=qtype,
         **table,
-        **ops.shared_args(down=False),
+        **ops.weight_args(down=False),
         **launch,
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=ops.x.dtype, device=ops.x.device)  # [pairs, H]
-    qtype, w, stride_e, stride_n = ops.down
     _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
         ops.inter,
-        w,
         weights_ptr=ops.weights,
         out_ptr=per_pair,
         inter_size=inter_size,
         H=hidden,
         stride_im=ops.inter.stride(0),
-        stride_we=stride_e,
-        stride_wn=stride_n,
         stride_om=per_pair.stride(0),
-        QTYPE=qtype,
         **table,
-        **ops.shared_args(down=True),
+        **ops.weight_args(down=True),
         **launch,
     )
     shared_out = per_pair[routed_pairs:] if ops.shared_weights is not None else ops.shared_out
