@@ -218,6 +218,27 @@ def test_importance_equals_llama_imatrix_on_the_same_windows():
         np.testing.assert_allclose(mine[name].numpy(), theirs[name].astype(np.float32), rtol=3e-3, err_msg=name)
 
 
+def test_importance_of_the_shared_expert_is_what_every_token_gave_it(checkpoints):
+    """The shared expert is multiplied inside the experts op, not by a module call: its gate and up still get
+    the mean squared layer input, its down the mean squared `silu(gate) * up`, over every token."""
+    llm = LLM(str(checkpoints["qwen35moe-256"]), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=65)
+    moe = llm.engine.model.model.layers[0].mlp
+    inputs = []
+    handle = moe.register_forward_pre_hook(lambda _module, args: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
+    try:
+        means, _ = collect_importance(llm, CALIBRATION.read_text(), 64, 2, progress=False)
+    finally:
+        handle.remove()
+    x = torch.cat(inputs).double()  # [tokens, H]
+    gate, up = (x @ moe.shared_expert.gate_up_proj.weight.double().T).chunk(2, dim=-1)
+    name = "model.layers.0.mlp.shared_expert"
+    for part in ("gate_proj", "up_proj"):
+        torch.testing.assert_close(means[f"{name}.{part}.weight"].double(), x.square().mean(0), rtol=1e-5, atol=0)
+    down_input = torch.nn.functional.silu(gate) * up  # [tokens, I]
+    want = down_input.square().mean(0)
+    torch.testing.assert_close(means[f"{name}.down_proj.weight"].double(), want, rtol=1e-4, atol=0)
+
+
 def test_cli_quantizes_a_moe_model_with_calibration(checkpoints, tmp_path, capsys):
     path = tmp_path / "moe-q4_k_m.gguf"
     args = ["quantize", str(checkpoints["qwen35moe-256"]), str(path), "--type", "q4_k_m", "--device", "cpu"]
@@ -232,6 +253,7 @@ def test_cli_quantizes_a_moe_model_with_calibration(checkpoints, tmp_path, capsy
     with_imatrix, without = tensor_digests(path)[1], tensor_digests(plain)[1]
     changed = {name for name in without if without[name] != with_imatrix[name]}
     assert "blk.0.ffn_gate_exps.weight" in changed and "blk.0.attn_qkv.weight" in changed
+    assert {"blk.0.ffn_gate_shexp.weight", "blk.0.ffn_up_shexp.weight"} <= changed  # the shared expert's own
     assert not any(name.startswith(("token_embd", "output.")) for name in changed)  # no importance, as llama.cpp
     llm = LLM(str(path), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64)
     assert llm.generate(["x = 1"], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids
