@@ -31,6 +31,8 @@ class ImportanceCollector:
         self.counts: dict[str, int | torch.Tensor] = {}  # weight -> tokens seen (per expert: [E])
         self.handles = []
         for name, module in layers.named_modules(prefix=prefix):
+            if name.endswith(".shared_expert") or ".shared_expert." in name:
+                continue  # multiplied by the experts op, not by a module call: the experts hook records it
             if isinstance(module, FusedLinear):
                 parent = name.rpartition(".")[0]
                 self._hook(module, [f"{parent}.{part}.weight" for part in module.names])
