@@ -115,3 +115,53 @@ def test_the_shipped_h200_table_covers_the_measured_shapes(shape):
     model.fuse_projections()
     routed = {f"{n}x{k}" for (n, k) in model.linear_shapes() if n * k >= ROUTED_WEIGHT_ELEMENTS}
     assert routed <= set(table["shapes"]) and all(len(v) == len(ROW_BUCKETS) for v in table["shapes"].values())
+
+
+def test_the_routed_shapes_leave_out_the_shared_expert_which_the_expert_kernels_multiply():
+    from deltaspec.model.hybrid import HybridModel
+    from deltaspec.model.shapes import shape_config
+    from deltaspec.ops.dispatch import REFERENCE
+
+    config = shape_config("qwen3.5-35b-a3b")
+    with torch.device("meta"):
+        model = HybridModel(config, REFERENCE, torch.bfloat16, "meta", num_mtp_layers=1)
+    model.fuse_projections()
+    width, hidden = config.moe.shared_expert_intermediate_size, config.hidden_size
+    shapes = model.linear_shapes()
+    assert (2 * width, hidden) not in shapes and (hidden, width) not in shapes
+    assert shapes[(config.moe.num_experts + 1, hidden)] == config.num_hidden_layers + 1  # routers (MTP's too)
+
+
+def test_a_moe_models_verify_costs_grow_with_the_experts_its_rows_read(cache_root, monkeypatch):
+    from deltaspec.model.hybrid import HybridModel
+    from deltaspec.model.shapes import shape_config
+    from deltaspec.ops.dispatch import REFERENCE
+
+    config = shape_config("qwen3.5-35b-a3b")
+    with torch.device("meta"):
+        model = HybridModel(config, REFERENCE, torch.bfloat16, "meta", num_mtp_layers=1).to(torch.bfloat16)
+    moe = config.moe
+    expert_bytes = 3 * moe.moe_intermediate_size * config.hidden_size * 2  # gate, up and down in bf16
+    one_token = config.num_hidden_layers * (moe.num_experts_per_tok + 1) * expert_bytes  # the shared one too
+    assert model.expected_expert_bytes(1) == pytest.approx(one_token)
+    assert model.expected_expert_bytes(16) / expert_bytes / config.num_hidden_layers == pytest.approx(102.0 + 1, abs=1)
+
+    monkeypatch.setattr(gemm_routing, "time_ms", output_size_as_ms)  # 1 ms per output value
+    router = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    assert router.bytes_per_ms() == pytest.approx(24 * 40 * 4 / 24)  # the largest weight's bytes per ms
+    dense = router.relative_costs(4)
+    per_row = 3 * 16 + 1 * 24
+    with_experts = router.relative_costs(4, lambda rows: 1000.0 * rows**2)
+    extra = [1000.0 * rows**2 / router.bytes_per_ms() for rows in range(1, 5)]
+    assert with_experts == pytest.approx([(r * per_row + extra[r - 1]) / (per_row + extra[0]) for r in range(1, 5)])
+    assert with_experts[3] > dense[3]
+
+
+def test_expected_distinct_experts_is_what_uniform_routings_select():
+    from deltaspec.ops.moe import expected_distinct_experts
+
+    assert expected_distinct_experts(1, 256, 8) == pytest.approx(8)
+    assert expected_distinct_experts(4096, 256, 8) == pytest.approx(256)
+    gen = torch.Generator().manual_seed(0)
+    drawn = [torch.rand(16, 64, generator=gen).topk(4).indices.unique().numel() for _ in range(2000)]
+    assert sum(drawn) / len(drawn) == pytest.approx(expected_distinct_experts(16, 64, 4), rel=0.01)

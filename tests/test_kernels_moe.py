@@ -111,6 +111,7 @@ TILES = [
     ("grouped", 32, 64, 64),
     ("grouped", 64, 32, 32),
     ("ungrouped", 16, 32, 64),
+    ("mixed", 16, 32, 64),
     ("pair", 16, 8, 32),
 ]
 
@@ -121,6 +122,8 @@ def launch_of(kernels, spec):
     kind, *sizes = spec
     if kind == "pair":
         return kernels.PairTile(*sizes)
+    if kind == "mixed":  # ungrouped gate|up, then the down products and the sum as one GEMV launch
+        return kernels.Tile(*sizes, ungrouped=True, down_sum_n=8)
     return kernels.Tile(*sizes, ungrouped=kind == "ungrouped")
 
 
@@ -212,6 +215,30 @@ def test_other_expert_types_take_the_reference_and_say_they_sync(kernels, kernel
     assert not kernels.fuses(torch.float32, gate_up, down) and kernels.experts_sync(torch.float32, gate_up, down)
     floats = float_experts(2, 32, 4, torch.float32, kernel_device)
     assert not kernels.experts_sync(torch.float32, *floats) and kernels.experts_sync(torch.float64, *floats)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_the_kernels_do_not_take_keep_the_shared_expert_on_the_dense_kernels(
+    kernels, kernel_device, dtype, monkeypatch
+):
+    """Q5_K experts (a Q5_K_M file) take the reference loop; their Q8_0 shared expert still takes the dense GGUF
+    GEMM rather than the reference's dequantize-then-multiply, with the reference's rounding."""
+    num_experts, hidden, inter, top_k, n = 4, 256, 256, 2, 3
+    gate_up, down = quantized_experts("Q5_K", num_experts, hidden, inter, kernel_device)
+    one_gate_up = quantized_experts("Q8_0", 1, hidden, inter, kernel_device)[0][0]
+    one_down = quantized_experts("Q8_0", 1, hidden, inter, kernel_device)[1][0]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
+    logit = torch.randn(n, generator=gen).to(kernel_device, dtype)
+    shared = moe.SharedExpert(one_gate_up, one_down, logit)
+    weights, experts = moe.route(skewed_logits(n, num_experts, 4, kernel_device), top_k, True)
+    assert not kernels.fuses(dtype, gate_up, down)
+    dense_calls = []
+    dense = kernels.quant_matmul.quantized_linear
+    monkeypatch.setattr(kernels.quant_matmul, "quantized_linear", lambda a, w: dense_calls.append(w) or dense(a, w))
+    got = products(kernels, x, gate_up, down, weights, experts, shared)
+    assert len(dense_calls) == 2 and dense_calls[0] is one_gate_up and dense_calls[1] is one_down
+    assert_products_match(got, x, gate_up, down, weights, experts, shared)
 
 
 @pytest.mark.skipif(triton_interpreted(), reason="a prefill's worth of pairs is too slow for the interpreter")

@@ -1,12 +1,14 @@
 """Sweep the launches of the MoE expert products (`deltaspec/ops/triton/moe.py`) on CUDA.
 
 For the routed experts of `qwen3.5-35b-a3b` (256 experts, top 8, hidden 2048, expert width 512) and
-`qwen3-next-80b-a3b` (512, top 10), random bf16 experts and, for the first shape, Q4_K and Q6_K ones, times
+`qwen3-next-80b-a3b` (512, top 10), random bf16 experts and, for the first shape, Q4_K and Q6_K ones, with a
+shared expert of the same kind and width gated by a router column (as in those models), times
 `expert_products` for 1 to 8192 tokens with each candidate `Tile` (grouping, gate|up, down, sum) and, up to
 PAIR_SWEEP_TOKENS tokens, the ungrouped tiles and each `PairTile` (a GEMV per pair: gate|up, then down with
 the sum), as decode runs them: in a CUDA graph (`do_bench_cudagraph`), each graph running the product for 8
 different routings so that the experts it reads exceed the L2 cache. Reports the time per product, the
-distinct experts a product reads and the bandwidth that implies (their bytes / time), checks each result
+distinct routed experts a product reads and the bandwidth that implies (their and the shared expert's bytes /
+time), whether the shared expert ran as one more expert of the launches or apart, checks each result
 against the reference loop, and marks the launch `tile_for` picks. Writes JSON lines to the path given, each
 with the device and the project's commit.
 
@@ -43,6 +45,10 @@ DECODE_TILES = (  # up to PAIR_SWEEP_TOKENS tokens: no grouping launch
     moe.Tile(16, 32, 128, 4, 4, ungrouped=True),
     moe.Tile(16, 32, 256, 4, 3, ungrouped=True),
     moe.Tile(16, 64, 64, 4, 4, ungrouped=True),
+    moe.Tile(16, 64, 128, 4, 4, ungrouped=True, down_sum_n=4),
+    moe.Tile(16, 64, 128, 4, 4, ungrouped=True, down_sum_n=8),
+    moe.Tile(16, 64, 128, 4, 4, ungrouped=True, down_sum_n=16),
+    moe.Tile(16, 64, 256, 4, 4, ungrouped=True, down_sum_n=8),
     moe.PairTile(8, 4, 256, 2),
     moe.PairTile(8, 8, 512, 4),
     moe.PairTile(16, 8, 512, 4),
@@ -56,7 +62,8 @@ ROUTINGS = 8
 
 
 def experts_of(kind: str, num_experts: int, hidden: int, inter: int):
-    """(gate_up, down, bytes per expert) on CUDA: bf16 tensors or single-type GGUF stacks."""
+    """(gate_up, down, bytes per expert) on CUDA: bf16 tensors or single-type GGUF stacks of num_experts + 1
+    experts, the last one to be the shared expert."""
     if kind == "bf16":
         gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
         down = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
@@ -76,7 +83,10 @@ def main(out_path: str, quick: bool) -> None:
     with open(out_path, "w") as out:
         for shape, kind in cases:
             num_experts, top_k, hidden, inter = SHAPES[shape]
-            gate_up, down, expert_bytes = experts_of(kind, num_experts, hidden, inter)
+            stacks = experts_of(kind, num_experts + 1, hidden, inter)
+            gate_up, down = (stack[:num_experts] for stack in stacks[:2])
+            shared_weights = (stacks[0][num_experts], stacks[1][num_experts])
+            expert_bytes = stacks[2]
             for tokens in TOKENS[:2] if quick else TOKENS:
                 x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
                 routings = [
@@ -84,19 +94,24 @@ def main(out_path: str, quick: bool) -> None:
                 ]
                 distinct = sum(int(r[1].unique().numel()) for r in routings) / ROUTINGS
                 reads = torch.zeros(1, dtype=torch.int64, device="cuda")
-                check = reference.expert_products(x.float(), _float(gate_up), _float(down), *routings[0], reads)
+                logit = torch.randn(tokens, device="cuda", dtype=torch.bfloat16)
+                shared = reference.SharedExpert(*shared_weights, logit)
+                wide_shared = reference.SharedExpert(*(_float(w) for w in shared_weights), logit.float())
+                floats = (_float(gate_up), _float(down))
+                check = reference.expert_products(x.float(), *floats, *routings[0], reads, wide_shared)
+                as_expert = moe.runs_shared_as_expert(gate_up, down, shared, top_k)
                 chosen = moe.tile_for(tokens, top_k, num_experts, kind != "bf16")
                 candidates = (() if quick else TILES) + (DECODE_TILES if tokens <= PAIR_SWEEP_TOKENS else ())
                 for tile in candidates if chosen in candidates else (chosen, *candidates):
                     if isinstance(tile, moe.Tile) and tile.block_m > 16 and tokens * top_k < 8 * num_experts:
                         if tile != chosen:
                             continue  # tall blocks only where experts get many pairs
-                    got = moe.expert_products(x, gate_up, down, *routings[0], reads, tile=tile)
+                    got = moe.expert_products(x, gate_up, down, *routings[0], reads, shared, tile=tile)
                     error = ((got.float() - check).abs().max() / check.abs().max()).item()
 
-                    def run(tile=tile, x=x, routings=routings, gate_up=gate_up, down=down, reads=reads):
+                    def run(tile=tile, x=x, routings=routings, gate_up=gate_up, down=down, reads=reads, shared=shared):
                         for weights, experts in routings:
-                            moe.expert_products(x, gate_up, down, weights, experts, reads, tile=tile)
+                            moe.expert_products(x, gate_up, down, weights, experts, reads, shared, tile=tile)
 
                     ms = do_bench_cudagraph(run, rep=100) / ROUTINGS
                     row = {
@@ -109,7 +124,8 @@ def main(out_path: str, quick: bool) -> None:
                         "chosen": tile == chosen,
                         "us": 1000 * ms,
                         "distinct_experts": distinct,
-                        "tb_s": distinct * expert_bytes / (ms / 1000) / 1e12,
+                        "shared_expert": "expert" if as_expert else "apart",
+                        "tb_s": (distinct + 1) * expert_bytes / (ms / 1000) / 1e12,
                         "max_rel_error": error,
                     }
                     out.write(json.dumps(row) + "\n")
@@ -121,7 +137,9 @@ def _describe(tile) -> str:
     if isinstance(tile, moe.PairTile):
         return f"pair gate_up_n={tile.gate_up_n} down_n={tile.down_n} k={tile.block_k} warps={tile.num_warps}"
     kind = "ungrouped" if tile.ungrouped else "grouped"
-    return f"{kind} m={tile.block_m} n={tile.block_n} k={tile.block_k} warps={tile.num_warps} stages={tile.num_stages}"
+    down_sum = f" down_sum_n={tile.down_sum_n}" if tile.down_sum_n else ""
+    sizes = f"m={tile.block_m} n={tile.block_n} k={tile.block_k} warps={tile.num_warps} stages={tile.num_stages}"
+    return f"{kind} {sizes}{down_sum}"
 
 
 def _float(weight):

@@ -104,9 +104,10 @@ def route_gemms(
     model: HybridModel, ops: OpTable, config: EngineConfig, dtype: torch.dtype, device: torch.device, progress: bool
 ) -> VerifyCostTable:
     """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply of `model` by the device's
-    measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements;
-    elsewhere keep torch's matmul and the default cost estimate. Weights too small to be bandwidth-bound
-    stay on torch's matmul without measuring; a model with no large weight keeps the default estimate."""
+    measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements, a MoE
+    model's expert reads (which grow with the rows) added at the bandwidth they imply; elsewhere keep torch's
+    matmul and the default cost estimate. Weights too small to be bandwidth-bound stay on torch's matmul
+    without measuring; a model with no large weight keeps the default estimate."""
     if device.type != "cuda" or config.kernels == "reference" or dtype not in (torch.bfloat16, torch.float16):
         return VerifyCostTable()
     from deltaspec.ops.gemm_routing import GemmRouter
@@ -118,7 +119,7 @@ def route_gemms(
         return VerifyCostTable()
     router = GemmRouter(shapes, dtype, device, show_progress=progress)
     model.use_ops(replace(ops, linear=router.linear))
-    return VerifyCostTable(router.relative_costs(max(config.draft_tokens + 1, 2)))
+    return VerifyCostTable(router.relative_costs(max(config.draft_tokens + 1, 2), model.expected_expert_bytes))
 
 
 def engine_drafter(

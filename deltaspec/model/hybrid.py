@@ -90,11 +90,23 @@ class HybridModel(nn.Module):
         take), which rules out CUDA graphs."""
         return any(module.syncs_with_host(dtype) for module in self.modules() if isinstance(module, SparseMoE))
 
+    def expected_expert_bytes(self, tokens: int) -> float:
+        """The expert bytes the decoder's MoE layers read in a pass of `tokens` tokens, on average under uniform
+        routing (0 for a dense model; the MTP head's pass is the drafter's)."""
+        return sum(m.expected_expert_bytes(tokens) for m in self.model.layers.modules() if isinstance(m, SparseMoE))
+
     def linear_shapes(self) -> dict[tuple[int, int], int]:
-        """(out, in) of every weight a pass multiplies by -> how many of them (the MTP head included)."""
+        """(out, in) of every float weight a pass multiplies through the op table's `linear` -> how many of them
+        (the MTP head included). A MoE layer's shared expert is not among them: `moe_experts` multiplies it."""
+        shared = {
+            id(linear)
+            for moe in self.modules()
+            if isinstance(moe, SparseMoE) and hasattr(moe, "shared_expert")
+            for linear in moe.shared_expert.modules()
+        }
         shapes: dict[tuple[int, int], int] = {}
         for module in self.modules():
-            if isinstance(module, Linear) and isinstance(module.weight, torch.Tensor):  # not GGUF blocks
+            if isinstance(module, Linear) and isinstance(module.weight, torch.Tensor) and id(module) not in shared:
                 shape = tuple(module.weight.shape)
                 shapes[shape] = shapes.get(shape, 0) + 1
         return shapes

@@ -11,7 +11,7 @@ from torch import nn
 
 from deltaspec.config import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
-from deltaspec.ops.moe import SharedExpert
+from deltaspec.ops.moe import SharedExpert, expected_distinct_experts
 from deltaspec.ops.quant.weight import QuantizedWeight
 
 
@@ -173,6 +173,17 @@ class SparseMoE(nn.Module):
             self.ops,
         )
         self.expert_reads = torch.zeros(1, dtype=torch.int64, device=self.experts.gate_up_proj.device)
+
+    def expected_expert_bytes(self, tokens: int) -> float:
+        """The expert bytes a pass of `tokens` tokens reads here on average: the distinct routed experts a uniform
+        routing selects (`expected_distinct_experts`) and the shared expert (float weights or GGUF blocks)."""
+        moe = self.moe
+        per_expert = (self.experts.gate_up_proj.nbytes + self.experts.down_proj.nbytes) / moe.num_experts
+        routed = expected_distinct_experts(tokens, moe.num_experts, moe.num_experts_per_tok) * per_expert
+        if not moe.shared_expert_intermediate_size:
+            return routed
+        shared = self.shared_expert
+        return routed + sum(t.nbytes for t in (*shared.parameters(), *shared.buffers()))  # floats or GGUF blocks
 
     def syncs_with_host(self, dtype: torch.dtype) -> bool:
         """Whether a pass in `dtype` reads a device value on the host here (so it cannot run in a CUDA graph)."""

@@ -155,10 +155,22 @@ class GemmRouter:
         last two beyond the largest)."""
         return sum(count * self._best_ms(shape, rows) for shape, count in self.shapes.items())
 
-    def relative_costs(self, max_rows: int) -> tuple[float, ...]:
-        """`pass_cost_ms(r) / pass_cost_ms(1)` for r = 1..max_rows."""
-        base = self.pass_cost_ms(1)
-        return tuple(self.pass_cost_ms(rows) / base for rows in range(1, max_rows + 1))
+    def relative_costs(self, max_rows: int, other_bytes: Callable[[int], float] | None = None) -> tuple[float, ...]:
+        """The time of a pass of r rows relative to one row, r = 1..max_rows: `pass_cost_ms(r)` plus, where
+        `other_bytes(r)` gives the bytes the pass reads outside the routed GEMMs (a MoE model's experts), those
+        bytes at `bytes_per_ms`."""
+
+        def pass_ms(rows: int) -> float:
+            other = other_bytes(rows) / self.bytes_per_ms() if other_bytes else 0.0
+            return self.pass_cost_ms(rows) + other
+
+        base = pass_ms(1)
+        return tuple(pass_ms(rows) / base for rows in range(1, max_rows + 1))
+
+    def bytes_per_ms(self) -> float:
+        """The bandwidth the table measured at one row: the largest weight's bytes over its best time."""
+        n, k = max(self.shapes, key=lambda shape: shape[0] * shape[1])
+        return n * k * self.dtype.itemsize / self._best_ms((n, k), 1)
 
     def _best_ms(self, shape: Shape, rows: int) -> float:
         best = [min(self.table[shape][bucket]["ms"].values()) for bucket in ROW_BUCKETS]

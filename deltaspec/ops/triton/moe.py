@@ -61,6 +61,7 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 3
     ungrouped: bool = False  # one block per pair, the routing its block table (no grouping kernel)
+    down_sum_n: int = 0  # ungrouped: the down products and the sum in one GEMV launch of this many columns
 
 
 @dataclass(frozen=True)
@@ -693,9 +694,20 @@ def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> KernelWeight | Non
     return KERNEL_TYPES[qtype], data, data.stride(0) if data.dim() == 3 else 0, data.stride(-2)
 
 
+def _routed_stacks(
+    x_dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight
+) -> tuple[KernelWeight, KernelWeight] | None:
+    """The routed (gate|up, down) stacks as the kernels read them, or None where `expert_products` takes the
+    reference loop (activations or weights the kernels do not take)."""
+    if x_dtype not in FLOAT_DTYPES:
+        return None
+    stacks = (_kernel_weight(gate_up), _kernel_weight(down))
+    return None if None in stacks else stacks
+
+
 def fuses(x_dtype: torch.dtype, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight) -> bool:
     """Whether `expert_products` runs the kernels (else the reference loop, which syncs with the host)."""
-    return x_dtype in FLOAT_DTYPES and _kernel_weight(gate_up) is not None and _kernel_weight(down) is not None
+    return _routed_stacks(x_dtype, gate_up, down) is not None
 
 
 def experts_sync(
@@ -720,20 +732,19 @@ def _as_expert(
 def _shared_as_expert(
     gate_up: torch.Tensor | QuantizedWeight,
     down: torch.Tensor | QuantizedWeight,
+    stacks: tuple[KernelWeight, KernelWeight],
     shared: reference.SharedExpert | None,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The shared expert's (gate|up, down) as the kernels read one more routed expert, when it is shaped and
-    stored like them (the Qwen3.5 / Qwen3-Next MoE layers: same intermediate size, same type) and the pass is
-    no longer than the one-program grouping takes (decode, verify, batches), else None. A prefill's shared
-    expert is a large dense product, faster as one GEMM than as one more expert's blocks (8k tokens of
-    `qwen3.5-35b-a3b` on the H200: 21.2k tok/s as expert E, 25.2k apart)."""
+    """The shared expert's (gate|up, down) as the kernels read one more routed expert of `stacks` (the routed
+    gate|up and down as `_routed_stacks` gives them), when it is shaped and stored like them (the Qwen3.5 /
+    Qwen3-Next MoE layers: same intermediate size, same type) and the pass is no longer than the one-program
+    grouping takes (decode, verify, batches), else None. A prefill's shared expert is a large dense product,
+    faster as one GEMM than as one more expert's blocks (8k tokens of `qwen3.5-35b-a3b` on the H200: 21.2k
+    tok/s as expert E, 25.2k apart)."""
     if shared is None or shared.logit.shape[0] * (top_k + 1) > ALIGN_MAX_PAIRS:
         return None
-    pair = (
-        _as_expert(shared.gate_up, gate_up, _kernel_weight(gate_up)),
-        _as_expert(shared.down, down, _kernel_weight(down)),
-    )
+    pair = (_as_expert(shared.gate_up, gate_up, stacks[0]), _as_expert(shared.down, down, stacks[1]))
     return None if None in pair else pair
 
 
@@ -744,7 +755,8 @@ def runs_shared_as_expert(
     top_k: int,
 ) -> bool:
     """Whether `expert_products` multiplies `shared` in the routed experts' launches (else before them)."""
-    return fuses(shared.logit.dtype, gate_up, down) and _shared_as_expert(gate_up, down, shared, top_k) is not None
+    stacks = _routed_stacks(shared.logit.dtype, gate_up, down)
+    return stacks is not None and _shared_as_expert(gate_up, down, stacks, shared, top_k) is not None
 
 
 @dataclass(frozen=True)
@@ -793,6 +805,24 @@ def _shared_output(x: torch.Tensor, shared: reference.SharedExpert) -> torch.Ten
     return linear(activation.silu_mul(linear(x, shared.gate_up)), shared.down)
 
 
+def _reference_products(
+    x: torch.Tensor,
+    gate_up: torch.Tensor | QuantizedWeight,
+    down: torch.Tensor | QuantizedWeight,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    expert_reads: torch.Tensor,
+    shared: reference.SharedExpert | None,
+) -> torch.Tensor:
+    """The reference loop over the routed experts the kernels do not take (GGUF types other than theirs, say
+    Q5_K experts), with a shared expert through the dense kernels (`_shared_output`) rather than the reference's
+    dequantize-then-multiply; rounded as `reference.expert_products` rounds."""
+    if shared is None or x.dtype not in FLOAT_DTYPES:
+        return reference.expert_products(x, gate_up, down, weights, experts, expert_reads, shared)
+    routed = reference.expert_products(x, gate_up, down, weights, experts, expert_reads)
+    return routed + torch.sigmoid(shared.logit)[:, None] * _shared_output(x, shared)
+
+
 def expert_products(
     x: torch.Tensor,
     gate_up: torch.Tensor | QuantizedWeight,
@@ -806,19 +836,20 @@ def expert_products(
     """`deltaspec.ops.moe.expert_products` as a GEMV per pair (a few tokens) or as grouped kernels (`tile`
     overrides `tile_for`: tests, sweeps). A shared expert shaped and stored like the routed ones runs in the
     same launches as one more expert; another is multiplied first, its product added in the sum."""
-    if not fuses(x.dtype, gate_up, down):
-        return reference.expert_products(x, gate_up, down, weights, experts, expert_reads, shared)
+    stacks = _routed_stacks(x.dtype, gate_up, down)
+    if stacks is None:
+        return _reference_products(x, gate_up, down, weights, experts, expert_reads, shared)
     tokens, top_k = experts.shape
     out = torch.empty(tokens, x.shape[-1], dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
     tile = tile or tile_for(tokens, top_k, gate_up.shape[0], isinstance(gate_up, QuantizedWeight))
-    shared_weights = _shared_as_expert(gate_up, down, shared, top_k)
+    shared_weights = _shared_as_expert(gate_up, down, stacks, shared, top_k)
     pairs = tokens * top_k + (tokens if shared_weights else 0)
     operands = _Operands(
         x=x.contiguous(),
-        gate_up=_kernel_weight(gate_up),
-        down=_kernel_weight(down),
+        gate_up=stacks[0],
+        down=stacks[1],
         weights=weights.contiguous(),
         experts=experts.to(torch.int32).contiguous(),
         expert_reads=expert_reads,
@@ -858,9 +889,17 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
         **ops.weight_args(down=False),
         **launch,
     )
+    _down_sum(ops, tile.down_n, launch)
+
+
+def _down_sum(ops: _Operands, block_n: int, launch: dict) -> None:
+    """out = the sum over each token's slots of its pairs' down products, with the shared expert: one GEMV
+    launch of `block_n` output columns per program (`launch`: BLOCK_K, warps and the GGUF constants)."""
+    tokens, top_k = ops.experts.shape
+    inter_size, hidden = ops.inter.shape[1], ops.x.shape[-1]
     shared_out = ops.shared_out if ops.shared_out is not None else ops.out  # a placeholder when unused
     shared_logit = ops.shared_logit if ops.shared_logit is not None else ops.weights
-    _pair_down_sum_kernel[(triton.cdiv(hidden, tile.down_n), tokens)](
+    _pair_down_sum_kernel[(triton.cdiv(hidden, block_n), tokens)](
         ops.inter,
         experts_ptr=ops.experts,
         weights_ptr=ops.weights,
@@ -877,8 +916,8 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
         TOP_K=top_k,
         SHARED=ops.shared_logit is not None,
         P_PAD=_pairs_pad(ops.routed_pairs),
-        BLOCK_N=tile.down_n,
-        K_TILES=triton.cdiv(inter_size, tile.block_k),
+        BLOCK_N=block_n,
+        K_TILES=triton.cdiv(inter_size, launch["BLOCK_K"]),
         **ops.weight_args(down=True),
         **launch,
     )
@@ -916,6 +955,11 @@ def _grouped_products(ops: _Operands, tile: Tile) -> None:
         **ops.weight_args(down=False),
         **launch,
     )
+    if tile.down_sum_n:  # the down products and the sum as one GEMV launch over each token's pairs
+        gemv = {"BLOCK_K": tile.block_k, "PRMT": PRMT, "num_warps": tile.num_warps}
+        gemv |= {"half_exponent": quant_gemv.HALF_EXPONENT, "biased_exponent": quant_gemv.BIASED_EXPONENT}
+        _down_sum(ops, tile.down_sum_n, gemv)
+        return
     per_pair = torch.empty(num_pairs, hidden, dtype=ops.x.dtype, device=ops.x.device)  # [pairs, H]
     _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
         ops.inter,

@@ -97,6 +97,16 @@ def _x_at(x_row, order_ptr, positions, HAS_ORDER: tl.constexpr):
 
 
 @triton.jit
+def _program_share(N, steps, steps_per_split, BLOCK_N: tl.constexpr):
+    """This program's share of a GEMV launch: its weight rows [BLOCK_N] (grid(0)) and their mask, its input
+    share (grid(1)) as the super-blocks [first, last), and its row m of x (grid(2))."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    first = split * steps_per_split
+    return rows, rows < N, split, tl.program_id(2), first, tl.minimum(first + steps_per_split, steps)
+
+
+@triton.jit
 def _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om):
     """Row m of this program's result: straight into the output (in its dtype) when one share covers the whole
     input, else into the float32 workspace [shares, M, N] that `finish_kernel` sums."""
@@ -129,12 +139,7 @@ def q4_k_gemv_kernel(
     super-block. Word 4 + c * 8 + i, byte k, holds value c * 64 + i * 4 + k (low nibble, sub-block 2c) and
     c * 64 + 32 + i * 4 + k (high nibble, sub-block 2c + 1). Nibbles q become bytes q << 3 and f = 0.5 + q / 32,
     so a sub-block's sum of q * x is 32 * (F - X / 2)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    m = tl.program_id(2)
-    n_mask = rows < N
-    first = split * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     x_row = x_ptr + m * stride_xm
     value = q4_k_rows(
@@ -231,12 +236,7 @@ def q6_k_gemv_kernel(
     position l < 32, value h * 128 + q * 32 + l is ql[h * 64 + (q % 2) * 32 + l] nibble q // 2 with
     bits 2q..2q+1 of qh[h * 32 + l] on top, minus 32, times scale h * 8 + q * 2 + l // 16. The 6-bit values v
     become bytes v << 1 and f = 0.5 + v / 128, so a scale group's sum of (v - 32) * x is 128 * (F - 0.75 * X)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    m = tl.program_id(2)
-    n_mask = rows < N
-    first = split * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
     value = q6_k_rows(
         x_ptr + m * stride_xm,
@@ -335,12 +335,7 @@ def q8_0_gemv_kernel(
     """Q8_0: 34-byte blocks of an fp16 d and 32 int8 quants, read as 16-bit words, eight blocks (256 values)
     per step. Byte b of word 1 + w of a block is value w * 2 + b. Quants q become bytes q + 128, each the float
     2**23 + q + 128 (`byte_as_biased_float`), from which one subtraction gives q exactly."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    m = tl.program_id(2)
-    n_mask = rows < N
-    first = split * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_halves  # [BLOCK_N] 16-bit words
     x_row = x_ptr + m * stride_xm
     value = q8_0_rows(
