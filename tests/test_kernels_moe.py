@@ -43,6 +43,36 @@ def test_route(kernels, kernel_device, n, num_experts, top_k, dtype, normalize):
 
 
 @pytest.mark.parametrize(
+    ("n", "num_experts", "shared", "top_k"), [(1, 256, 1, 8), (5, 512, 1, 10), (32, 6, 0, 2), (33, 64, 1, 4)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared, top_k, dtype):
+    """One launch up to ROUTER_MAX_ROWS rows (33: the GEMM, then `route`); twice, as graph replays run it: the
+    last program of each row to finish routes it and leaves the arrival count at 0 for the next pass."""
+    hidden = 512
+    gen = torch.Generator().manual_seed(n)
+    weight = (torch.randn(num_experts + shared, hidden, generator=gen) / hidden**0.5).to(kernel_device, dtype)
+    weight[: num_experts // 4] += 0.05  # the low experts win more often
+    calls = []
+
+    def product(x):
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, weight)
+
+    for _pass in range(2):
+        x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
+        logits, weights, experts = kernels.router(x, weight, None, product, num_experts, top_k, True)
+        want_logits = torch.nn.functional.linear(x.double(), weight.double())
+        bound = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(logits.double(), want_logits, rtol=bound, atol=bound)
+        want_weights, want_experts = moe.route(logits[:, :num_experts], top_k, True)
+        probs = logits[:, :num_experts].cpu().double().softmax(-1)
+        torch.testing.assert_close(probs.gather(1, experts.cpu().long()), probs.gather(1, want_experts.cpu().long()))
+        torch.testing.assert_close(weights.cpu(), want_weights.cpu(), rtol=2e-6, atol=2e-7)
+    assert calls == ([] if n <= kernels.ROUTER_MAX_ROWS else [n, n])
+
+
+@pytest.mark.parametrize(
     ("n", "top_k", "num_experts", "block_m"),
     [(1, 8, 256, 16), (13, 10, 512, 16), (64, 8, 32, 32), (200, 8, 256, 64), (3, 2, 5, 16)],
 )
@@ -111,7 +141,6 @@ TILES = [
     ("grouped", 32, 64, 64),
     ("grouped", 64, 32, 32),
     ("ungrouped", 16, 32, 64),
-    ("mixed", 16, 32, 64),
     ("pair", 16, 8, 32),
 ]
 
@@ -122,8 +151,6 @@ def launch_of(kernels, spec):
     kind, *sizes = spec
     if kind == "pair":
         return kernels.PairTile(*sizes)
-    if kind == "mixed":  # ungrouped gate|up, then the down products and the sum as one GEMV launch
-        return kernels.Tile(*sizes, ungrouped=True, down_sum_n=8)
     return kernels.Tile(*sizes, ungrouped=kind == "ungrouped")
 
 

@@ -12,13 +12,20 @@ time), whether the shared expert ran as one more expert of the launches or apart
 against the reference loop, and marks the launch `tile_for` picks. Writes JSON lines to the path given, each
 with the device and the project's commit.
 
+With --router it times the router instead: for both shapes' routers (E + 1 outputs: the shared expert's gate)
+and 1 to ROUTER_MAX_ROWS rows, torch's GEMM followed by `route` against `router`'s one launch with each
+candidate ROUTER_TILE, 40 routers (one per layer) in one graph, as a decode step runs them.
+
     python tools/moe_kernel_sweep.py OUT.jsonl [--quick]     # --quick: decode launches, 1 and 2 tokens, first shape
+    python tools/moe_kernel_sweep.py OUT.jsonl --router
 """
 
+import functools
 import json
 import sys
 
 import torch
+import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from deltaspec.bench.stats import commit
@@ -45,10 +52,6 @@ DECODE_TILES = (  # up to PAIR_SWEEP_TOKENS tokens: no grouping launch
     moe.Tile(16, 32, 128, 4, 4, ungrouped=True),
     moe.Tile(16, 32, 256, 4, 3, ungrouped=True),
     moe.Tile(16, 64, 64, 4, 4, ungrouped=True),
-    moe.Tile(16, 64, 128, 4, 4, ungrouped=True, down_sum_n=4),
-    moe.Tile(16, 64, 128, 4, 4, ungrouped=True, down_sum_n=8),
-    moe.Tile(16, 64, 128, 4, 4, ungrouped=True, down_sum_n=16),
-    moe.Tile(16, 64, 256, 4, 4, ungrouped=True, down_sum_n=8),
     moe.PairTile(8, 4, 256, 2),
     moe.PairTile(8, 8, 512, 4),
     moe.PairTile(16, 8, 512, 4),
@@ -59,6 +62,8 @@ DECODE_TILES = (  # up to PAIR_SWEEP_TOKENS tokens: no grouping launch
 )
 PAIR_SWEEP_TOKENS = 4
 ROUTINGS = 8
+ROUTER_TILES = ((2, 512, 2), (4, 512, 4), (4, 256, 2), (8, 256, 4), (8, 512, 4), (16, 256, 4))  # BLOCK_N, K, warps
+ROUTER_LAYERS = 40
 
 
 def experts_of(kind: str, num_experts: int, hidden: int, inter: int):
@@ -133,13 +138,49 @@ def main(out_path: str, quick: bool) -> None:
                     print(json.dumps(row), flush=True)
 
 
+def sweep_router(out_path: str) -> None:
+    """Times the router's product and top-k as `router` runs them (and torch's GEMM + `route`, "torch+route")."""
+    with open(out_path, "w") as out:
+        for shape, (num_experts, top_k, hidden, _) in SHAPES.items():
+            weights = [
+                torch.randn(num_experts + 1, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+                for _ in range(ROUTER_LAYERS)
+            ]
+            for tokens in (1, 2, 4, 8, 16, 32):
+                x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+                for tile in (None, *ROUTER_TILES):
+                    run = functools.partial(_routers, x, weights, num_experts, top_k, tile)
+                    run()  # compiles, and allocates the router's arrival counts outside the graph
+                    ms = do_bench_cudagraph(run, rep=100) / ROUTER_LAYERS
+                    row = {
+                        "device": torch.cuda.get_device_name(),
+                        "commit": commit(),
+                        "shape": shape,
+                        "tokens": tokens,
+                        "router": "torch+route" if tile is None else "fused n={} k={} warps={}".format(*tile),
+                        "us": 1000 * ms,
+                        "tb_s": weights[0].nbytes / (ms / 1000) / 1e12,
+                    }
+                    out.write(json.dumps(row) + "\n")
+                    print(json.dumps(row), flush=True)
+
+
+def _routers(x, weights, num_experts, top_k, tile) -> None:
+    """x through each router of `weights`: torch's GEMM and `route` (tile None), else `router` with ROUTER_TILE
+    `tile`."""
+    for w in weights:
+        if tile is None:
+            moe.route(F.linear(x, w)[:, :num_experts], top_k, True)
+        else:
+            moe.ROUTER_TILE = tile
+            moe.router(x, w, None, None, num_experts, top_k, True)
+
+
 def _describe(tile) -> str:
     if isinstance(tile, moe.PairTile):
         return f"pair gate_up_n={tile.gate_up_n} down_n={tile.down_n} k={tile.block_k} warps={tile.num_warps}"
     kind = "ungrouped" if tile.ungrouped else "grouped"
-    down_sum = f" down_sum_n={tile.down_sum_n}" if tile.down_sum_n else ""
-    sizes = f"m={tile.block_m} n={tile.block_n} k={tile.block_k} warps={tile.num_warps} stages={tile.num_stages}"
-    return f"{kind} {sizes}{down_sum}"
+    return f"{kind} m={tile.block_m} n={tile.block_n} k={tile.block_k} warps={tile.num_warps} stages={tile.num_stages}"
 
 
 def _float(weight):
@@ -147,4 +188,7 @@ def _float(weight):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--quick" in sys.argv[2:])
+    if "--router" in sys.argv[2:]:
+        sweep_router(sys.argv[1])
+    else:
+        main(sys.argv[1], "--quick" in sys.argv[2:])

@@ -42,9 +42,13 @@ class Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]: the whole product (a fused projection's parts side by side)."""
         y = project(self.ops, x, self.weight)
         return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
 
 
 class FusedLinear(Linear):
@@ -70,7 +74,7 @@ class FusedLinear(Linear):
                 self.bias = nn.Parameter(torch.cat([p.bias for p in parts.values()]), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().forward(x).split(self.sizes, dim=-1)
+        return self.product(x).split(self.sizes, dim=-1)
 
     def hf_weights(self, prefix: str) -> dict[str, torch.Tensor]:
         """`{prefix}.{name}.weight` (and `.bias`) of each part, as views into the fused tensors; `prefix` is
@@ -150,8 +154,9 @@ class QuantizedEmbedding(nn.Module):
 class SparseMoE(nn.Module):
     """Softmax router (fp32), top-k experts (renormalised), plus a sigmoid-gated shared expert.
 
-    Once loaded (`fuse`), the router and the shared expert's gate read x in one GEMM (`router`), and the op
-    table's `moe_experts` multiplies the shared expert along with the routed ones (the kernels as one more
+    Once loaded (`fuse`), the router and the shared expert's gate read x in one GEMM (`router`), which the op
+    table's `moe_router` follows with the top-k choice (one kernel for both on CUDA), and the op table's
+    `moe_experts` multiplies the shared expert along with the routed ones (the kernels as one more
     expert) and adds its gated output. `expert_reads` [1] int64
     counts, over all passes, the distinct experts each pass read (benchmarks turn it into bytes per step)."""
 
@@ -190,12 +195,14 @@ class SparseMoE(nn.Module):
         return self.ops.moe_experts_sync(dtype, self.experts.gate_up_proj, self.experts.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, *shared_logit = self.router(x)  # [N, E] (and [N, 1])
-        weights, experts = self.ops.moe_route(logits, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
+        moe, router = self.moe, self.router
+        logits, weights, experts = self.ops.moe_router(
+            x, router.weight, router.bias, router.product, moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob
+        )  # [N, E (+ 1: the shared expert's gate)], [N, top_k], [N, top_k]
         shared = None
-        if shared_logit:
+        if moe.shared_expert_intermediate_size:
             mlp = self.shared_expert
-            shared = SharedExpert(mlp.gate_up_proj.weight, mlp.down_proj.weight, shared_logit[0].squeeze(-1))
+            shared = SharedExpert(mlp.gate_up_proj.weight, mlp.down_proj.weight, logits[:, moe.num_experts])
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         return self.ops.moe_experts(x, gate_up, down, weights, experts, self.expert_reads, shared)
 

@@ -30,6 +30,7 @@ class OpTable:
     write_kv: Callable
     paged_attention: Callable
     moe_route: Callable
+    moe_router: Callable  # the router's product and moe_route of its experts' logits
     moe_experts: Callable
     moe_experts_sync: Callable  # whether moe_experts of (dtype, gate_up, down) reads device values on the host
 
@@ -48,6 +49,7 @@ REFERENCE = OpTable(
     write_kv=attention.write_kv,
     paged_attention=attention.paged_attention,
     moe_route=moe.route,
+    moe_router=moe.router,
     moe_experts=moe.expert_products,
     moe_experts_sync=moe.experts_sync,
 )

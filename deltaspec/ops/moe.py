@@ -11,6 +11,7 @@ Nothing here reads a device value on the host except `expert_products`, the read
 pass selected.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,22 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts.to(torch.int32)
+
+
+def router(
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None,
+    product: Callable[[torch.Tensor], torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H] -> (logits [N, OUT], weights [N, top_k], experts [N, top_k]): the router's product
+    `product(x)` = x @ weight.T (+ bias), whose first `num_experts` columns are the experts' logits (the rest,
+    a shared expert's gate), then `route` of those. `weight` and `bias` are for kernels that fuse the two."""
+    logits = product(x)
+    return logits, *route(logits[:, :num_experts], top_k, normalize)
 
 
 @dataclass(frozen=True)

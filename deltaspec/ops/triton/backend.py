@@ -22,6 +22,7 @@ KERNELS = {
     "paged_attention": attention.paged_attention,
     "quantized_linear": quant_matmul.quantized_linear,
     "moe_route": moe.route,
+    "moe_router": moe.router,
     "moe_experts": moe.expert_products,
     "moe_experts_sync": moe.experts_sync,
 }

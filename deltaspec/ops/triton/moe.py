@@ -3,7 +3,8 @@ kernel, and the routed experts' products either as a GEMV per (token, slot) pair
 over the pairs sorted by expert (verify, batches, prefill).
 
 Nothing reads a device value on the host, so MoE passes run inside CUDA graphs:
-- `route`: softmax, top-k and renormalisation of a row's router logits in one program.
+- `route`: softmax, top-k and renormalisation of a row's router logits in one program; `router`: for a few
+  rows, the router's GEMV and that top-k in one launch, the last program of a row to finish routing it.
 - decode, up to `PAIR_MAX_TOKENS` tokens: no grouping. Float experts run the grouped kernels below with one
   block per pair, the routing being the block table. For GGUF experts `_pair_gate_up_kernel` runs a GEMV per
   pair, reading the pair's expert from the routing, with SiLU and the gated product in its epilogue;
@@ -28,7 +29,9 @@ Weights are float (bf16, fp16, fp32) or single-segment GGUF blocks of Q8_0, Q6_K
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +49,8 @@ ALIGN_MAX_PAIRS = 4096  # the one-program grouping's limit (a bitonic sort of th
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
 PAIR_MAX_TOKENS = 2  # passes of at most this many tokens skip the grouping (`tile_for`)
+ROUTER_MAX_ROWS = 32  # passes of at most this many rows run the router's product and top-k in one launch
+ROUTER_TILE = (4, 512, 4)  # `_router_kernel`'s output columns and input values per program step, warps
 PRMT = not INTERPRETED  # the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks)
 KernelWeight = tuple[int, torch.Tensor, int, int]  # QTYPE (-1: float), the stack, its stride per expert and per row
 
@@ -61,7 +66,6 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 3
     ungrouped: bool = False  # one block per pair, the routing its block table (no grouping kernel)
-    down_sum_n: int = 0  # ungrouped: the down products and the sum in one GEMV launch of this many columns
 
 
 @dataclass(frozen=True)
@@ -93,24 +97,24 @@ def tile_for(tokens: int, top_k: int, num_experts: int, quantized: bool = False)
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,
+def _top_k_of_row(
+    logits_row,
     weights_ptr,
     experts_ptr,
+    row,
     E,
-    stride_l,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    VOLATILE: tl.constexpr,
 ):
-    """Row `program_id`'s softmax over E experts in float32, its TOP_K largest (lowest index first among equal
-    ones), renormalised if NORMALIZE."""
-    row = tl.program_id(0)
+    """Row `row`'s softmax over the E logits at logits_row in float32, its TOP_K largest (lowest index first
+    among equal ones), renormalised if NORMALIZE, stored as weights[row] and experts[row] (VOLATILE: the logits
+    were written by other programs of the launch)."""
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
-    logits = tl.load(logits_ptr + row.to(tl.int64) * stride_l + cols, mask=mask, other=-float("inf"))
-    logits = logits.to(tl.float32)
+    logits = tl.load(logits_row + cols, mask=mask, other=-float("inf"), volatile=VOLATILE).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=0))  # [BLOCK_E], 0 where masked
     probs = tl.where(mask, exps / tl.sum(exps, axis=0), -1.0)
     slots = tl.arange(0, K_PAD)
@@ -127,6 +131,24 @@ def _route_kernel(
     out = row.to(tl.int64) * TOP_K + slots
     tl.store(weights_ptr + out, chosen, mask=slots < TOP_K)
     tl.store(experts_ptr + out, ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    E,
+    stride_l,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """`_top_k_of_row` of row `program_id`."""
+    row = tl.program_id(0)
+    logits_row = logits_ptr + row.to(tl.int64) * stride_l
+    _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, TOP_K, K_PAD, NORMALIZE, BLOCK_E, False)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +172,102 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
             num_warps=1 if num_experts <= 1024 else 4,  # one warp reduces with shuffles alone
         )
     return weights, experts
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr,
+    w_ptr,
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    arrivals_ptr,
+    E,
+    OUT,
+    H,
+    stride_xm,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """logits[row, cols] = x[row] @ w[cols].T rounded to the logits' dtype, for BLOCK_N of the OUT columns; the
+    last program of a row to finish (counted in arrivals[row], which it sets back to 0 for the next pass) then
+    routes the row (`_top_k_of_row` of its first E logits)."""
+    row = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = cols < OUT
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < H
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        acc += _float_slab(w_rows, ks, n_mask, k_mask).to(tl.float32) * x[None, :]
+    logits_row = logits_ptr + row.to(tl.int64) * OUT
+    tl.store(logits_row + cols, tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty), mask=n_mask)
+    tl.debug_barrier()  # every thread's logits stored before the arrival (the atomic releases them)
+    arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        tl.store(arrivals_ptr + row, 0)
+        _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, TOP_K, K_PAD, NORMALIZE, BLOCK_E, True)
+
+
+@functools.cache
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """[ROUTER_MAX_ROWS] int32 zeros: `_router_kernel`'s per-row count of finished programs, which the last one
+    sets back to 0 (allocated at the first pass on a device, an eager one: graph capture warms up first)."""
+    return torch.zeros(ROUTER_MAX_ROWS, dtype=torch.int32, device=device)
+
+
+def router(
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None,
+    product: Callable[[torch.Tensor], torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`deltaspec.ops.moe.router`: for up to ROUTER_MAX_ROWS rows of float x and a float weight of x's dtype
+    without bias, the product and the top-k in one launch (`_router_kernel`, ROUTER_TILE); else `product`
+    (the op table's GEMM) and `route`."""
+    rows, hidden = x.shape
+    fused = isinstance(weight, torch.Tensor) and bias is None and 0 < rows <= ROUTER_MAX_ROWS
+    fused = fused and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1 == x.stride(-1)
+    if not fused:
+        logits = product(x)
+        return logits, *route(logits[:, :num_experts], top_k, normalize)
+    out_features = weight.shape[0]
+    logits = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
+    experts = torch.empty(rows, top_k, dtype=torch.int32, device=x.device)
+    block_n, block_k, num_warps = ROUTER_TILE
+    _router_kernel[(triton.cdiv(out_features, block_n), rows)](
+        x,
+        weight,
+        logits,
+        weights,
+        experts,
+        _arrivals(x.device),
+        num_experts,
+        out_features,
+        hidden,
+        x.stride(0),
+        weight.stride(0),
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        NORMALIZE=normalize,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    return logits, weights, experts
 
 
 @triton.jit
@@ -889,17 +1007,9 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
         **ops.weight_args(down=False),
         **launch,
     )
-    _down_sum(ops, tile.down_n, launch)
-
-
-def _down_sum(ops: _Operands, block_n: int, launch: dict) -> None:
-    """out = the sum over each token's slots of its pairs' down products, with the shared expert: one GEMV
-    launch of `block_n` output columns per program (`launch`: BLOCK_K, warps and the GGUF constants)."""
-    tokens, top_k = ops.experts.shape
-    inter_size, hidden = ops.inter.shape[1], ops.x.shape[-1]
     shared_out = ops.shared_out if ops.shared_out is not None else ops.out  # a placeholder when unused
     shared_logit = ops.shared_logit if ops.shared_logit is not None else ops.weights
-    _pair_down_sum_kernel[(triton.cdiv(hidden, block_n), tokens)](
+    _pair_down_sum_kernel[(triton.cdiv(hidden, tile.down_n), tokens)](
         ops.inter,
         experts_ptr=ops.experts,
         weights_ptr=ops.weights,
@@ -916,8 +1026,8 @@ def _down_sum(ops: _Operands, block_n: int, launch: dict) -> None:
         TOP_K=top_k,
         SHARED=ops.shared_logit is not None,
         P_PAD=_pairs_pad(ops.routed_pairs),
-        BLOCK_N=block_n,
-        K_TILES=triton.cdiv(inter_size, launch["BLOCK_K"]),
+        BLOCK_N=tile.down_n,
+        K_TILES=triton.cdiv(inter_size, tile.block_k),
         **ops.weight_args(down=True),
         **launch,
     )
@@ -955,11 +1065,6 @@ def _grouped_products(ops: _Operands, tile: Tile) -> None:
         **ops.weight_args(down=False),
         **launch,
     )
-    if tile.down_sum_n:  # the down products and the sum as one GEMV launch over each token's pairs
-        gemv = {"BLOCK_K": tile.block_k, "PRMT": PRMT, "num_warps": tile.num_warps}
-        gemv |= {"half_exponent": quant_gemv.HALF_EXPONENT, "biased_exponent": quant_gemv.BIASED_EXPONENT}
-        _down_sum(ops, tile.down_sum_n, gemv)
-        return
     per_pair = torch.empty(num_pairs, hidden, dtype=ops.x.dtype, device=ops.x.device)  # [pairs, H]
     _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
         ops.inter,
