@@ -46,9 +46,11 @@ def test_route(kernels, kernel_device, n, num_experts, top_k, dtype, normalize):
     ("n", "num_experts", "shared", "top_k"), [(1, 256, 1, 8), (5, 512, 1, 10), (32, 6, 0, 2), (33, 64, 1, 4)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared, top_k, dtype):
-    """One launch up to ROUTER_MAX_ROWS rows (33: the GEMM, then `route`); twice, as graph replays run it: the
-    last program of each row to finish routes it and leaves the arrival count at 0 for the next pass."""
+@pytest.mark.parametrize("tile", [None, (4, 256, 2)])
+def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared, top_k, dtype, tile):
+    """One launch where `router_tile` (or the test) gives one, else the GEMM, then `route`; twice, as graph
+    replays run it: the last program of each row to finish routes it and leaves the arrival count at 0 for the
+    next pass."""
     hidden = 512
     gen = torch.Generator().manual_seed(n)
     weight = (torch.randn(num_experts + shared, hidden, generator=gen) / hidden**0.5).to(kernel_device, dtype)
@@ -61,7 +63,7 @@ def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared
 
     for _pass in range(2):
         x = torch.randn(n, hidden, generator=gen).to(kernel_device, dtype)
-        logits, weights, experts = kernels.router(x, weight, None, product, num_experts, top_k, True)
+        logits, weights, experts = kernels.router(x, weight, None, product, num_experts, top_k, True, tile=tile)
         want_logits = torch.nn.functional.linear(x.double(), weight.double())
         bound = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(logits.double(), want_logits, rtol=bound, atol=bound)
@@ -69,7 +71,7 @@ def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared
         probs = logits[:, :num_experts].cpu().double().softmax(-1)
         torch.testing.assert_close(probs.gather(1, experts.cpu().long()), probs.gather(1, want_experts.cpu().long()))
         torch.testing.assert_close(weights.cpu(), want_weights.cpu(), rtol=2e-6, atol=2e-7)
-    assert calls == ([] if n <= kernels.ROUTER_MAX_ROWS else [n, n])
+    assert calls == ([] if (tile or kernels.router_tile(n)) else [n, n])
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ against the reference loop, and marks the launch `tile_for` picks. Writes JSON l
 with the device and the project's commit.
 
 With --router it times the router instead: for both shapes' routers (E + 1 outputs: the shared expert's gate)
-and 1 to ROUTER_MAX_ROWS rows, torch's GEMM followed by `route` against `router`'s one launch with each
-candidate ROUTER_TILE, 40 routers (one per layer) in one graph, as a decode step runs them.
+and 1 to 32 rows, torch's GEMM followed by `route` against `router`'s one launch with each candidate tile,
+40 routers (one per layer) in one graph, as a decode step runs them, and marks what `router_tile` picks.
 
     python tools/moe_kernel_sweep.py OUT.jsonl [--quick]     # --quick: decode launches, 1 and 2 tokens, first shape
     python tools/moe_kernel_sweep.py OUT.jsonl --router
@@ -62,7 +62,7 @@ DECODE_TILES = (  # up to PAIR_SWEEP_TOKENS tokens: no grouping launch
 )
 PAIR_SWEEP_TOKENS = 4
 ROUTINGS = 8
-ROUTER_TILES = ((2, 512, 2), (4, 512, 4), (4, 256, 2), (8, 256, 4), (8, 512, 4), (16, 256, 4))  # BLOCK_N, K, warps
+ROUTER_TILES = ((1, 2048, 1), (2, 2048, 1), (2, 1024, 2), (2, 512, 2), (4, 1024, 2), (4, 512, 4), (8, 512, 4))
 ROUTER_LAYERS = 40
 
 
@@ -158,6 +158,7 @@ def sweep_router(out_path: str) -> None:
                         "shape": shape,
                         "tokens": tokens,
                         "router": "torch+route" if tile is None else "fused n={} k={} warps={}".format(*tile),
+                        "chosen": tile == moe.router_tile(tokens),
                         "us": 1000 * ms,
                         "tb_s": weights[0].nbytes / (ms / 1000) / 1e12,
                     }
@@ -166,14 +167,13 @@ def sweep_router(out_path: str) -> None:
 
 
 def _routers(x, weights, num_experts, top_k, tile) -> None:
-    """x through each router of `weights`: torch's GEMM and `route` (tile None), else `router` with ROUTER_TILE
-    `tile`."""
+    """x through each router of `weights`: torch's GEMM and `route` (tile None), else `router`'s launch `tile`
+    (output columns per program, input values per slab, warps)."""
     for w in weights:
         if tile is None:
             moe.route(F.linear(x, w)[:, :num_experts], top_k, True)
         else:
-            moe.ROUTER_TILE = tile
-            moe.router(x, w, None, None, num_experts, top_k, True)
+            moe.router(x, w, None, None, num_experts, top_k, True, tile=tile)
 
 
 def _describe(tile) -> str:

@@ -49,8 +49,6 @@ ALIGN_MAX_PAIRS = 4096  # the one-program grouping's limit (a bitonic sort of th
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
 PAIR_MAX_TOKENS = 2  # passes of at most this many tokens skip the grouping (`tile_for`)
-ROUTER_MAX_ROWS = 32  # passes of at most this many rows run the router's product and top-k in one launch
-ROUTER_TILE = (4, 512, 4)  # `_router_kernel`'s output columns and input values per program step, warps
 PRMT = not INTERPRETED  # the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks)
 KernelWeight = tuple[int, torch.Tensor, int, int]  # QTYPE (-1: float), the stack, its stride per expert and per row
 
@@ -66,6 +64,17 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 3
     ungrouped: bool = False  # one block per pair, the routing its block table (no grouping kernel)
+
+
+RouterTile = tuple[int, int, int]  # `_router_kernel`'s output columns per program, input values per slab, warps
+
+
+def router_tile(rows: int) -> RouterTile | None:
+    """The router's launch for a pass of `rows` rows, None where torch's GEMM and `route` are faster: one row
+    (cuBLAS's GEMV and the one-warp `route`, 5.8 us a layer, against 7.5 for the best fused launch) and more
+    than 16 (`tools/moe_kernel_sweep.py --router` on an H200, the routers of `qwen3.5-35b-a3b` and
+    `qwen3-next-80b-a3b`: fused 7.8-9.4 us against 10.9-12.1 from 2 to 16 rows, and 7.8-13.6 against 14-15)."""
+    return (2, 512, 2) if 2 <= rows <= 16 else None
 
 
 @dataclass(frozen=True)
@@ -193,6 +202,7 @@ def _router_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
 ):
     """logits[row, cols] = x[row] @ w[cols].T rounded to the logits' dtype, for BLOCK_N of the OUT columns; the
     last program of a row to finish (counted in arrivals[row], which it sets back to 0 for the next pass) then
@@ -203,8 +213,8 @@ def _router_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for k_tile in tl.static_range(K_TILES):  # unrolled: every slab's load is issued before the first sum
+        ks = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < H
         x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
         acc += _float_slab(w_rows, ks, n_mask, k_mask).to(tl.float32) * x[None, :]
@@ -218,10 +228,11 @@ def _router_kernel(
 
 
 @functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """[ROUTER_MAX_ROWS] int32 zeros: `_router_kernel`'s per-row count of finished programs, which the last one
-    sets back to 0 (allocated at the first pass on a device, an eager one: graph capture warms up first)."""
-    return torch.zeros(ROUTER_MAX_ROWS, dtype=torch.int32, device=device)
+def _arrivals(device: torch.device, rows: int) -> torch.Tensor:
+    """[rows] int32 zeros: `_router_kernel`'s per-row count of finished programs, which the last one sets back to
+    0 for the next pass (allocated at the first pass of that many rows, an eager one: graph capture warms up
+    first). Passes on a device run one after another, as the engine's do."""
+    return torch.zeros(rows, dtype=torch.int32, device=device)
 
 
 def router(
@@ -232,12 +243,14 @@ def router(
     num_experts: int,
     top_k: int,
     normalize: bool,
+    tile: RouterTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`deltaspec.ops.moe.router`: for up to ROUTER_MAX_ROWS rows of float x and a float weight of x's dtype
-    without bias, the product and the top-k in one launch (`_router_kernel`, ROUTER_TILE); else `product`
-    (the op table's GEMM) and `route`."""
+    """`deltaspec.ops.moe.router`: where `router_tile` has a launch (or `tile` gives one: tests, the sweep), for
+    float x and a float weight of x's dtype without bias, the product and the top-k in one launch
+    (`_router_kernel`); else `product` (the op table's GEMM) and `route`."""
     rows, hidden = x.shape
-    fused = isinstance(weight, torch.Tensor) and bias is None and 0 < rows <= ROUTER_MAX_ROWS
+    tile = tile or router_tile(rows)
+    fused = tile is not None and isinstance(weight, torch.Tensor) and bias is None
     fused = fused and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1 == x.stride(-1)
     if not fused:
         logits = product(x)
@@ -246,14 +259,14 @@ def router(
     logits = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
     experts = torch.empty(rows, top_k, dtype=torch.int32, device=x.device)
-    block_n, block_k, num_warps = ROUTER_TILE
+    block_n, block_k, num_warps = tile
     _router_kernel[(triton.cdiv(out_features, block_n), rows)](
         x,
         weight,
         logits,
         weights,
         experts,
-        _arrivals(x.device),
+        _arrivals(x.device, rows),
         num_experts,
         out_features,
         hidden,
@@ -265,6 +278,7 @@ def router(
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        K_TILES=triton.cdiv(hidden, block_k),
         num_warps=num_warps,
     )
     return logits, weights, experts
