@@ -70,11 +70,15 @@ RouterTile = tuple[int, int, int]  # `_router_kernel`'s output columns per progr
 
 
 def router_tile(rows: int) -> RouterTile | None:
-    """The router's launch for a pass of `rows` rows, None where torch's GEMM and `route` are faster: one row
-    (cuBLAS's GEMV and the one-warp `route`, 5.8 us a layer, against 7.5 for the best fused launch) and more
-    than 16 (`tools/moe_kernel_sweep.py --router` on an H200, the routers of `qwen3.5-35b-a3b` and
-    `qwen3-next-80b-a3b`: fused 7.8-9.4 us against 10.9-12.1 from 2 to 16 rows, and 7.8-13.6 against 14-15)."""
-    return (2, 512, 2) if 2 <= rows <= 16 else None
+    """The router's launch for a pass of `rows` rows, None (torch's GEMM, then `route`) past 16 rows, where
+    cuBLAS catches up. `tools/moe_kernel_sweep.py --router` on an H200 at 1d3d49e, the
+    routers of `qwen3.5-35b-a3b` (257 x 2048) and `qwen3-next-80b-a3b` (513 x 2048), us per layer, fused
+    against torch + route: 1 row 4.9 / 5.9 and 6.5 / 6.9 with one weight row per program and one warp;
+    2-4 rows 5.1-5.5 / 11-12 and 6.6-8.2 / 14; 8-16 rows with 8 weight rows per program 7.4-7.9 / 11 and
+    9.1-12.6 / 14.5-14.9; 32 rows 11.1 / 11.5 and 18.2 / 14.6."""
+    if rows <= 4:
+        return (1, 2048, 1)
+    return (8, 512, 4) if rows <= 16 else None
 
 
 @dataclass(frozen=True)
@@ -250,7 +254,7 @@ def router(
     (`_router_kernel`); else `product` (the op table's GEMM) and `route`."""
     rows, hidden = x.shape
     tile = tile or router_tile(rows)
-    fused = tile is not None and isinstance(weight, torch.Tensor) and bias is None
+    fused = tile is not None and rows > 0 and isinstance(weight, torch.Tensor) and bias is None
     fused = fused and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1 == x.stride(-1)
     if not fused:
         logits = product(x)
