@@ -14,7 +14,9 @@ with the device and the project's commit.
 
 With --router it times the router instead: for both shapes' routers (E + 1 outputs: the shared expert's gate)
 and 1 to 32 rows, torch's GEMM followed by `route` against `router`'s one launch with each candidate tile,
-40 routers (one per layer) in one graph, as a decode step runs them, and marks what `router_tile` picks.
+40 routers (one per layer) in one graph, as a decode step runs them, and marks what `router_tile` picks;
+each row also checks the logits against float64 and how far the chosen experts' exact logits fall short of
+the exact top-k's (bf16 rounding can swap near-ties, by a few 1e-3).
 
     python tools/moe_kernel_sweep.py OUT.jsonl [--quick]     # --quick: decode launches, 1 and 2 tokens, first shape
     python tools/moe_kernel_sweep.py OUT.jsonl --router
@@ -148,10 +150,18 @@ def sweep_router(out_path: str) -> None:
             ]
             for tokens in (1, 2, 4, 8, 16, 32):
                 x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+                want = F.linear(x.double(), weights[0].double())  # [tokens, E + 1]
                 for tile in (None, *ROUTER_TILES):
                     run = functools.partial(_routers, x, weights, num_experts, top_k, tile)
                     run()  # compiles, and allocates the router's arrival counts outside the graph
                     ms = do_bench_cudagraph(run, rep=100) / ROUTER_LAYERS
+                    if tile is None:
+                        logits = F.linear(x, weights[0])
+                        experts = moe.route(logits[:, :num_experts], top_k, True)[1]
+                    else:
+                        logits, _, experts = moe.router(x, weights[0], None, None, num_experts, top_k, True, tile=tile)
+                    chosen = want[:, :num_experts].gather(1, experts.long())  # the chosen experts' exact logits
+                    best = want[:, :num_experts].topk(top_k).values
                     row = {
                         "device": torch.cuda.get_device_name(),
                         "commit": commit(),
@@ -161,6 +171,8 @@ def sweep_router(out_path: str) -> None:
                         "chosen": tile == moe.router_tile(tokens),
                         "us": 1000 * ms,
                         "tb_s": weights[0].nbytes / (ms / 1000) / 1e12,
+                        "max_rel_error": ((logits.double() - want).abs().max() / want.abs().max()).item(),
+                        "top_k_logit_gap": (best.sum(-1) - chosen.sum(-1)).max().item(),  # 0: the exact top-k
                     }
                     out.write(json.dumps(row) + "\n")
                     print(json.dumps(row), flush=True)
