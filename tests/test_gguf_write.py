@@ -220,7 +220,8 @@ def test_importance_equals_llama_imatrix_on_the_same_windows():
 
 def test_importance_of_the_shared_expert_is_what_every_token_gave_it(checkpoints):
     """The shared expert is multiplied inside the experts op, not by a module call: its gate and up still get
-    the mean squared layer input, its down the mean squared `silu(gate) * up`, over every token."""
+    the mean squared layer input, its down the mean squared `silu(gate) * up`, over every token; so do the
+    router and the shared expert's gate, which the router op multiplies."""
     llm = LLM(str(checkpoints["qwen35moe-256"]), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=65)
     moe = llm.engine.model.model.layers[0].mlp
     inputs = []
@@ -231,6 +232,9 @@ def test_importance_of_the_shared_expert_is_what_every_token_gave_it(checkpoints
         handle.remove()
     x = torch.cat(inputs).double()  # [tokens, H]
     gate, up = (x @ moe.shared_expert.gate_up_proj.weight.double().T).chunk(2, dim=-1)
+    for router_part in ("gate", "shared_expert_gate"):
+        got = means[f"model.layers.0.mlp.{router_part}.weight"].double()
+        torch.testing.assert_close(got, x.square().mean(0), rtol=1e-5, atol=0)
     name = "model.layers.0.mlp.shared_expert"
     for part in ("gate_proj", "up_proj"):
         torch.testing.assert_close(means[f"{name}.{part}.weight"].double(), x.square().mean(0), rtol=1e-5, atol=0)

@@ -30,9 +30,10 @@ class ImportanceCollector:
         self.sums: dict[str, torch.Tensor] = {}  # weight -> [cols], or [E, cols] for routed experts (float32)
         self.counts: dict[str, int | torch.Tensor] = {}  # weight -> tokens seen (per expert: [E])
         self.handles = []
+        by_moe_hook = set()  # ids of modules a MoE layer's ops multiply without a module call
         for name, module in layers.named_modules(prefix=prefix):
-            if name.endswith(".shared_expert") or ".shared_expert." in name:
-                continue  # multiplied by the experts op, not by a module call: the experts hook records it
+            if id(module) in by_moe_hook:
+                continue
             if isinstance(module, FusedLinear):
                 parent = name.rpartition(".")[0]
                 self._hook(module, [f"{parent}.{part}.weight" for part in module.names])
@@ -40,7 +41,10 @@ class ImportanceCollector:
                 self._hook(module, [f"{name}.weight"])
             elif isinstance(module, MLP):  # its gate_up_proj is multiplied without a module call
                 self._hook(module, [f"{name}.gate_proj.weight", f"{name}.up_proj.weight"])
-            elif isinstance(module, SparseMoE):
+            elif isinstance(module, SparseMoE):  # its router and shared expert too: the layer's hook records them
+                by_moe_hook.update(id(m) for m in module.router.modules())
+                if hasattr(module, "shared_expert"):
+                    by_moe_hook.update(id(m) for m in module.shared_expert.modules())
                 self.handles.append(module.register_forward_pre_hook(self._experts_hook(name)))
 
     def _hook(self, module: nn.Module, weights: list[str]) -> None:
@@ -56,12 +60,14 @@ class ImportanceCollector:
         name = f"{layer}.experts"
 
         def hook(moe: SparseMoE, args):
-            """The routing of the layer's input, computed again here (the experts, and the shared expert, are
-            multiplied by an op, not a module call); the router's weight is multiplied directly so that its own
-            hook counts x once."""
+            """The router's and the shared expert's inputs, and the routing of the layer's input, computed again
+            here (the op table's `moe_router` and `moe_experts` multiply them, not module calls)."""
             x = args[0]  # [N, H]
+            squares = x.float().square().sum(0)  # [H]
+            for part in moe.router.names:  # the experts' router and the shared expert's gate
+                self._add(f"{layer}.{part}.weight", squares, x.shape[0])
             if hasattr(moe, "shared_expert"):
-                self._shared_expert(f"{layer}.shared_expert", moe.shared_expert.gate_up_proj.weight, x)
+                self._shared_expert(f"{layer}.shared_expert", moe.shared_expert.gate_up_proj.weight, x, squares)
             module, n_experts = moe.experts, moe.moe.num_experts
             logits = project(moe.ops, x, moe.router.weight)[:, :n_experts]  # [N, E]
             top_idx = moe.ops.moe_route(logits, moe.moe.num_experts_per_tok, moe.moe.norm_topk_prob)[1].long()
@@ -80,9 +86,9 @@ class ImportanceCollector:
 
         return hook
 
-    def _shared_expert(self, name: str, gate_up: torch.Tensor, x: torch.Tensor) -> None:
-        """A shared expert sees every token: its gate and up read x, its down `silu(gate) * up`."""
-        squares = x.float().square().sum(0)  # [H]
+    def _shared_expert(self, name: str, gate_up: torch.Tensor, x: torch.Tensor, squares: torch.Tensor) -> None:
+        """A shared expert sees every token: its gate and up read x (`squares`: x's squared columns summed), its
+        down `silu(gate) * up`."""
         self._add(f"{name}.gate_proj.weight", squares, x.shape[0])
         self._add(f"{name}.up_proj.weight", squares, x.shape[0])
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
