@@ -160,9 +160,10 @@ class GemmRouter:
         `other_bytes(r)` gives the bytes the pass reads outside the routed GEMMs (a MoE model's experts), those
         bytes at `bytes_per_ms`."""
 
+        per_ms = self.bytes_per_ms() if other_bytes else 0.0
+
         def pass_ms(rows: int) -> float:
-            other = other_bytes(rows) / self.bytes_per_ms() if other_bytes else 0.0
-            return self.pass_cost_ms(rows) + other
+            return self.pass_cost_ms(rows) + (other_bytes(rows) / per_ms if other_bytes else 0.0)
 
         base = pass_ms(1)
         return tuple(pass_ms(rows) / base for rows in range(1, max_rows + 1))

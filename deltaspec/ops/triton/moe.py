@@ -940,24 +940,6 @@ def _shared_output(x: torch.Tensor, shared: reference.SharedExpert) -> torch.Ten
     return linear(activation.silu_mul(linear(x, shared.gate_up)), shared.down)
 
 
-def _reference_products(
-    x: torch.Tensor,
-    gate_up: torch.Tensor | QuantizedWeight,
-    down: torch.Tensor | QuantizedWeight,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    expert_reads: torch.Tensor,
-    shared: reference.SharedExpert | None,
-) -> torch.Tensor:
-    """The reference loop over the routed experts the kernels do not take (GGUF types other than theirs, say
-    Q5_K experts), with a shared expert through the dense kernels (`_shared_output`) rather than the reference's
-    dequantize-then-multiply; rounded as `reference.expert_products` rounds."""
-    if shared is None or x.dtype not in FLOAT_DTYPES:
-        return reference.expert_products(x, gate_up, down, weights, experts, expert_reads, shared)
-    routed = reference.expert_products(x, gate_up, down, weights, experts, expert_reads)
-    return routed + torch.sigmoid(shared.logit)[:, None] * _shared_output(x, shared)
-
-
 def expert_products(
     x: torch.Tensor,
     gate_up: torch.Tensor | QuantizedWeight,
@@ -970,10 +952,15 @@ def expert_products(
 ) -> torch.Tensor:
     """`deltaspec.ops.moe.expert_products` as a GEMV per pair (a few tokens) or as grouped kernels (`tile`
     overrides `tile_for`: tests, sweeps). A shared expert shaped and stored like the routed ones runs in the
-    same launches as one more expert; another is multiplied first, its product added in the sum."""
+    same launches as one more expert; another is multiplied first, its product added in the sum. Experts the
+    kernels do not take (GGUF types other than theirs, say Q5_K) take the reference loop, their shared expert
+    the dense kernels (`_shared_output`) rather than the reference's dequantize-then-multiply, rounded alike."""
     stacks = _routed_stacks(x.dtype, gate_up, down)
+    if stacks is None and (shared is None or x.dtype not in FLOAT_DTYPES):
+        return reference.expert_products(x, gate_up, down, weights, experts, expert_reads, shared)
     if stacks is None:
-        return _reference_products(x, gate_up, down, weights, experts, expert_reads, shared)
+        routed = reference.expert_products(x, gate_up, down, weights, experts, expert_reads)
+        return routed + torch.sigmoid(shared.logit)[:, None] * _shared_output(x, shared)
     tokens, top_k = experts.shape
     out = torch.empty(tokens, x.shape[-1], dtype=x.dtype, device=x.device)
     if tokens == 0:
