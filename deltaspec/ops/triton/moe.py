@@ -213,16 +213,10 @@ def _router_kernel(
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < OUT
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k_tile in tl.static_range(K_TILES):  # unrolled: every slab's load is issued before the first sum
-        ks = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = ks < H
-        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        acc += _float_slab(w_rows, ks, n_mask, k_mask).to(tl.float32) * x[None, :]
+    logit = _rows_times_x(x_row, w_ptr, cols, n_mask, stride_wn, H, 0, 0, -1, BLOCK_N, BLOCK_K, K_TILES, False)
     logits_row = logits_ptr + row.to(tl.int64) * OUT
-    tl.store(logits_row + cols, tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(logits_row + cols, logit.to(logits_ptr.dtype.element_ty), mask=n_mask)
     tl.debug_barrier()  # every thread's logits stored before the arrival (the atomic releases them)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
