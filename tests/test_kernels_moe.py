@@ -46,7 +46,7 @@ def test_route(kernels, kernel_device, n, num_experts, top_k, dtype, normalize):
     ("n", "num_experts", "shared", "top_k"), [(1, 256, 1, 8), (5, 512, 1, 10), (32, 6, 0, 2), (33, 64, 1, 4)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tile", [None, (4, 256, 2)])
+@pytest.mark.parametrize("tile", [None, (4, 256, 2), (2, 512, 2)])
 def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared, top_k, dtype, tile):
     """One launch where `router_tile` (or the test) gives one, else the GEMM, then `route`; twice, as graph
     replays run it: the last program of each row to finish routes it and leaves the arrival count at 0 for the

@@ -70,14 +70,16 @@ RouterTile = tuple[int, int, int]  # `_router_kernel`'s output columns per progr
 
 
 def router_tile(rows: int) -> RouterTile | None:
-    """The router's launch for a pass of `rows` rows, None where torch's GEMM and `route` are faster: one row
-    (cuBLAS's GEMV and the one-warp `route`, 5.8 us a layer, against 7.0 for this launch) and more than 16
-    (`tools/moe_kernel_sweep.py --router` on an H200 at 1d3d49e, the routers of `qwen3.5-35b-a3b` and
-    `qwen3-next-80b-a3b`: fused 7.0-8.6 us against 10.8-11.8 from 2 to 16 rows, and 8.8-13.4 against
-    13.8-14.9). The same sweep timed one weight row per program in one warp (BLOCK_K 2048) faster still up
-    to 4 rows, 4.9-5.5 us for the 35B shape's router at 1-4 rows and 6.5-8.2 for the 80B one, beating cuBLAS
-    at one row too; the GPU tests have not run that launch yet, so it is not chosen."""
-    return (2, 512, 2) if 2 <= rows <= 16 else None
+    """The router's launch for a pass of `rows` rows, None where torch's GEMM and `route` are faster (more than
+    16 rows). `tools/moe_kernel_sweep.py --router` on an H200 at 1d3d49e, the routers of `qwen3.5-35b-a3b` and
+    `qwen3-next-80b-a3b` (hidden 2048) timed per layer: one weight row per one-warp program reading the whole
+    row at once 4.9-5.5 us for the 35B router at 1-4 rows and 6.5-8.2 for the 80B one, against cuBLAS's GEMV
+    and the one-warp `route` at 5.9 and 6.9 us for one row and 11-14 us from 2 rows on; eight weight rows per
+    four-warp program 7.4-7.9 us at 8-16 rows; beyond 16 rows the GEMM's tensor cores win (8.8-13.4 us
+    fused against 13.8-14.9 at 32 rows)."""
+    if not 1 <= rows <= 16:
+        return None
+    return (1, 2048, 1) if rows <= 4 else (8, 512, 4)
 
 
 @dataclass(frozen=True)
