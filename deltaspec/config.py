@@ -216,6 +216,14 @@ class EngineConfig:
             "(0: the length whose KV takes the memory of one checkpoint's state)"
         },
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "processes (one per GPU) the model is split across: attention and GDN heads, MLP and expert "
+            "intermediate sizes and the vocabulary divided among them",
+            "aliases": ("-tp",),
+        },
+    )
     kernels: str = field(
         default="auto",
         metadata={
@@ -357,6 +365,7 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         if getattr(cfg, name) < 0:
             raise DeltaspecError(f"{name} must be 0 (automatic) or more, got {getattr(cfg, name)}.")
     for name in (
+        "tensor_parallel_size",
         "block_size",
         "max_num_batched_tokens",
         "prefill_chunk",

@@ -57,6 +57,10 @@ class LLM:
         )
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers (nothing to do on one device; they also stop at exit)."""
+        self.engine.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -138,7 +138,7 @@ class AsyncEngine:
             if kind == "add":
                 self._streams[item.request_id] = (stream, item)
                 self._sent[item.request_id] = 0
-                self.engine.scheduler.add(item)
+                self.engine.admit(item)
             elif kind == "fail_all":
                 seqs = [seq for _, seq in self._streams.values()]
                 self.engine.fail(seqs, item)

@@ -3,6 +3,10 @@
 The update after a pass advances every scheduled sequence (the cache manager records what the pass did to
 its state), lets the Speculator commit what verification accepted, picks the next token of every sequence
 that samples one, and appends tokens until a stop condition.
+
+With `tensor_parallel_size` > 1 the engine is rank 0 of a group (`deltaspec.parallel.workers`): every
+change made from outside (`admit`, `abort`, `fail`) is recorded and broadcast before the next step, and
+each worker's engine applies it and steps in lock step (`follow`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.execution.runner import Runner, SeqOutput
 from deltaspec.execution.sequence import Sequence
 from deltaspec.ops.dispatch import ops_for
+from deltaspec.parallel.group import SINGLE
+from deltaspec.parallel.shard import shard_config
+from deltaspec.parallel.workers import Group, launch
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator
 from deltaspec.sample.structured import StructuredCompiler
@@ -52,7 +59,8 @@ UNFIT = (
 class Engine:
     """Runs requests on one model. `drafter` and `draft_policy` replace the drafter and draft-length policy the
     configuration would build (tests and benchmarks inject their own); with a `drafter`, speculation runs
-    whatever `config.speculative` says, and `config.speculative` becomes its name."""
+    whatever `config.speculative` says, and `config.speculative` becomes its name. A tensor-parallel worker
+    passes its `group`; rank 0 starts the group itself."""
 
     def __init__(
         self,
@@ -60,18 +68,30 @@ class Engine:
         progress: bool = True,
         drafter: Drafter | None = None,
         draft_policy: DraftLength | None = None,
+        group: Group | None = None,
     ):
         planned = plan_for(config, drafter)
         require_fit(planned.plan)
         self.plan, self.config, self.model_config = planned.plan, planned.config, planned.model_config
         self.model_dir, self.max_model_len = planned.model_dir, planned.config.max_model_len
         self.device, self.dtype = torch.device(self.config.device), parse_dtype(self.config.dtype)
+        self.group = group if group is not None or self.config.tensor_parallel_size == 1 else launch(self.config)
+        try:
+            self._build(planned, progress, drafter, draft_policy)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, planned, progress: bool, drafter: Drafter | None, draft_policy: DraftLength | None) -> None:
+        tp = self.group.tp if self.group else SINGLE
         ops = self.ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
-        self.model = engine_model(planned, ops, progress)
+        self.model = engine_model(planned, ops, progress, tp)
         self.tokenizer = engine_tokenizer(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
         verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
-        self.cache = engine_cache(self.config, self.model_config, self.model.num_kv_layers)
+        if self.group:
+            verify_costs = self.group.send(verify_costs)  # rank 0's measurements: every rank drafts alike
+        self.cache = engine_cache(self.config, shard_config(self.model_config, tp.size), self.model.num_kv_layers)
         self.scheduler = Scheduler(
             self.cache,
             self.config.max_num_batched_tokens,
@@ -87,6 +107,40 @@ class Engine:
         self.structured = StructuredCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.logprob_text = LogprobText(self.tokenizer)
         self._seed_counter = itertools.count(self.config.seed)
+        self._changes: list[tuple] = []  # rank 0: what the workers apply before the next step
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's workers (nothing to do on one device)."""
+        if self.group is not None and self.group.tp is not None and self.group.tp.rank == 0:
+            self.group.close()
+
+    def _record(self, *change) -> None:
+        if self.group is not None:
+            self._changes.append(change)
+
+    def follow(self) -> None:
+        """A tensor-parallel worker: apply rank 0's changes and step with it until it stops."""
+        while True:
+            changes = self.group.send(None)
+            for kind, *args in changes:
+                if kind == "stop":
+                    return
+                if kind == "admit":
+                    request_id, prompt, prompt_ids, params, history_len, seed = args
+                    self.admit(self.new_sequence(request_id, prompt, prompt_ids, params, history_len, seed))
+                elif kind == "abort":
+                    self.abort(self._unfinished(args[0]))
+                elif kind == "fail":
+                    self.fail([self._unfinished(i) for i in args[0]], args[1])
+                elif kind == "step":
+                    appended = sum(len(seq.output_ids) for seq in self.scheduler.running)
+                    if appended != args[0]:
+                        rank = self.group.tp.rank
+                        raise RuntimeError(f"rank {rank} diverged from rank 0: {appended} tokens against {args[0]}")
+                    self.step()
+
+    def _unfinished(self, request_id: str) -> Sequence:
+        return next(s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id == request_id)
 
     def _speculator(self, drafter: Drafter | None, policy: DraftLength | None, costs: VerifyCostTable):
         drafter = drafter or engine_drafter(
@@ -113,11 +167,18 @@ class Engine:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens)
 
     def new_sequence(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, history_len: int = 0
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        history_len: int = 0,
+        seed: int | None = None,
     ) -> Sequence:
         """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError.
         `history_len`: the prompt's first tokens that a follow-up will share (a chat's history), kept as a prefix
-        checkpoint."""
+        checkpoint; `seed`: its sampling seed when neither the request nor the engine's counter gives it (a
+        tensor-parallel worker takes rank 0's)."""
         if not prompt_ids:
             raise DeltaspecError("The prompt is empty; give at least one token.")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -129,7 +190,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise DeltaspecError(f"Prompt token ids must lie in [0, {vocab}); got one outside it.")
-        seed = params.seed if params.seed is not None else next(self._seed_counter)
+        if seed is None:
+            seed = params.seed if params.seed is not None else next(self._seed_counter)
         return Sequence(
             request_id,
             prompt,
@@ -137,6 +199,7 @@ class Engine:
             params,
             self.eos_ids,
             generator=None if params.greedy else make_generator(seed, self.device),
+            seed=seed,
             history_len=history_len,
             grammar=self.structured.state(params.structured_outputs) if params.structured_outputs else None,
         )
@@ -145,17 +208,24 @@ class Engine:
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, history_len: int = 0
     ) -> Sequence:
         seq = self.new_sequence(request_id, prompt, prompt_ids, params, history_len)
-        self.scheduler.add(seq)
+        self.admit(seq)
         return seq
+
+    def admit(self, seq: Sequence) -> None:
+        """Queue a sequence made by `new_sequence`."""
+        self._record("admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed)
+        self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
+            self._record("abort", seq.request_id)
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
             self._finish(seq)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         """End `seqs` with finish reason "error" and free their caches."""
+        self._record("fail", [seq.request_id for seq in seqs if not seq.finished], error)
         for seq in seqs:
             if not seq.finished:
                 seq.finish_reason, seq.error = "error", error
@@ -172,6 +242,9 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One forward pass over every runnable sequence; returns the sequences that got new tokens or ended
         (those that finished have `finished` set). A failure ends only the request at fault."""
+        if self.group is not None and self.group.tp.rank == 0:
+            changes, self._changes = self._changes, []
+            self.group.send([*changes, ("step", sum(len(seq.output_ids) for seq in self.scheduler.running))])
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         schedule = self.scheduler.schedule()

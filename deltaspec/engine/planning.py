@@ -44,6 +44,8 @@ from deltaspec.model.random_quant import parse_quant, quantized_bytes, quantized
 from deltaspec.model.shapes import parameter_counts, shape_config
 from deltaspec.model.weights import checkpoint_files, count_mtp_layers, model_dir_for, target_name
 from deltaspec.ops.dispatch import REFERENCE
+from deltaspec.parallel.group import TensorParallel
+from deltaspec.parallel.shard import shard_config
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import drafter_memory, uses
 
@@ -83,7 +85,12 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         resolved = replace(resolved, speculative=drafter.name)
     dtype = parse_dtype(resolved.dtype)
     with_mtp = drafter is None and uses(resolved.speculative, "mtp")
-    if model_dir is None and resolved.quant:
+    size = resolved.tensor_parallel_size
+    rank_config = shard_config(model_config, size)  # what one rank holds; refuses sizes that do not divide
+    if size > 1:
+        _check_parallel(resolved, gguf, drafter)
+        target, mtp = rank_weight_bytes(model_config, dtype, size, with_mtp)
+    elif model_dir is None and resolved.quant:
         target, mtp = random_quantized_bytes(model_config, dtype, resolved.quant, with_mtp)
     elif model_dir is None:
         counts = parameter_counts(model_config)
@@ -101,7 +108,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
 
     def plan_at(streams: int, ctx: int, kv_blocks: int) -> MemoryPlan:
         return plan_memory(
-            model_config,
+            rank_config,
             len(model_config.attention_layer_ids),
             target,
             dtype,
@@ -123,9 +130,10 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
 
     sizing = PoolSizing(resolved, model_config.max_position_embeddings, plan_at)
     streams, ctx, kv_blocks, notes = sizing.decide()
+    parallel_note = f"tensor parallel {size}: the weights, caches and memory above are one rank's (one GPU's)"
     plan = replace(
         plan_at(streams, ctx, kv_blocks),
-        notes=tuple(filter(None, (budget_note, *notes))),
+        notes=tuple(filter(None, (budget_note, parallel_note if size > 1 else None, *notes))),
         available_label="budget" if budget_note else "free",
     )
     plan = replace(plan, alternatives=sizing.alternatives(plan))
@@ -137,6 +145,39 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     else:  # refused by whoever runs it; the plan and its advice are what matter
         resolved = replace(resolved, max_num_seqs=streams, max_model_len=ctx, prefix_checkpoints=plan.checkpoints)
     return Planned(plan, resolved, model_config, raw, model_dir, with_mtp, gguf)
+
+
+def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, size: int, with_mtp: bool) -> tuple[int, int]:
+    """Bytes of one tensor-parallel rank's weights in `dtype`: the target's and (0 unless `with_mtp`) its MTP
+    head's, as the sharded model holds them."""
+    with torch.device("meta"):
+        model = HybridModel(
+            shard_config(config, size), REFERENCE, dtype, "meta", config.num_mtp_layers, TensorParallel(0, size)
+        )
+    sizes = {name: p.numel() * dtype.itemsize for name, p in model.named_parameters()}
+    if config.tie_word_embeddings:
+        sizes.pop("lm_head.weight")
+    mtp = sum(n for name, n in sizes.items() if name.startswith("mtp."))
+    return sum(sizes.values()) - mtp, mtp if with_mtp else 0
+
+
+def _check_parallel(config: EngineConfig, gguf, drafter: Drafter | None) -> None:
+    """Refuse what tensor parallelism does not run, saying what does."""
+    size = config.tensor_parallel_size
+    if gguf is not None:
+        raise DeltaspecError(
+            "Tensor parallelism loads safetensors checkpoints and --random-weights shapes; a GGUF file runs on one "
+            "device (drop --tensor-parallel-size)."
+        )
+    if config.quant:
+        raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
+    if drafter is not None:
+        raise DeltaspecError("An injected drafter runs on one device; drop tensor_parallel_size or the drafter.")
+    if config.device.startswith("cuda") and size > torch.cuda.device_count():
+        raise DeltaspecError(
+            f"--tensor-parallel-size {size} needs {size} GPUs, one per rank, but {torch.cuda.device_count()} "
+            "are visible; lower it or make more GPUs visible."
+        )
 
 
 def random_quantized_bytes(config: ModelConfig, dtype: torch.dtype, quant: str, with_mtp: bool) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from deltaspec.model.random_init import random_model
 from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
 from deltaspec.model.weights import default_model_path, load_model
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.parallel.group import SINGLE, TensorParallel
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.block import BlockDrafter
 from deltaspec.spec.drafter import Drafter
@@ -35,17 +36,18 @@ from deltaspec.spec.policy import VerifyCostTable
 ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf16) get a measured GEMM route
 
 
-def engine_model(planned: Planned, ops: OpTable, progress: bool) -> HybridModel:
-    """The engine's model: random weights of the shape, or the checkpoint; its MTP head only when it drafts."""
+def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE) -> HybridModel:
+    """The engine's model (a tensor-parallel rank's share of it): random weights of the shape, or the checkpoint;
+    its MTP head only when it drafts."""
     cfg, dtype, device = planned.config, parse_dtype(planned.config.dtype), torch.device(planned.config.device)
     if cfg.random_weights:
         return random_model(
-            planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp, quant=cfg.quant
+            planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp, quant=cfg.quant, tp=tp
         )
     if planned.gguf is not None:
         return load_gguf_model(planned.gguf, planned.model_config, dtype, device, ops, progress, planned.with_mtp)
     return load_model(
-        planned.model_dir, planned.model_config, planned.raw, dtype, device, ops, progress, planned.with_mtp
+        planned.model_dir, planned.model_config, planned.raw, dtype, device, ops, progress, planned.with_mtp, tp
     )
 
 

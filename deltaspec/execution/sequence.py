@@ -62,6 +62,7 @@ class Sequence:
     params: SamplingParams
     eos_ids: frozenset[int]
     generator: torch.Generator | None = None
+    seed: int | None = None  # the seed `generator` was made from
     arrival_time: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0

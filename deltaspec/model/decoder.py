@@ -1,7 +1,8 @@
 """Decoder blocks (`h += mixer(norm1(h)); h += mlp(norm2(h))`) and the caches they read.
 
 The residual stream runs with each add fused into the norm that follows it: a block takes its
-normed input and the residual, and returns the next block's normed input and the residual.
+normed input and the residual, and returns the next block's normed input and the residual. Under tensor
+parallelism the mixer's and the MLP's outputs are each rank's partial sums, all-reduced before the add.
 """
 
 import torch
@@ -14,14 +15,24 @@ from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.gdn import GatedDeltaNet
 from deltaspec.model.layers import RMSNorm
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.parallel.group import SINGLE, TensorParallel
 
 
 class DecoderLayer(nn.Module):
     """`h += mixer(norm1(h)); h += mlp(norm2(h))`."""
 
-    def __init__(self, config: ModelConfig, mixer_index: int, ops: OpTable, is_gdn: bool, mlp: nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        mixer_index: int,
+        ops: OpTable,
+        is_gdn: bool,
+        mlp: nn.Module,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
         self.is_gdn = is_gdn
+        self.tp = tp
         if is_gdn:
             self.linear_attn = GatedDeltaNet(config, mixer_index, ops)
         else:
@@ -45,8 +56,8 @@ class DecoderLayer(nn.Module):
             mixed = self.linear_attn(x, batch, caches)
         else:
             mixed = self.self_attn(x, batch, caches, cos, sin)
-        x, residual = self.post_attention_layernorm.add(mixed, residual)
-        return next_norm.add(self.mlp(x), residual)
+        x, residual = self.post_attention_layernorm.add(self.tp.all_reduce(mixed), residual)
+        return next_norm.add(self.tp.all_reduce(self.mlp(x)), residual)
 
 
 def run_blocks(

@@ -4,7 +4,9 @@
 returns the final (normed) hidden state of every row (`run` also returns the outputs of the layers
 a block drafter reads, `feature_layers`); `compute_logits` applies the LM head to the rows the
 caller needs. Parameter names follow the Hugging Face checkpoint names
-(`model.layers.N...`, `lm_head.weight`, `mtp...`) so that loading is a name lookup.
+(`model.layers.N...`, `lm_head.weight`, `mtp...`) so that loading is a name lookup. A tensor-parallel rank
+builds it from its share of the architecture (`deltaspec.parallel.shard.shard_config`) with its `tp` group:
+the embedding and the LM head then hold its slice of the vocabulary.
 """
 
 import torch
@@ -19,6 +21,7 @@ from deltaspec.model.mtp import MTPHead
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.norms import compute_dtype
 from deltaspec.ops.rope import cos_sin, inv_frequencies
+from deltaspec.parallel.group import SINGLE, TensorParallel
 
 
 class RotaryTable(nn.Module):
@@ -37,10 +40,32 @@ class RotaryTable(nn.Module):
         return cos_sin(positions, self.inv_freq, self.dtype)
 
 
-class TextModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: OpTable):
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of one rank's slice of the vocabulary [vocab / size, hidden]: each rank looks up the ids
+    in its slice (zeros for the others) and the all-reduce assembles every row."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, hidden))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., hidden]"""
+        rows = self.weight.shape[0]
+        local = ids - self.tp.rank * rows
+        here = (local >= 0) & (local < rows)
+        out = nn.functional.embedding(local.clamp(0, rows - 1), self.weight) * here.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: OpTable, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if tp.sharded
+            else nn.Embedding(config.vocab_size, config.hidden_size)
+        )
         gdn_index = attn_index = 0
         layers = []
         for i, kind in enumerate(config.layer_types):
@@ -52,6 +77,7 @@ class TextModel(nn.Module):
                     ops,
                     is_gdn,
                     make_mlp(config, config.moe_layers[i], ops),
+                    tp,
                 )
             )
             gdn_index, attn_index = gdn_index + is_gdn, attn_index + (not is_gdn)
@@ -60,12 +86,21 @@ class TextModel(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device, num_mtp_layers: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: OpTable,
+        dtype: torch.dtype,
+        device,
+        num_mtp_layers: int,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
         self.config = config
-        self.model = TextModel(config, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, ops)
-        self.mtp = MTPHead(config, num_mtp_layers, len(config.attention_layer_ids), ops) if num_mtp_layers else None
+        self.tp = tp
+        self.model = TextModel(config, ops, tp)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size // tp.size, ops)
+        self.mtp = MTPHead(config, num_mtp_layers, len(config.attention_layer_ids), ops, tp) if num_mtp_layers else None
         self.rotary = RotaryTable(config, dtype, device)
         self.feature_layers: tuple[int, ...] = ()  # layers whose outputs `run` returns, for a block drafter
 
@@ -140,8 +175,8 @@ class HybridModel(nn.Module):
         return hidden, torch.cat(taps, dim=-1) if taps else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab]."""
-        return self.lm_head(hidden)
+        """hidden [N, hidden] -> logits [N, vocab] (every rank's slice of the vocabulary)."""
+        return self.tp.gather_vocab(self.lm_head(hidden))
 
     def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor, caches: ModelCaches) -> torch.Tensor:
         """The MTP head on rows (token t_{i+1}, hidden h_i) -> its hidden states [T, hidden]."""

@@ -14,19 +14,20 @@ from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import Linear, RMSNorm, make_mlp
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.parallel.group import SINGLE, TensorParallel
 
 
 class MTPHead(nn.Module):
-    def __init__(self, config: ModelConfig, num_layers: int, first_kv_index: int, ops: OpTable):
+    def __init__(
+        self, config: ModelConfig, num_layers: int, first_kv_index: int, ops: OpTable, tp: TensorParallel = SINGLE
+    ):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.fc = Linear(2 * hidden, hidden, ops)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, ops)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(
-                config, first_kv_index + i, ops, is_gdn=False, mlp=make_mlp(config, config.moe is not None, ops)
-            )
+            DecoderLayer(config, first_kv_index + i, ops, False, make_mlp(config, config.moe is not None, ops), tp)
             for i in range(num_layers)
         )
         self.norm = RMSNorm(hidden, eps, ops)

@@ -7,6 +7,8 @@ input): input projections N(0, 1/fan_in), output projections (o_proj, out_proj, 
 1/(fan_in * 2 * layers)) so the residual stream stays O(1) over 64 layers, embeddings N(0, 0.02²), an
 untied LM head N(0, 1/hidden) (logits ~ N(0, 1)), zero-centred norm weights 0, the GDN gated norm 1,
 and `A_log = log(U(0, 16))`, `dt_bias = 1`, conv weights U(±1/sqrt(K)) as transformers initialises them.
+A tensor-parallel rank draws every full tensor as one process would and keeps its part, so the sharded model
+is the same model.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.model.random_quant import quantized_config, random_blocks, tensor_types
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.shard import Shard, shard_config
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 ZERO_CENTRED_NORMS = (
@@ -75,24 +79,31 @@ def random_model(
     progress: bool = True,
     with_mtp: bool = True,
     quant: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> HybridModel:
     """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint (the
     shape's MTP head only `with_mtp`); with `quant`, each weight matrix becomes blocks of the type
     `random_quant.tensor_types` gives it, distributed like its normal init quantized (`random_quant.random_blocks`:
     blocks drawn from a pool of quantized unit-normal blocks, their scales multiplied by the matrix's std), so the
     float model never exists whole (and
-    Qwen3-Next's GDN projections are separate, as a GGUF file's load)."""
+    Qwen3-Next's GDN projections are separate, as a GGUF file's load). A rank of the tensor-parallel group `tp`
+    keeps its part of each float weight (`--quant` runs on one device)."""
+    if quant and tp.sharded:
+        raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
     if quant:
         config = quantized_config(config)
+    num_mtp_layers = config.num_mtp_layers if with_mtp else 0
     with torch.device("meta"):
-        model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers if with_mtp else 0)
+        model = HybridModel(shard_config(config, tp.size), ops, dtype, device, num_mtp_layers, tp)
+        full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
+    shard = Shard(config, tp.rank, tp.size)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    shapes = {n: p.shape for n, p in model.named_parameters()}
+    shapes = {n: p.shape for n, p in full.named_parameters()}
     types = tensor_types(config, shapes, quant) if quant else {}
     modules = dict(model.named_modules())
     weights = {}
-    params = [(n, p) for n, p in model.named_parameters() if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    params = [(n, p) for n, p in full.named_parameters() if not (n == "lm_head.weight" and config.tie_word_embeddings)]
     pools = {}  # quantized unit-normal blocks per type (`random_blocks`)
     for name, param in tqdm(params, desc="Random weights", unit="tensor", disable=not progress):
         if name in types:
@@ -100,8 +111,9 @@ def random_model(
             std = matrix_std(name, param.shape, config)
             set_weight(modules[module_name], attribute, random_blocks(param.shape, types[name], std, gen, pools))
         else:
-            weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
-            _draw(name, param.shape, config, weights[name], gen)
+            drawn = torch.empty(param.shape, dtype=dtype, device=device)
+            _draw(name, param.shape, config, drawn, gen)
+            weights[name] = shard.take(name, drawn).contiguous() if tp.sharded else drawn
     if config.tie_word_embeddings and "model.embed_tokens.weight" in types:
         set_weight(model.lm_head, "weight", model.model.embed_tokens.weight)
     elif config.tie_word_embeddings:

@@ -6,7 +6,8 @@ the embedded default model when none is given).
 (never a whole file), converts it to the requested dtype on the target device, and assigns it.
 Checkpoint names are mapped to the model's parameter names here: the multimodal wrapper prefix
 `model.language_model.` is dropped (the vision tower is skipped), GDN conv and norm weights are
-renamed, and per-expert MoE tensors are packed into the fused expert tensors.
+renamed, and per-expert MoE tensors are packed into the fused expert tensors. A tensor-parallel rank reads
+only its slices of each tensor (`deltaspec.parallel.shard.Shard`; safetensors reads slices without the rest).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.shard import Shard, shard_config
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 # checkpoint spelling -> parameter name (GDN conv and gated-norm weights are plain parameters here)
@@ -137,22 +140,45 @@ def count_mtp_layers(names) -> int:
     return max(layers) + 1 if layers else 0
 
 
-def _fit(name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Conv weights come as [C, 1, K]; fused experts sometimes as [E, H, 2I]. Other shapes must match."""
-    if tensor.shape == shape:
-        return tensor
-    if tensor.dim() == len(shape) + 1 and tensor.shape[1] == 1 and tensor.squeeze(1).shape == shape:
-        return tensor.squeeze(1)
-    if (
-        tensor.dim() == 3
-        and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-        and tensor.transpose(1, 2).shape == shape
-    ):
-        return tensor.transpose(1, 2)
+def _layout(name: str, stored: list[int] | torch.Size, shape: torch.Size) -> str:
+    """How a checkpoint tensor stored as `stored` becomes parameter shape `shape`: "same"; "squeeze" (conv
+    weights come as [C, 1, K]); "transpose" (fused experts sometimes come as [E, H, 2I])."""
+    stored = tuple(stored)
+    if stored == tuple(shape):
+        return "same"
+    if len(stored) == len(shape) + 1 and stored[1] == 1 and stored[:1] + stored[2:] == tuple(shape):
+        return "squeeze"
+    if len(stored) == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if (stored[0], stored[2], stored[1]) == tuple(shape):
+            return "transpose"
     raise DeltaspecError(
-        f"Tensor {name} has shape {list(tensor.shape)} in the checkpoint but the config implies {list(shape)}; "
+        f"Tensor {name} has shape {list(stored)} in the checkpoint but the config implies {list(shape)}; "
         "config.json and the weights do not belong together."
     )
+
+
+def read_part(name: str, target: str, source, shape: torch.Size, shard: Shard) -> torch.Tensor:
+    """`shard`'s part of the checkpoint tensor `name` (a safetensors slice `source`) as parameter `target` of full
+    `shape`: only the pieces the rank holds are read."""
+    layout = _layout(name, source.get_shape(), shape)
+    pieces = shard.pieces(target, shape)
+    if pieces is None:
+        whole = source[:]
+        return shard.take(
+            target,
+            whole.squeeze(1) if layout == "squeeze" else whole.transpose(1, 2) if layout == "transpose" else whole,
+        )
+    dim, spans = pieces
+    stored_dim = {1: 2, 2: 1}.get(dim, dim) if layout == "transpose" else dim
+    parts = []
+    for start, stop in spans:
+        index = [slice(None)] * len(source.get_shape())
+        index[stored_dim] = slice(start, stop)
+        part = source[tuple(index)]
+        parts.append(
+            part.squeeze(1) if layout == "squeeze" else part.transpose(1, 2) if layout == "transpose" else part
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _listing(names: list[str]) -> str:
@@ -169,17 +195,23 @@ def load_model(
     ops: OpTable,
     progress: bool = True,
     with_mtp: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> HybridModel:
     """Build the model and fill every parameter from the checkpoint at `model_dir` (the MTP head, when the
-    checkpoint has one, only `with_mtp`: it is a drafter's memory)."""
+    checkpoint has one, only `with_mtp`: it is a drafter's memory); a rank of a tensor-parallel group `tp` builds
+    and reads its share."""
     if raw_config.get("quantization_config"):
         raise DeltaspecError(
             f"{model_dir} is a quantized checkpoint; deltaspec loads unquantized weights "
             "(bfloat16, float16 or float32) for now."
         )
     files = checkpoint_files(model_dir)
+    num_mtp_layers = count_mtp_layers(files) if with_mtp else 0
     with torch.device("meta"):
-        model = HybridModel(config, ops, dtype, device, num_mtp_layers=count_mtp_layers(files) if with_mtp else 0)
+        model = HybridModel(shard_config(config, tp.size), ops, dtype, device, num_mtp_layers, tp)
+        full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
+    shapes = {name: param.shape for name, param in full.named_parameters()}  # the checkpoint's (full) shapes
+    shard = Shard(config, tp.rank, tp.size)
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     expert_parts: dict[str, set] = defaultdict(set)
@@ -196,12 +228,13 @@ def load_model(
                 if target is None:
                     continue
                 if expert := EXPERT_RE.match(target):
-                    _load_expert(expert, f.get_slice(name), params, loaded, expert_parts, dtype, device)
+                    _load_expert(expert, f.get_slice(name), params, shapes, shard, loaded, expert_parts, dtype, device)
                     continue
                 if target not in params:
                     unexpected.append(name)
                     continue
-                loaded[target] = _fit(name, f.get_tensor(name), params[target].shape).to(device=device, dtype=dtype)
+                part = read_part(name, target, f.get_slice(name), shapes[target], shard)
+                loaded[target] = part.to(device=device, dtype=dtype)
     bar.close()
     if "lm_head.weight" not in loaded and config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
@@ -221,8 +254,8 @@ def load_model(
     return model.eval()
 
 
-def _load_expert(match: re.Match, source, params, loaded, expert_parts, dtype, device) -> None:
-    """Copy one per-expert projection into its slice of the fused expert tensor."""
+def _load_expert(match: re.Match, source, params, shapes, shard: Shard, loaded, expert_parts, dtype, device) -> None:
+    """Copy one per-expert projection (this rank's part of it) into its slice of the fused expert tensor."""
     prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
     fused_name = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
     if fused_name not in params:
@@ -234,10 +267,10 @@ def _load_expert(match: re.Match, source, params, loaded, expert_parts, dtype, d
         raise DeltaspecError(
             f"Tensor {match.group(0)} names expert {expert}, but config.json has {fused.shape[0]} experts."
         )
-    half = fused.shape[1] // 2
+    half, full = fused.shape[1] // 2, shapes[fused_name]
     rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None), "down_proj": slice(None)}[proj]
-    dest = fused[expert, rows]
-    dest.copy_(_fit(match.group(0), source[:], dest.shape).to(dtype))
+    full_shape = torch.Size((full[1] // 2, full[2]) if proj != "down_proj" else full[1:])  # one expert's, unsharded
+    fused[expert, rows].copy_(read_part(match.group(0), match.group(0), source, full_shape, shard).to(dtype))
     expert_parts[fused_name].add((expert, proj))
 
 

@@ -1,0 +1,158 @@
+"""Which part of every weight a tensor-parallel rank holds, and the per-rank architecture those parts make.
+
+Split across ranks (Megatron-style, as vLLM and SGLang shard these models): attention query heads (each with
+its output gate) and KV heads; GDN key and value heads with their conv channels, gates (`A_log`,
+`dt_bias`, b, a) and z; the intermediate size of dense MLPs, of every routed expert and of the shared
+expert; the vocabulary of the embedding and the LM head. Column-parallel weights (those that read the
+layer's input) keep a slice of their output rows, row-parallel ones (attention and GDN output projections,
+down projections) a slice of their input columns, whose partial outputs the decoder all-reduces. Norms, the
+router, the shared expert's gate and the MTP head's fc are whole on every rank. A weight whose rows are
+several parts side by side (GDN's q | k | v, an expert's gate | up) takes its slice of each part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from deltaspec.config import ModelConfig
+from deltaspec.errors import DeltaspecError
+
+Pieces = tuple[int, tuple[tuple[int, int], ...]]  # (dimension, (start, stop) of each piece along it, concatenated)
+
+
+def _sharded_counts(config: ModelConfig) -> dict[str, int]:
+    """The model's counts a tensor-parallel size must divide, by name."""
+    counts = {
+        "vocab_size": config.vocab_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+    }
+    if not all(config.moe_layers) or config.moe is None:
+        counts["intermediate_size"] = config.intermediate_size
+    if config.moe is not None:
+        counts["moe_intermediate_size"] = config.moe.moe_intermediate_size
+        if config.moe.shared_expert_intermediate_size:
+            counts["shared_expert_intermediate_size"] = config.moe.shared_expert_intermediate_size
+    return counts
+
+
+def valid_sizes(config: ModelConfig, limit: int = 8) -> list[int]:
+    """Tensor-parallel sizes up to `limit` that divide every split count of `config`."""
+    common = math.gcd(*_sharded_counts(config).values())
+    return [n for n in range(1, limit + 1) if common % n == 0]
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The architecture one of `size` ranks holds: heads and intermediate sizes divided by `size` (the vocabulary
+    stays whole: the embedding and the LM head divide it themselves)."""
+    if size == 1:
+        return config
+    if size < 1:
+        raise DeltaspecError(f"--tensor-parallel-size must be at least 1, got {size}.")
+    counts = _sharded_counts(config)
+    undivided = [f"{name} ({count})" for name, count in counts.items() if count % size]
+    if undivided:
+        raise DeltaspecError(
+            f"Tensor parallel size {size} does not divide the model's {', '.join(undivided)}; sizes that divide "
+            f"every head count and intermediate size of this model: {', '.join(map(str, valid_sizes(config)))}."
+        )
+    moe = config.moe
+    if moe is not None:
+        moe = replace(
+            moe,
+            moe_intermediate_size=moe.moe_intermediate_size // size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size,
+        )
+    return replace(
+        config,
+        num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=config.num_key_value_heads // size,
+        linear_num_key_heads=config.linear_num_key_heads // size,
+        linear_num_value_heads=config.linear_num_value_heads // size,
+        intermediate_size=config.intermediate_size // size
+        if "intermediate_size" in counts
+        else config.intermediate_size,
+        moe=moe,
+    )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size`, for the full architecture `config`: which pieces of each weight it holds."""
+
+    config: ModelConfig
+    rank: int
+    size: int
+
+    def _part(self, start: int, stop: int) -> tuple[int, int]:
+        step = (stop - start) // self.size
+        return start + self.rank * step, start + (self.rank + 1) * step
+
+    def pieces(self, name: str, shape: torch.Size) -> Pieces | None:
+        """The pieces of parameter `name` (its full `shape`) this rank holds; None where it holds all of it.
+        Per-expert checkpoint tensors (`...experts.N.gate_proj.weight`) are named as in the checkpoint."""
+        c = self.config
+        if self.size == 1:
+            return None
+        key, value = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d_weight")):
+            return 0, (self._part(0, key), self._part(key, 2 * key), self._part(2 * key, 2 * key + value))
+        if name.endswith("experts.gate_up_proj"):
+            half = shape[1] // 2
+            return 1, (self._part(0, half), self._part(half, 2 * half))
+        if name.endswith("experts.down_proj"):
+            return 2, (self._part(0, shape[2]),)
+        if name.endswith(ROW_PARALLEL):
+            return 1, (self._part(0, shape[1]),)
+        if name.endswith(COLUMN_PARALLEL):
+            return 0, (self._part(0, shape[0]),)
+        return None
+
+    def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full parameter `tensor` (a view when it is one piece); a row-parallel bias,
+        which the all-reduce would add `size` times, is rank 0's alone (zeros elsewhere)."""
+        if self.size > 1 and name.endswith(ROW_PARALLEL_BIAS):
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        pieces = self.pieces(name, tensor.shape)
+        if pieces is None:
+            return tensor
+        dim, spans = pieces
+        parts = [tensor.narrow(dim, start, stop - start) for start, stop in spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+    def bytes_of(self, name: str, shape: torch.Size, element_bytes: int) -> int:
+        """The bytes this rank holds of parameter `name` of full `shape`."""
+        pieces = self.pieces(name, shape)
+        count = math.prod(shape)
+        if pieces is not None:
+            dim, spans = pieces
+            count = count // shape[dim] * sum(stop - start for start, stop in spans)
+        return count * element_bytes
+
+
+COLUMN_PARALLEL = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.weight",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight",
+    "self_attn.v_proj.bias",
+    "linear_attn.in_proj_z.weight",
+    "linear_attn.in_proj_b.weight",
+    "linear_attn.in_proj_a.weight",
+    "linear_attn.in_proj_qkvz.weight",
+    "linear_attn.in_proj_ba.weight",
+    "linear_attn.dt_bias",
+    "linear_attn.A_log",
+    "gate_proj.weight",
+    "up_proj.weight",
+)
+ROW_PARALLEL = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
+ROW_PARALLEL_BIAS = ("self_attn.o_proj.bias",)
