@@ -4,9 +4,9 @@ The update after a pass advances every scheduled sequence (the cache manager rec
 its state), lets the Speculator commit what verification accepted, picks the next token of every sequence
 that samples one, and appends tokens until a stop condition.
 
-With `tensor_parallel_size` > 1 the engine is rank 0 of a group (`deltaspec.parallel.workers`): every
+With `tensor_parallel_size` > 1 the engine is rank 0 of a group (`deltaspec.engine.workers`): every
 change made from outside (`admit`, `abort`, `fail`) is recorded and broadcast before the next step, and
-each worker's engine applies it and steps in lock step (`follow`).
+each worker's engine applies it and steps in lock step.
 """
 
 from __future__ import annotations
@@ -20,34 +20,33 @@ import torch
 
 from deltaspec.cache.memory_plan import require_fit
 from deltaspec.config import EngineConfig, parse_dtype
+from deltaspec.engine.admission import check_prompt
 from deltaspec.engine.isolation import each_or_alone, error_text, guarded
 from deltaspec.engine.logprob_text import LogprobText
 from deltaspec.engine.next_tokens import next_tokens
 from deltaspec.engine.planning import plan_for
-from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.setup import (
     engine_cache,
     engine_drafter,
     engine_model,
     engine_sampling_defaults,
+    engine_scheduler,
+    engine_speculator,
     engine_tokenizer,
     graph_runner,
     route_gemms,
 )
 from deltaspec.engine.stopping import StopChecker
+from deltaspec.engine.workers import SOLO, Group, Solo, launch
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.runner import Runner, SeqOutput
 from deltaspec.execution.sequence import Sequence
 from deltaspec.ops.dispatch import ops_for
-from deltaspec.parallel.group import SINGLE
-from deltaspec.parallel.shard import shard_config
-from deltaspec.parallel.workers import Group, launch
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator
 from deltaspec.sample.structured import StructuredCompiler
 from deltaspec.spec.drafter import Drafter
-from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
-from deltaspec.spec.speculator import DraftLength, Speculator
+from deltaspec.spec.speculator import DraftLength
 
 log = logging.getLogger("deltaspec.engine")
 UNFIT = (
@@ -68,37 +67,30 @@ class Engine:
         progress: bool = True,
         drafter: Drafter | None = None,
         draft_policy: DraftLength | None = None,
-        group: Group | None = None,
+        group: Group | Solo | None = None,
     ):
         planned = plan_for(config, drafter)
         require_fit(planned.plan)
         self.plan, self.config, self.model_config = planned.plan, planned.config, planned.model_config
         self.model_dir, self.max_model_len = planned.model_dir, planned.config.max_model_len
         self.device, self.dtype = torch.device(self.config.device), parse_dtype(self.config.dtype)
-        self.group = group if group is not None or self.config.tensor_parallel_size == 1 else launch(self.config)
-        try:
+        self.group = group or (launch(self.config) if self.config.tensor_parallel_size > 1 else SOLO)
+        with self.group.unless_built():
             self._build(planned, progress, drafter, draft_policy)
-        except BaseException:
-            self.close()
-            raise
 
     def _build(self, planned, progress: bool, drafter: Drafter | None, draft_policy: DraftLength | None) -> None:
-        tp = self.group.tp if self.group else SINGLE
         ops = self.ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
-        self.model = engine_model(planned, ops, progress, tp)
+        self.model = engine_model(planned, ops, progress, self.group.tp)
         self.tokenizer = engine_tokenizer(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
         verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
-        if self.group:
-            verify_costs = self.group.send(verify_costs)  # rank 0's measurements: every rank drafts alike
-        self.cache = engine_cache(self.config, shard_config(self.model_config, tp.size), self.model.num_kv_layers)
-        self.scheduler = Scheduler(
-            self.cache,
-            self.config.max_num_batched_tokens,
-            self.config.prefill_chunk,
-            checkpoint_min_prompt=self.config.prefix_checkpoint_min_prompt,
+        verify_costs = self.group.send(verify_costs)  # rank 0's measurements: every rank drafts alike
+        self.cache = engine_cache(self.config, self.model_config, self.model.num_kv_layers)
+        self.scheduler = engine_scheduler(self.config, self.cache)
+        drafter = drafter or engine_drafter(
+            self.config, self.model_dir, self.model_config, self.model, self.cache, self._running, self.ops
         )
-        self.speculator = self._speculator(drafter, draft_policy, verify_costs)
+        self.speculator = engine_speculator(self.config, self.model, self.cache, drafter, draft_policy, verify_costs)
         graphs = graph_runner(self.model, self.cache, self.config, progress)
         self.runner = Runner(self.model, self.cache.caches, self.config.block_size, self.device, graphs)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
@@ -107,50 +99,10 @@ class Engine:
         self.structured = StructuredCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.logprob_text = LogprobText(self.tokenizer)
         self._seed_counter = itertools.count(self.config.seed)
-        self._changes: list[tuple] = []  # rank 0: what the workers apply before the next step
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's workers (nothing to do on one device)."""
-        if self.group is not None and self.group.tp is not None and self.group.tp.rank == 0:
-            self.group.close()
-
-    def _record(self, *change) -> None:
-        if self.group is not None:
-            self._changes.append(change)
-
-    def follow(self) -> None:
-        """A tensor-parallel worker: apply rank 0's changes and step with it until it stops."""
-        while True:
-            changes = self.group.send(None)
-            for kind, *args in changes:
-                if kind == "stop":
-                    return
-                if kind == "admit":
-                    request_id, prompt, prompt_ids, params, history_len, seed = args
-                    self.admit(self.new_sequence(request_id, prompt, prompt_ids, params, history_len, seed))
-                elif kind == "abort":
-                    self.abort(self._unfinished(args[0]))
-                elif kind == "fail":
-                    self.fail([self._unfinished(i) for i in args[0]], args[1])
-                elif kind == "step":
-                    appended = sum(len(seq.output_ids) for seq in self.scheduler.running)
-                    if appended != args[0]:
-                        rank = self.group.tp.rank
-                        raise RuntimeError(f"rank {rank} diverged from rank 0: {appended} tokens against {args[0]}")
-                    self.step()
-
-    def _unfinished(self, request_id: str) -> Sequence:
-        return next(s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id == request_id)
-
-    def _speculator(self, drafter: Drafter | None, policy: DraftLength | None, costs: VerifyCostTable):
-        drafter = drafter or engine_drafter(
-            self.config, self.model_dir, self.model_config, self.model, self.cache, self._running, self.ops
-        )
-        if drafter is None:
-            return None
-        self.model.feature_layers = tuple(getattr(drafter, "target_layers", ()))
-        policy = policy or DraftLengthPolicy(max_k=self.config.draft_tokens, table=costs)
-        return Speculator(drafter, policy, self.cache, self.max_model_len, self.model_config.vocab_size)
+        self.group.close()
 
     def _running(self, seq_id: str) -> Sequence:
         return next(s for s in self.scheduler.running if s.request_id == seq_id)
@@ -179,17 +131,7 @@ class Engine:
         `history_len`: the prompt's first tokens that a follow-up will share (a chat's history), kept as a prefix
         checkpoint; `seed`: its sampling seed when neither the request nor the engine's counter gives it (a
         tensor-parallel worker takes rank 0's)."""
-        if not prompt_ids:
-            raise DeltaspecError("The prompt is empty; give at least one token.")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise DeltaspecError(
-                f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens; shorten the prompt, lower max_tokens, or raise "
-                "--max-model-len."
-            )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise DeltaspecError(f"Prompt token ids must lie in [0, {vocab}); got one outside it.")
+        check_prompt(prompt_ids, params.max_tokens, self.max_model_len, self.model_config.vocab_size)
         if seed is None:
             seed = params.seed if params.seed is not None else next(self._seed_counter)
         return Sequence(
@@ -213,19 +155,19 @@ class Engine:
 
     def admit(self, seq: Sequence) -> None:
         """Queue a sequence made by `new_sequence`."""
-        self._record("admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed)
+        self.group.record("admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
-            self._record("abort", seq.request_id)
+            self.group.record("abort", seq.request_id)
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
             self._finish(seq)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         """End `seqs` with finish reason "error" and free their caches."""
-        self._record("fail", [seq.request_id for seq in seqs if not seq.finished], error)
+        self.group.record("fail", [seq.request_id for seq in seqs if not seq.finished], error)
         for seq in seqs:
             if not seq.finished:
                 seq.finish_reason, seq.error = "error", error
@@ -242,9 +184,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One forward pass over every runnable sequence; returns the sequences that got new tokens or ended
         (those that finished have `finished` set). A failure ends only the request at fault."""
-        if self.group is not None and self.group.tp.rank == 0:
-            changes, self._changes = self._changes, []
-            self.group.send([*changes, ("step", sum(len(seq.output_ids) for seq in self.scheduler.running))])
+        self.group.publish(self.scheduler.running)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         schedule = self.scheduler.schedule()

@@ -13,6 +13,7 @@ import torch
 from deltaspec.cache.manager import CacheManager
 from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
 from deltaspec.engine.planning import Planned
+from deltaspec.engine.scheduler import Scheduler
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.graph_buckets import uses_cuda_graphs
@@ -26,12 +27,14 @@ from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
 from deltaspec.model.weights import default_model_path, load_model
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.shard import shard_config
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.block import BlockDrafter
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import make_drafter
 from deltaspec.spec.mtp import MTPDrafter
-from deltaspec.spec.policy import VerifyCostTable
+from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
+from deltaspec.spec.speculator import DraftLength, Speculator
 
 ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf16) get a measured GEMM route
 
@@ -75,10 +78,11 @@ def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:
 
 
 def engine_cache(config: EngineConfig, model_config: ModelConfig, num_kv_layers: int) -> CacheManager:
-    """KV pages for every stream's whole context (or `num_kv_blocks`), state slots, logs and checkpoints."""
+    """KV pages for every stream's whole context (or `num_kv_blocks`), state slots, logs and checkpoints; a
+    tensor-parallel rank's hold its heads only."""
     num_blocks = config.num_kv_blocks or config.max_num_seqs * -(-config.max_model_len // config.block_size)
     return CacheManager(
-        model_config,
+        shard_config(model_config, config.tensor_parallel_size),
         num_kv_layers,
         config.max_num_seqs,
         num_blocks,
@@ -89,6 +93,15 @@ def engine_cache(config: EngineConfig, model_config: ModelConfig, num_kv_layers:
         log_rows=config.log_rows,
         checkpoint_slots=config.prefix_checkpoints,
         offload_bytes=int(config.prefix_offload_gib * 2**30),
+    )
+
+
+def engine_scheduler(config: EngineConfig, cache: CacheManager) -> Scheduler:
+    return Scheduler(
+        cache,
+        config.max_num_batched_tokens,
+        config.prefill_chunk,
+        checkpoint_min_prompt=config.prefix_checkpoint_min_prompt,
     )
 
 
@@ -172,3 +185,20 @@ def graph_runner(
     )
     graphs.capture_all(progress)
     return graphs
+
+
+def engine_speculator(
+    config: EngineConfig,
+    model: HybridModel,
+    cache: CacheManager,
+    drafter: Drafter | None,
+    policy: DraftLength | None,
+    costs: VerifyCostTable,
+) -> Speculator | None:
+    """The speculator around `drafter` (None without one): the model returns the layer outputs the drafter reads,
+    and the draft length adapts within `config.draft_tokens` by the verify costs unless `policy` replaces it."""
+    if drafter is None:
+        return None
+    model.feature_layers = tuple(getattr(drafter, "target_layers", ()))
+    policy = policy or DraftLengthPolicy(max_k=config.draft_tokens, table=costs)
+    return Speculator(drafter, policy, cache, config.max_model_len, model.config.vocab_size)

@@ -4,7 +4,7 @@ Every rank runs the same `Engine` over its shard of the model: the same scheduli
 drafting, sampling and rollback, in lock step, so prefix checkpoints and replay logs need no messages of
 their own. Only rank 0 talks to the outside (LLM, CLI, server); before each step it broadcasts what
 changed since the last one (requests admitted with their resolved sampling seeds, aborts, failures) on a
-gloo group, and every rank applies it before stepping. The forward passes meet in the model's collectives
+gloo group, and every rank applies it before stepping (`follow`). The forward passes meet in the model's collectives
 (`deltaspec.parallel.group`). Sampling runs on every rank from the same full logits and the same seeded
 generators, so every rank picks the same tokens; the step messages carry rank 0's token count, which a
 worker checks against its own.
@@ -23,13 +23,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from deltaspec.parallel.group import TensorParallel, backend_for
+from deltaspec.parallel.group import SINGLE, TensorParallel, backend_for
 
 log = logging.getLogger("deltaspec.parallel")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step's collectives
@@ -46,31 +47,106 @@ def _free_port() -> int:
 @dataclass
 class Group:
     """This process's tensor-parallel group: `tp` for the model's collectives, the gloo group that carries the
-    step messages, and on rank 0 the worker processes."""
+    step messages, on rank 0 the worker processes and the changes the next step message carries."""
 
-    tp: TensorParallel
+    tp: TensorParallel | None
     control: object
     workers: list
+    changes: list = field(default_factory=list)
     closing: bool = False
 
-    def send(self, message) -> object:
+    def send(self, message):
         """Rank 0's `message` on every rank (rank 0 passes it, workers pass None)."""
         box = [message]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def record(self, *change) -> None:
+        """Rank 0: a change made from outside the engine (admit, abort, fail) for the workers to apply."""
+        self.changes.append(change)
+
+    def publish(self, running) -> None:
+        """Rank 0, before a step: the changes since the last step and the tokens the `running` sequences hold."""
+        if self.tp.rank == 0:
+            changes, self.changes = self.changes, []
+            self.send([*changes, ("step", sum(len(seq.output_ids) for seq in running))])
+
+    @contextmanager
+    def unless_built(self):
+        """Around building rank 0's engine: if that fails, stop the workers (they wait for messages a failed build
+        never sends) and leave the group."""
+        try:
+            yield
+        except BaseException:
+            self.closing = True
+            for proc in self.workers:
+                proc.kill()
+            dist.destroy_process_group()
+            raise
+
     def close(self) -> None:
-        """Rank 0: tell the workers to stop, wait for them, leave the group."""
+        """Rank 0: tell the workers to stop and wait for them; every rank: leave the group."""
         if self.closing:
             return
         self.closing = True
-        if self.tp.rank == 0:
+        if self.tp is not None and self.tp.rank == 0:
             self.send([("stop",)])
             for proc in self.workers:
                 proc.join(timeout=30)
                 if proc.is_alive():
                     proc.terminate()
         dist.destroy_process_group()
+
+
+class Solo:
+    """The group of an engine on one device: nothing to send, record or close."""
+
+    tp = SINGLE
+
+    def send(self, message):
+        return message
+
+    def record(self, *change) -> None:
+        pass
+
+    def publish(self, running) -> None:
+        pass
+
+    @contextmanager
+    def unless_built(self):
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+SOLO = Solo()
+
+
+def follow(engine) -> None:
+    """A worker: apply rank 0's changes and step with it until it stops."""
+    group = engine.group
+    while True:
+        for kind, *args in group.send(None):
+            if kind == "stop":
+                return
+            if kind == "admit":
+                request_id, prompt, prompt_ids, params, history_len, seed = args
+                engine.admit(engine.new_sequence(request_id, prompt, prompt_ids, params, history_len, seed))
+            elif kind == "abort":
+                engine.abort(_unfinished(engine, args[0]))
+            elif kind == "fail":
+                engine.fail([_unfinished(engine, request_id) for request_id in args[0]], args[1])
+            elif kind == "step":
+                held = sum(len(seq.output_ids) for seq in engine.scheduler.running)
+                if held != args[0]:
+                    raise RuntimeError(f"rank {group.tp.rank} diverged from rank 0: {held} tokens against {args[0]}")
+                engine.step()
+
+
+def _unfinished(engine, request_id: str):
+    scheduler = engine.scheduler
+    return next(seq for seq in (*scheduler.running, *scheduler.waiting) if seq.request_id == request_id)
 
 
 def _join(rank: int, size: int, init_method: str, device: torch.device) -> tuple[TensorParallel, object]:
@@ -139,7 +215,7 @@ def run_worker(config, rank: int, size: int, init_method: str, parent: int) -> N
     try:
         tp, control = _join(rank, size, init_method, torch.device(config.device))
         group = Group(tp, control, [])
-        Engine(config, progress=False, group=group).follow()
+        follow(Engine(config, progress=False, group=group))
         group.close()
     except BaseException as exc:  # noqa: BLE001 - the worker reports and exits; rank 0's watch stops the engine
         print(f"deltaspec: tensor-parallel worker rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
