@@ -87,8 +87,9 @@ class Engine:
         verify_costs = self.group.send(verify_costs)  # rank 0's measurements: every rank drafts alike
         self.cache = engine_cache(self.config, self.model_config, self.model.num_kv_layers)
         self.scheduler = engine_scheduler(self.config, self.cache)
+        running = lambda seq_id: next(s for s in self.scheduler.running if s.request_id == seq_id)  # noqa: E731
         drafter = drafter or engine_drafter(
-            self.config, self.model_dir, self.model_config, self.model, self.cache, self._running, self.ops
+            self.config, self.model_dir, self.model_config, self.model, self.cache, running, self.ops
         )
         self.speculator = engine_speculator(self.config, self.model, self.cache, drafter, draft_policy, verify_costs)
         graphs = graph_runner(self.model, self.cache, self.config, progress)
@@ -103,9 +104,6 @@ class Engine:
     def close(self) -> None:
         """Stop a tensor-parallel engine's workers (nothing to do on one device)."""
         self.group.close()
-
-    def _running(self, seq_id: str) -> Sequence:
-        return next(s for s in self.scheduler.running if s.request_id == seq_id)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -166,8 +164,11 @@ class Engine:
             self._finish(seq)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
-        """End `seqs` with finish reason "error" and free their caches."""
+        """End `seqs` with finish reason "error" and free their caches (a call from outside the engine's steps)."""
         self.group.record("fail", [seq.request_id for seq in seqs if not seq.finished], error)
+        self._end_with_error(seqs, error)
+
+    def _end_with_error(self, seqs: list[Sequence], error: str) -> None:
         for seq in seqs:
             if not seq.finished:
                 seq.finish_reason, seq.error = "error", error
@@ -220,7 +221,7 @@ class Engine:
         self._fail_one(out.seq, error_text(exc))
 
     def _fail_one(self, seq: Sequence, error: str) -> Sequence:
-        self.fail([seq], error)
+        self._end_with_error([seq], error)  # every rank's step fails it alike: nothing to record
         return seq
 
     def _advance(self, out: SeqOutput) -> None:

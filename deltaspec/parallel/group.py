@@ -29,7 +29,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x [...]: the sum of every rank's x, on every rank (in place)."""
         if self.sharded:
-            dist.all_reduce(x)
+            with torch.no_grad():  # some callers (drafters) run outside inference mode; nothing here needs gradients
+                dist.all_reduce(x)
         return x
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -39,8 +40,10 @@ class TensorParallel:
             return logits
         rows = logits.shape[0]
         parts = torch.empty((self.size * rows, logits.shape[1]), dtype=logits.dtype, device=logits.device)
-        ALL_GATHER(parts, logits.contiguous())  # [size * N, vocab / size], rank by rank
-        return parts.view(self.size, rows, -1).permute(1, 0, 2).reshape(rows, -1)
+        with torch.no_grad():
+            ALL_GATHER(parts, logits.contiguous())  # [size * N, vocab / size], rank by rank
+        columns = logits.shape[1]
+        return parts.view(self.size, rows, columns).permute(1, 0, 2).reshape(rows, self.size * columns)
 
 
 SINGLE = TensorParallel()

@@ -1,0 +1,189 @@
+"""Tensor parallelism on the CPU (gloo, spawned workers), in float64: 2 ranks (and 4 where the tiny model's heads
+divide) give the logits and tokens of one process for dense, MoE and MTP models; greedy speculative decoding stays
+token-identical (rejected drafts roll back on every rank); prefix checkpoints resume under it; a dead worker takes
+the server down with a message instead of hanging; layouts that do not divide are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaspec import LLM, SamplingParams
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hf_config import parse_model_config, read_config_json
+from deltaspec.parallel.shard import Shard, shard_config, valid_sizes
+from tests.tiny_models import add_mtp_weights, write_checkpoint
+
+OPTIONS = dict(dtype="float64", device="cpu", max_num_seqs=4, max_model_len=512)
+PROMPTS = [[1, 5, 9, 200, 33, 7], list(range(40, 75)), [3] * 9 + [400, 401]]
+LOGPROBS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=4, prompt_logprobs=3)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def generate(path: Path, tp: int, params: SamplingParams, prompts=PROMPTS, **options):
+    llm = LLM(str(path), tensor_parallel_size=tp, **(OPTIONS | options))
+    try:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.close()
+
+
+def assert_same_logprobs(got: list[dict] | None, want: list[dict] | None) -> None:
+    assert (got is None) == (want is None)
+    for a, b in zip(got or [], want or []):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.keys() == b.keys()
+            for token in a:
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-9)
+
+
+def assert_same_outputs(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert_same_logprobs(a.outputs[0].logprobs, b.outputs[0].logprobs)
+        assert_same_logprobs(a.prompt_logprobs, b.prompt_logprobs)
+
+
+@pytest.fixture(scope="module")
+def with_mtp(checkpoints, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tp") / "with_mtp"
+    shutil.copytree(checkpoints["qwen3_5_r2"], path)
+    add_mtp_weights(path, seed=5)
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_r2", "qwen3_5_r1_tied", "qwen3_next_r3_moe", "qwen3_5_moe_r2"])
+def test_two_ranks_give_the_logits_of_one(checkpoints, name):
+    """Dense (both embeddings), MoE with either GDN layout: every prompt and output logprob within 1e-9."""
+    want = generate(checkpoints[name], 1, LOGPROBS)
+    assert_same_outputs(generate(checkpoints[name], 2, LOGPROBS), want)
+
+
+def test_four_ranks_give_the_logits_of_one(tmp_path):
+    heads = dict(num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
+    path = write_checkpoint(tmp_path / "wide", "qwen3_5_moe", seed=11, **heads)
+    assert 4 in valid_sizes(parse_model_config(read_config_json(path)))
+    assert_same_outputs(generate(path, 4, LOGPROBS), generate(path, 1, LOGPROBS))
+
+
+def test_the_mtp_head_drafts_alike_and_speculation_stays_exact(with_mtp):
+    """The sharded MTP head proposes what one process's does (the same acceptance, draft by draft), and greedy
+    speculative output equals plain greedy output with rejected drafts rolled back on both ranks (a random head's
+    drafts are rejected; the n-gram test below has them accepted)."""
+    plain = generate(with_mtp, 1, GREEDY)
+    one = generate(with_mtp, 1, GREEDY, speculative="mtp", draft_tokens=3)
+    two = generate(with_mtp, 2, GREEDY, speculative="mtp", draft_tokens=3)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in plain]
+    for a, b in zip(two, one):
+        assert (
+            a.metrics["drafted_at"] == b.metrics["drafted_at"] and a.metrics["accepted_at"] == b.metrics["accepted_at"]
+        )
+    drafted = sum(sum(o.metrics["drafted_at"]) for o in two)
+    assert drafted > sum(o.metrics["spec_accepted_tokens"] for o in two)  # rejected drafts rolled back
+
+
+def test_ngram_speculation_and_sampling_agree_across_ranks(checkpoints):
+    path = checkpoints["qwen3_next_r3_moe"]
+    repetitive = [[7, 8, 9, 10] * 6, [100, 101, 102] * 8]
+    longer = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # its output repeats itself by then
+    plain = generate(path, 1, longer, prompts=repetitive)
+    spec = generate(path, 2, longer, prompts=repetitive, speculative="ngram", draft_tokens=4)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.get("spec_accepted_tokens", 0) for o in spec) > 0  # accepted drafts folded into the states
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    want = generate(path, 1, sampled, prompts=repetitive)
+    assert [o.outputs[0].token_ids for o in generate(path, 2, sampled, prompts=repetitive)] == [
+        o.outputs[0].token_ids for o in want
+    ]
+
+
+def test_prefix_checkpoints_resume_under_tensor_parallelism(checkpoints):
+    path, doc = checkpoints["qwen3_5_r2"], [(13 * i + 5) % 480 + 3 for i in range(300)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(str(path), tensor_parallel_size=2, prefix_checkpoint_min_prompt=128, **OPTIONS)
+    try:
+        first = llm.generate([{"prompt_token_ids": doc}], params)[0]
+        follow_up = doc + first.outputs[0].token_ids + [11, 12, 13]
+        resumed = llm.generate([{"prompt_token_ids": follow_up}], params)[0]
+    finally:
+        llm.close()
+    assert resumed.num_cached_tokens == len(doc) + len(first.outputs[0].token_ids) - 1
+    assert_same_outputs([resumed], generate(path, 1, params, prompts=[follow_up], enable_prefix_caching=False))
+
+
+def test_each_rank_reads_its_pieces_of_every_split_weight(checkpoints):
+    config = parse_model_config(read_config_json(checkpoints["qwen3_5_r2"]))
+    key, value = (
+        config.linear_num_key_heads * config.linear_key_head_dim,
+        config.gdn_conv_dim - 2 * (config.linear_num_key_heads * config.linear_key_head_dim),
+    )
+    qkv = torch.arange(config.gdn_conv_dim).unsqueeze(1).expand(-1, 3)
+    halves = [
+        Shard(config, rank, 2).take("model.layers.0.linear_attn.in_proj_qkv.weight", qkv)[:, 0] for rank in (0, 1)
+    ]
+    assert halves[0].tolist() == [*range(key // 2), *range(key, key + key // 2), *range(2 * key, 2 * key + value // 2)]
+    assert sorted(halves[0].tolist() + halves[1].tolist()) == list(range(config.gdn_conv_dim))
+    o_proj = torch.arange(12.0).view(2, 6)
+    assert Shard(config, 1, 2).take("model.layers.3.self_attn.o_proj.weight", o_proj).tolist() == [
+        [3.0, 4.0, 5.0],
+        [9.0, 10.0, 11.0],
+    ]
+    bias = torch.ones(4)
+    assert Shard(config, 1, 2).take("model.layers.3.self_attn.o_proj.bias", bias).tolist() == [0.0] * 4
+    assert Shard(config, 1, 2).take("model.norm.weight", bias) is bias
+    rank_config = shard_config(config, 2)
+    assert (rank_config.num_key_value_heads, rank_config.linear_num_value_heads) == (1, 2)
+    assert rank_config.vocab_size == config.vocab_size  # the embedding and the LM head divide it themselves
+
+
+def test_layouts_that_do_not_divide_are_refused_with_what_would(checkpoints):
+    with pytest.raises(
+        DeltaspecError, match=r"Tensor parallel size 3 does not divide .*num_attention_heads \(4\).*: 1, 2"
+    ):
+        LLM(str(checkpoints["qwen3_5_r2"]), tensor_parallel_size=3, **OPTIONS)
+    command = [sys.executable, "-m", "deltaspec.cli", "plan", "--random-weights", "--shape", "qwen3.5-0.8b"]
+    command += ["--device", "cpu", "--max-model-len", "4096", "--max-num-seqs", "1"]
+    out = subprocess.run([*command, "-tp", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "one rank's" in out.stdout, out.stderr
+    out = subprocess.run([*command, "-tp", "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "does not divide" in out.stderr and "Traceback" not in out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the worker through /proc")
+def test_a_dead_worker_stops_the_server_with_a_message(checkpoints):
+    command = [sys.executable, "-m", "deltaspec.cli", "serve", "--model", str(checkpoints["qwen3_5_r2"])]
+    command += ["--device", "cpu", "--dtype", "float64", "--port", "0", "-tp", "2", "--max-streams", "2"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        port = int(re.search(r":(\d+)/v1", server.stdout.readline()).group(1))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
+            assert json.loads(response.read())["data"]
+        workers = [pid for pid in _children(server.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        os.kill(workers[0], signal.SIGKILL)
+        started = time.monotonic()
+        server.wait(timeout=30)
+        assert time.monotonic() - started < 30
+        assert server.returncode != 0
+        assert "tensor-parallel worker rank 1 exited" in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
