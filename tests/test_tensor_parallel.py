@@ -187,3 +187,22 @@ def test_a_dead_worker_stops_the_server_with_a_message(checkpoints):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_capture_the_collectives_in_cuda_graphs(checkpoints):
+    """NCCL all-reduces and all-gathers inside the decode graphs: the same tokens and logprobs as eager passes on two
+    GPUs, and the tokens of one GPU (float32: the sums run in another order, so logprobs agree to 1e-4)."""
+    path, options = checkpoints["qwen3_5_moe_r2"], dict(dtype="float32", device="cuda")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    graphs = generate(path, 2, params, **options)
+    eager = generate(path, 2, params, enforce_eager=True, **options)
+    one = generate(path, 1, params, **options)
+    for got, want, bound in ((graphs, eager, 1e-6), (graphs, one, 1e-4)):
+        for a, b in zip(got, want, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert {t: lp.logprob for t, lp in lp_a.items()} == pytest.approx(
+                    {t: lp.logprob for t, lp in lp_b.items()}, abs=bound
+                )

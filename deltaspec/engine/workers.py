@@ -156,6 +156,8 @@ def _join(rank: int, size: int, init_method: str, device: torch.device) -> tuple
         backend_for(device), init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    if device.type == "cuda":  # NCCL sets its communicator up at the first collective, which must not be in a capture
+        dist.all_reduce(torch.zeros(1, device="cuda"))
     return TensorParallel(rank, size), control
 
 
