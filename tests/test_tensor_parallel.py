@@ -109,6 +109,15 @@ def test_ngram_speculation_and_sampling_agree_across_ranks(checkpoints):
     ]
 
 
+def test_a_draft_model_drafts_whole_on_every_rank(checkpoints):
+    """The target drafting for itself (a replicated draft model): drafts accepted, output that of plain greedy."""
+    path = checkpoints["qwen3_5_moe_r2"]
+    plain = generate(path, 1, GREEDY)
+    spec = generate(path, 2, GREEDY, speculative="draft", draft_model=str(path), draft_tokens=3)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
+
+
 def test_prefix_checkpoints_resume_under_tensor_parallelism(checkpoints):
     path, doc = checkpoints["qwen3_5_r2"], [(13 * i + 5) % 480 + 3 for i in range(300)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
