@@ -78,6 +78,31 @@ def test_four_ranks_give_the_logits_of_one(tmp_path):
     assert_same_outputs(generate(path, 4, LOGPROBS), generate(path, 1, LOGPROBS))
 
 
+GGUF = Path(__file__).parent / "data" / "gguf"
+
+
+def test_gguf_files_split_whole_blocks_among_ranks(tmp_path):
+    """A llama.cpp-converted Q8_0 file and a deltaspec-written Q4_K_M MoE file: each rank keeps its rows and whole
+    blocks of input columns (logprobs within 1e-9 of one process); a file whose blocks would straddle two ranks (the
+    converted MoE fixture's 32-input Q8_0 blocks over a 32-wide expert) is refused with what would work."""
+    from deltaspec.model.gguf_write import write_gguf
+    from deltaspec.model.gguf_write_source import open_source
+    from tools.make_gguf_fixtures import give_qwen_pre_tokenizer
+    from tools.make_gguf_write_oracles import WIDE_MOE
+
+    converted, prompts = GGUF / "qwen35-q8_0.gguf", PROMPTS[:2]  # the fixtures' vocabulary is 400 ids
+    assert_same_outputs(generate(converted, 2, LOGPROBS, prompts), generate(converted, 1, LOGPROBS, prompts))
+    wide = dict(WIDE_MOE, moe_intermediate_size=512, shared_expert_intermediate_size=512, head_dim=128)
+    wide |= dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_value_head_dim=128)  # tiled v heads
+    checkpoint = write_checkpoint(tmp_path / "moe", "qwen3_5_moe", seed=4, tokenizer=True, **wide)
+    give_qwen_pre_tokenizer(checkpoint, "qwen35")
+    written = tmp_path / "moe-q4_k_m.gguf"
+    write_gguf(open_source(str(checkpoint)), written, "Q4_K_M", progress=False)
+    assert_same_outputs(generate(written, 2, LOGPROBS, prompts), generate(written, 1, LOGPROBS, prompts))
+    with pytest.raises(DeltaspecError, match=r"experts\.down_proj \(Q8_0, blocks of 32 inputs\) cannot be split"):
+        LLM(str(GGUF / "qwen35moe-q8_0.gguf"), tensor_parallel_size=2, **OPTIONS)
+
+
 def test_the_mtp_head_drafts_alike_and_speculation_stays_exact(with_mtp):
     """The sharded MTP head proposes what one process's does (the same acceptance, draft by draft), and greedy
     speculative output equals plain greedy output with rejected drafts rolled back on both ranks (a random head's

@@ -45,7 +45,7 @@ from deltaspec.model.shapes import parameter_counts, shape_config
 from deltaspec.model.weights import checkpoint_files, count_mtp_layers, model_dir_for, target_name
 from deltaspec.ops.dispatch import REFERENCE
 from deltaspec.parallel.group import TensorParallel
-from deltaspec.parallel.shard import shard_config
+from deltaspec.parallel.shard import Shard, shard_config
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import drafter_memory, uses
 
@@ -88,7 +88,8 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     size = resolved.tensor_parallel_size
     rank_config = shard_config(model_config, size)  # what one rank holds; refuses sizes that do not divide
     if size > 1:
-        _check_parallel(resolved, gguf, drafter)
+        _check_parallel(resolved, drafter)
+    if size > 1 and gguf is None:
         target, mtp = rank_weight_bytes(model_config, dtype, size, with_mtp)
     elif model_dir is None and resolved.quant:
         target, mtp = random_quantized_bytes(model_config, dtype, resolved.quant, with_mtp)
@@ -96,7 +97,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
     elif gguf is not None:
-        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp)
+        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, Shard(model_config, 0, size))
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
@@ -161,14 +162,9 @@ def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, size: int, with_m
     return sum(sizes.values()) - mtp, mtp if with_mtp else 0
 
 
-def _check_parallel(config: EngineConfig, gguf, drafter: Drafter | None) -> None:
+def _check_parallel(config: EngineConfig, drafter: Drafter | None) -> None:
     """Refuse what tensor parallelism does not run, saying what does."""
     size = config.tensor_parallel_size
-    if gguf is not None:
-        raise DeltaspecError(
-            "Tensor parallelism loads safetensors checkpoints and --random-weights shapes; a GGUF file runs on one "
-            "device (drop --tensor-parallel-size)."
-        )
     if config.quant:
         raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
     if drafter is not None:

@@ -48,7 +48,7 @@ def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParal
             planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp, quant=cfg.quant, tp=tp
         )
     if planned.gguf is not None:
-        return load_gguf_model(planned.gguf, planned.model_config, dtype, device, ops, progress, planned.with_mtp)
+        return load_gguf_model(planned.gguf, planned.model_config, dtype, device, ops, progress, planned.with_mtp, tp)
     return load_model(
         planned.model_dir, planned.model_config, planned.raw, dtype, device, ops, progress, planned.with_mtp, tp
     )

@@ -6,7 +6,8 @@ the device as they are, and the embedding table becomes a `QuantizedEmbedding` t
 it gathers. A routed-expert tensor stacks the experts ([E, rows, row_bytes]); gate and up are stacked per
 expert into the model's `gate_up_proj`. A Qwen3-Next file's GDN input projections come as separate ones, so
 its model is built with Qwen3.5's projection layout (`gguf_names`). Projections are fused afterwards as for any
-checkpoint (a fused weight's parts keep their own types as segments).
+checkpoint (a fused weight's parts keep their own types as segments). A tensor-parallel rank keeps its pieces of
+each tensor (`shard_tensor`): rows as they are, input columns as whole blocks.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.gguf_raw import GGUFTensor, block_layout
+from deltaspec.model.hybrid import HybridModel, VocabParallelEmbedding
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.model.weights import target_name
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.shard import ROW_PARALLEL_BIAS, Shard, shard_config
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 EMBEDDING = "model.embed_tokens.weight"
@@ -55,13 +59,16 @@ def load_gguf_model(
     ops: OpTable,
     progress: bool = True,
     with_mtp: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> HybridModel:
     """The model of `checkpoint` (a `GGUFCheckpoint`) on `device`: quantized weights kept as blocks, float ones in
-    `dtype`; the MTP head only `with_mtp`."""
+    `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share."""
     if not any(name.endswith("in_proj_qkvz.weight") for name in checkpoint.tensors):
         config = replace(config, gdn_layout="qwen3_5")  # a Qwen3-Next file's GDN projections read as separate ones
+    shard = Shard(config, tp.rank, tp.size)
     with torch.device("meta"):
-        model = HybridModel(config, ops, dtype, device, num_mtp_layers=config.num_mtp_layers if with_mtp else 0)
+        num_mtp_layers = config.num_mtp_layers if with_mtp else 0
+        model = HybridModel(shard_config(config, tp.size), ops, dtype, device, num_mtp_layers, tp)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     experts: dict[str, dict[str, QuantizedWeight | torch.Tensor]] = {}
@@ -71,12 +78,15 @@ def load_gguf_model(
         if target is None:
             continue
         module_name, _, attribute = target.rpartition(".")
+        tensor = shard_tensor(name, target, tensor, shard)
         if module_name.endswith(".experts") and attribute in EXPERT_PARTS:
             experts.setdefault(module_name, {})[attribute] = _weight_of(tensor, dtype, device)
             continue
         if target not in params:
             raise DeltaspecError(f"The GGUF file has a tensor {name} that this model has no place for.")
         weight = _weight_of(tensor, dtype, device)
+        if tp.sharded and target.endswith(ROW_PARALLEL_BIAS):
+            weight = shard.take(target, weight)
         if tuple(weight.shape) != tuple(params[target].shape):
             raise DeltaspecError(
                 f"The GGUF tensor {name} has shape {tuple(weight.shape)}; the model needs "
@@ -94,20 +104,56 @@ def load_gguf_model(
         raise DeltaspecError(
             f"The GGUF file lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:3])}."
         )
-    if isinstance(model.model.embed_tokens.weight, QuantizedWeight):
+    if isinstance(model.model.embed_tokens, VocabParallelEmbedding):
+        model.model.embed_tokens.dtype = dtype  # a quantized slice gathers its rows in the engine's dtype
+    elif isinstance(model.model.embed_tokens.weight, QuantizedWeight):
         model.model.embed_tokens = QuantizedEmbedding(model.model.embed_tokens.weight, dtype)
     model.fuse_projections()
     return model.eval()
 
 
-def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool) -> tuple[int, int]:
+def shard_tensor(name: str, target: str, tensor: GGUFTensor, shard: Shard) -> GGUFTensor:
+    """`shard`'s pieces of the GGUF tensor `name` (parameter `target`): slices of its rows (or of an expert stack's
+    rows), or of its input columns as whole blocks — a block that would straddle two ranks is refused. Columns kept
+    in a stored order (`input_order`) are taken where they stand, and the slice keeps its own order."""
+    pieces = shard.pieces(target, torch.Size(tensor.shape))
+    if pieces is None:
+        return tensor
+    dim, spans = pieces
+    columns = dim == len(tensor.shape) - 1
+    if not columns:
+        data = np.concatenate([tensor.data.take(range(start, stop), axis=dim) for start, stop in spans], axis=dim)
+        shape = (*tensor.shape[:dim], sum(stop - start for start, stop in spans), *tensor.shape[dim + 1 :])
+        return GGUFTensor(tensor.qtype, shape, data, tensor.input_order)
+    order = np.arange(tensor.shape[-1]) if tensor.input_order is None else np.asarray(tensor.input_order)
+    taken = np.zeros(len(order), dtype=bool)
+    for start, stop in spans:
+        taken |= (order >= start) & (order < stop)
+    elementwise = tensor.qtype in ("F32", "F16", "F64")  # data of these is values, of the others bytes
+    block_size, block_bytes = (1, 1) if elementwise else block_layout(tensor.qtype)
+    per_block = taken.reshape(-1, block_size)
+    if (per_block.any(axis=1) != per_block.all(axis=1)).any():
+        raise DeltaspecError(
+            f"The GGUF tensor {name} ({tensor.qtype}, blocks of {block_size} inputs) cannot be split among "
+            f"{shard.size} ranks without cutting a block; run this file on fewer GPUs."
+        )
+    blocks = tensor.data.reshape(*tensor.shape[:-1], -1, block_bytes)
+    kept = blocks[..., per_block.all(axis=1), :].reshape(*tensor.shape[:-1], -1)
+    held = np.concatenate([np.arange(start, stop) for start, stop in spans])  # the rank's inputs, in its order
+    new_order = np.searchsorted(held, order[taken])  # stored column j of the slice takes the rank's input new_order[j]
+    in_order = (new_order == np.arange(len(new_order))).all()
+    return GGUFTensor(tensor.qtype, (*tensor.shape[:-1], len(held)), kept, None if in_order else new_order)
+
+
+def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool, shard: Shard | None = None) -> tuple[int, int]:
     """Bytes the loaded weights take (quantized ones as their blocks, float ones in `dtype`): the target model's
-    and its MTP head's (0 unless `with_mtp`)."""
+    and its MTP head's (0 unless `with_mtp`); with `shard`, one tensor-parallel rank's."""
     target = mtp = 0
     for name, tensor in checkpoint.tensors.items():
-        if target_name(name, with_mtp=True) is None:
+        if (parameter := target_name(name, with_mtp=True)) is None:
             continue
         size = tensor.data.nbytes if tensor.qtype not in FLOAT_TYPES else int(np.prod(tensor.shape)) * dtype.itemsize
+        size = int(size * shard.fraction(parameter, torch.Size(tensor.shape))) if shard is not None else size
         if name.startswith("mtp."):
             mtp += size if with_mtp else 0
         else:

@@ -20,6 +20,7 @@ from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, SparseMoE, make
 from deltaspec.model.mtp import MTPHead
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.norms import compute_dtype
+from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.rope import cos_sin, inv_frequencies
 from deltaspec.parallel.group import SINGLE, TensorParallel
 
@@ -41,21 +42,27 @@ class RotaryTable(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The embedding rows of one rank's slice of the vocabulary [vocab / size, hidden]: each rank looks up the ids
-    in its slice (zeros for the others) and the all-reduce assembles every row."""
+    """The embedding rows of one rank's slice of the vocabulary [vocab / size, hidden] (floats, or GGUF blocks
+    gathered in `dtype`): each rank looks up the ids in its slice (zeros for the others) and the all-reduce
+    assembles every row."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, hidden))
         self.tp = tp
+        self.dtype: torch.dtype | None = None  # set for a quantized slice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., hidden]"""
         rows = self.weight.shape[0]
         local = ids - self.tp.rank * rows
         here = (local >= 0) & (local < rows)
-        out = nn.functional.embedding(local.clamp(0, rows - 1), self.weight) * here.unsqueeze(-1)
-        return self.tp.all_reduce(out)
+        local = local.clamp(0, rows - 1)
+        if isinstance(self.weight, QuantizedWeight):
+            found = self.weight.rows(local.reshape(-1), self.dtype).view(*ids.shape, self.weight.in_features)
+        else:
+            found = nn.functional.embedding(local, self.weight)
+        return self.tp.all_reduce(found * here.unsqueeze(-1))
 
 
 class TextModel(nn.Module):

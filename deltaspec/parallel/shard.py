@@ -102,6 +102,8 @@ class Shard:
         key, value = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
         if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d_weight")):
             return 0, (self._part(0, key), self._part(key, 2 * key), self._part(2 * key, 2 * key + value))
+        if name.endswith(("experts.gate_proj", "experts.up_proj")):  # a GGUF file's expert stacks [E, I, H]
+            return 1, (self._part(0, shape[1]),)
         if name.endswith("experts.gate_up_proj"):
             half = shape[1] // 2
             return 1, (self._part(0, half), self._part(half, 2 * half))
@@ -125,14 +127,13 @@ class Shard:
         parts = [tensor.narrow(dim, start, stop - start) for start, stop in spans]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
-    def bytes_of(self, name: str, shape: torch.Size, element_bytes: int) -> int:
-        """The bytes this rank holds of parameter `name` of full `shape`."""
+    def fraction(self, name: str, shape: torch.Size) -> float:
+        """The share of parameter `name` (its full `shape`) this rank holds."""
         pieces = self.pieces(name, shape)
-        count = math.prod(shape)
-        if pieces is not None:
-            dim, spans = pieces
-            count = count // shape[dim] * sum(stop - start for start, stop in spans)
-        return count * element_bytes
+        if pieces is None:
+            return 1.0
+        dim, spans = pieces
+        return sum(stop - start for start, stop in spans) / shape[dim]
 
 
 COLUMN_PARALLEL = (
