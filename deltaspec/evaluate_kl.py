@@ -301,8 +301,11 @@ def kl_divergence(
 
 
 def scoring_config(config: EngineConfig, window: int, **changes) -> EngineConfig:
-    """`config` with `changes`, sized for scoring one window at a time when the streams and context are unset."""
+    """`config` with `changes`, sized for scoring one window at a time when the streams and context are unset (on
+    one device: windows run through the runner directly, outside the steps tensor-parallel ranks share)."""
     config = replace(config, **changes)
+    if config.tensor_parallel_size > 1:
+        raise DeltaspecError("KL scoring and imatrix calibration run on one device; drop --tensor-parallel-size.")
     return replace(config, max_num_seqs=config.max_num_seqs or 1, max_model_len=config.max_model_len or window + 1)
 
 

@@ -195,6 +195,20 @@ def test_layouts_that_do_not_divide_are_refused_with_what_would(checkpoints):
     assert out.returncode != 0 and "does not divide" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_what_runs_on_one_device_only_says_so(checkpoints):
+    from deltaspec.bench.decode import bench_decode
+    from deltaspec.config import EngineConfig
+    from deltaspec.evaluate_kl import scoring_config
+
+    config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(DeltaspecError, match="KL scoring and imatrix calibration run on one device"):
+        scoring_config(config, 64)
+    with pytest.raises(DeltaspecError, match="--compare-hf runs transformers on one device"):
+        bench_decode(config, 8, 4, 1, compare_hf=True)
+    with pytest.raises(DeltaspecError, match="--quant runs on one device"):
+        LLM(random_weights=True, shape="qwen3.5-0.8b", quant="q4_k_m", tensor_parallel_size=2, device="cpu")
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():

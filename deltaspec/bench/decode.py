@@ -34,6 +34,7 @@ from deltaspec.bench.roofline import bytes_per_step, experts_per_step, roofline
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
+from deltaspec.errors import DeltaspecError
 from deltaspec.spec.oracle import OracleDrafter, expected_acceptance_length
 from deltaspec.spec.policy import FixedDraftLength
 
@@ -47,6 +48,8 @@ def decode_run(engine: Engine, context: int, max_tokens: int, seed: int) -> dict
 
 
 def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int, compare_hf: bool = False) -> dict:
+    if compare_hf and config.tensor_parallel_size > 1:
+        raise DeltaspecError("--compare-hf runs transformers on one device; drop --tensor-parallel-size.")
     engine = bench_engine(config, context + max_tokens)
     mtp = "mtp" in engine.config.speculative.split("+")
     say("measuring copy bandwidth ...")
