@@ -254,3 +254,18 @@ def test_two_gpus_capture_the_collectives_in_cuda_graphs(checkpoints):
                 assert {t: lp.logprob for t, lp in lp_a.items()} == pytest.approx(
                     {t: lp.logprob for t, lp in lp_b.items()}, abs=bound
                 )
+
+
+def test_the_step_digest_tells_diverged_ranks_apart():
+    """What a worker checks before each step: the same running sequences, output lengths and last tokens."""
+    from types import SimpleNamespace
+
+    from deltaspec.engine.workers import digest
+
+    def running(*outputs):
+        return [SimpleNamespace(request_id=f"r{i}", output_ids=list(o)) for i, o in enumerate(outputs)]
+
+    assert digest(running([1, 2], [3])) == digest(running([1, 2], [3]))
+    assert digest(running([1, 2], [3])) != digest(running([1, 4], [3]))  # another last token
+    assert digest(running([1, 2], [3])) != digest(running([1, 2], [3, 3]))  # another length
+    assert digest(running([1, 2])) != digest(running([1, 2], []))  # another set of sequences

@@ -6,8 +6,8 @@ their own. Only rank 0 talks to the outside (LLM, CLI, server); before each step
 changed since the last one (requests admitted with their resolved sampling seeds, aborts, failures) on a
 gloo group, and every rank applies it before stepping (`follow`). The forward passes meet in the model's collectives
 (`deltaspec.parallel.group`). Sampling runs on every rank from the same full logits and the same seeded
-generators, so every rank picks the same tokens; the step messages carry rank 0's token count, which a
-worker checks against its own.
+generators, so every rank picks the same tokens; the step messages carry a digest of rank 0's running sequences
+(ids, output lengths, last tokens), which a worker checks against its own.
 
 A worker that dies takes the engine down: rank 0 watches its workers and, when one exits, reports it and
 exits (collectives waiting on a dead peer cannot be interrupted), and a worker whose parent is gone exits.
@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -66,10 +67,10 @@ class Group:
         self.changes.append(change)
 
     def publish(self, running) -> None:
-        """Rank 0, before a step: the changes since the last step and the tokens the `running` sequences hold."""
+        """Rank 0, before a step: the changes since the last step and the `digest` of the `running` sequences."""
         if self.tp.rank == 0:
             changes, self.changes = self.changes, []
-            self.send([*changes, ("step", sum(len(seq.output_ids) for seq in running))])
+            self.send([*changes, ("step", digest(running))])
 
     @contextmanager
     def unless_built(self):
@@ -138,10 +139,15 @@ def follow(engine) -> None:
             elif kind == "fail":
                 engine.fail([_unfinished(engine, request_id) for request_id in args[0]], args[1])
             elif kind == "step":
-                held = sum(len(seq.output_ids) for seq in engine.scheduler.running)
-                if held != args[0]:
-                    raise RuntimeError(f"rank {group.tp.rank} diverged from rank 0: {held} tokens against {args[0]}")
+                if digest(engine.scheduler.running) != args[0]:
+                    raise RuntimeError(f"rank {group.tp.rank} diverged from rank 0: its running sequences differ")
                 engine.step()
+
+
+def digest(running) -> int:
+    """What must agree on every rank before a step: each running sequence's id, output length and last token (crc32:
+    Python's string hashes differ between processes)."""
+    return zlib.crc32(repr([(seq.request_id, len(seq.output_ids), seq.output_ids[-1:]) for seq in running]).encode())
 
 
 def _unfinished(engine, request_id: str):
