@@ -157,27 +157,27 @@ def _layout(name: str, stored: list[int] | torch.Size, shape: torch.Size) -> str
     )
 
 
+def _arranged(stored: torch.Tensor, layout: str) -> torch.Tensor:
+    """A checkpoint tensor (or a slice of it) in its parameter's layout (`_layout`)."""
+    if layout == "squeeze":
+        return stored.squeeze(1)
+    return stored.transpose(1, 2) if layout == "transpose" else stored
+
+
 def read_part(name: str, target: str, source, shape: torch.Size, shard: Shard) -> torch.Tensor:
     """`shard`'s part of the checkpoint tensor `name` (a safetensors slice `source`) as parameter `target` of full
     `shape`: only the pieces the rank holds are read."""
     layout = _layout(name, source.get_shape(), shape)
     pieces = shard.pieces(target, shape)
     if pieces is None:
-        whole = source[:]
-        return shard.take(
-            target,
-            whole.squeeze(1) if layout == "squeeze" else whole.transpose(1, 2) if layout == "transpose" else whole,
-        )
+        return shard.take(target, _arranged(source[:], layout))
     dim, spans = pieces
     stored_dim = {1: 2, 2: 1}.get(dim, dim) if layout == "transpose" else dim
     parts = []
     for start, stop in spans:
         index = [slice(None)] * len(source.get_shape())
         index[stored_dim] = slice(start, stop)
-        part = source[tuple(index)]
-        parts.append(
-            part.squeeze(1) if layout == "squeeze" else part.transpose(1, 2) if layout == "transpose" else part
-        )
+        parts.append(_arranged(source[tuple(index)], layout))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
