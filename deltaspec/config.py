@@ -20,13 +20,20 @@ FULL_ATTENTION = "full_attention"
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Mixture-of-experts MLP: softmax router, top-k experts, optional shared expert."""
+    """Mixture-of-experts MLP: softmax router, top-k experts, optional shared expert. With expert parallelism
+    (`expert_parallel_size` ranks) the router still scores all `num_experts`; each rank holds `held_experts`."""
 
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
+    expert_parallel_size: int = 1
+
+    @property
+    def held_experts(self) -> int:
+        """The routed experts one rank holds."""
+        return self.num_experts // self.expert_parallel_size
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,14 @@ class EngineConfig:
             "help": "processes (one per GPU) the model is split across: attention and GDN heads, MLP and expert "
             "intermediate sizes and the vocabulary divided among them",
             "aliases": ("-tp",),
+        },
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "with --tensor-parallel-size, split a mixture-of-experts model's routed experts whole among the "
+            "ranks (each computes the chosen experts it holds) instead of cutting every expert's intermediate size",
+            "aliases": ("-ep",),
         },
     )
     kernels: str = field(

@@ -1,7 +1,8 @@
 """The Triton mixture-of-experts kernels against their references (`deltaspec.ops.moe`): the router's top-k,
 the one-program grouping against the torch one, and the expert products for float and GGUF (Q8_0, Q6_K, Q4_K,
 and Q4_K with Q6_K down products) experts, one token to a prefill's worth, through the decode path (a GEMV per
-pair) and the grouped one with every tile height."""
+pair) and the grouped one with every tile height; under expert parallelism, the router naming the held experts
+and every path skipping the pairs of another rank's."""
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def products(kernels, x, gate_up, down, weights, experts, shared=None, tile=None
     """The kernels' product, checking that it counts the distinct experts it read."""
     reads = torch.zeros(1, dtype=torch.int64, device=x.device)
     got = kernels.expert_products(x, gate_up, down, weights, experts, reads, shared, tile=tile)
-    assert reads.item() == experts.unique().numel()
+    assert reads.item() == experts[experts >= 0].unique().numel()  # another rank's experts (-1) are not read
     return got
 
 
@@ -283,4 +284,60 @@ def test_prefill_sized_products_use_the_torch_grouping(kernels, kernel_device, d
     weights, experts = moe.route(skewed_logits(n, num_experts, 9, kernel_device), top_k, True)
     shared = float_shared(kernels, gate_up, down, n, with_shared, gen, dtype, top_k, same_widths=True)
     got = products(kernels, x, gate_up, down, weights, experts, shared)
+    assert_products_match(got, x, gate_up, down, weights, experts, shared)
+
+
+@pytest.mark.parametrize("tile", [None, (4, 256, 2)])
+def test_the_router_names_the_held_experts_by_their_index_among_them(kernels, kernel_device, tile):
+    """Expert parallelism: the fused router and `route` give the weights of one process and each chosen expert's
+    index among the rank's held ones, -1 for another rank's."""
+    n, num_experts, top_k, hidden = 3, 64, 8, 512
+    gen = torch.Generator().manual_seed(12)
+    weight = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).to(kernel_device)
+    x = torch.randn(n, hidden, generator=gen).to(kernel_device)
+
+    def product(rows):
+        return torch.nn.functional.linear(rows, weight)
+
+    logits, weights, experts = kernels.router(x, weight, None, product, num_experts, top_k, True, tile=tile)
+    for first, held in ((0, 16), (16, 16), (48, 16), (32, 32)):
+        want = torch.where((experts >= first) & (experts < first + held), experts - first, -1)
+        _, got_weights, local = kernels.router(
+            x, weight, None, product, num_experts, top_k, True, first, held, tile=tile
+        )
+        assert torch.equal(local, want) and torch.equal(got_weights, weights)
+        routed_weights, routed = kernels.route(logits, top_k, True, first, held)
+        assert torch.equal(routed, want) and torch.equal(routed_weights, weights)
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("with_shared", [None, "expert"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_parallel_products_skip_another_ranks_experts(kernels, kernel_device, tile, with_shared, rank):
+    """A rank holding half of 12 experts: the pairs routed to the other half (-1) add nothing on every path (a
+    GEMV per pair, one block per pair, the grouping) and the rank's product is the reference's over its experts."""
+    num_experts, held, hidden, inter, top_k, n = 12, 6, 96, 80, 4, 5
+    gate_up, down = float_experts(held, hidden, inter, torch.float32, kernel_device)  # the rank's experts
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, hidden, generator=gen).to(kernel_device)
+    weights, experts = moe.route(skewed_logits(n, num_experts, 3, kernel_device), top_k, True, rank * held, held)
+    assert bool((experts < 0).any()) and bool((experts >= 0).any())
+    shared = float_shared(kernels, gate_up, down, n, with_shared, gen, torch.float32, top_k)
+    got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
+    assert_products_match(got, x, gate_up, down, weights, experts, shared)
+
+
+@pytest.mark.parametrize(("n", "tile"), [(2, ("pair", 32, 16, 256)), (9, GROUPED_16)])
+def test_expert_parallel_products_of_gguf_experts(kernels, kernel_device, n, tile):
+    """The GGUF decode GEMVs (and the grouped kernels) skip another rank's pairs too, the shared expert kept."""
+    num_experts, held, hidden, inter, top_k = 8, 4, 512, 256, 3
+    gate_up, down = quantized_experts("Q4_K", held, hidden, inter, kernel_device)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, hidden, generator=gen).to(kernel_device, torch.bfloat16)
+    weights, experts = moe.route(skewed_logits(n, num_experts, 5, kernel_device), top_k, True, held, held)
+    assert bool((experts < 0).any()) and bool((experts >= 0).any())
+    one_gate_up = quantized_experts("Q4_K", 1, hidden, inter, kernel_device)[0][0]
+    one_down = quantized_experts("Q4_K", 1, hidden, inter, kernel_device)[1][0]
+    shared = shared_expert(kernels, (gate_up, down), (one_gate_up, one_down), n, "expert", gen, torch.bfloat16, top_k)
+    got = products(kernels, x, gate_up, down, weights, experts, shared, tile=launch_of(kernels, tile))
     assert_products_match(got, x, gate_up, down, weights, experts, shared)

@@ -106,3 +106,30 @@ def test_a_product_computed_block_by_block_from_the_grouping_equals_the_referenc
         per_pair[pairs] = F.linear(F.silu(gate) * up, down[expert]) * weights.reshape(-1)[pairs, None]
     want = moe.expert_products(x, gate_up, down, weights, experts, torch.zeros(1, dtype=torch.int64))
     torch.testing.assert_close(per_pair.view(n, top_k, hidden).sum(1), want, rtol=0, atol=1e-13)
+
+
+def test_expert_parallel_ranks_route_to_their_experts_and_add_up_to_the_whole():
+    """Two ranks of expert parallelism: each names the chosen experts it holds by their index among its own (-1 for
+    the other rank's), its grouping leaves the others' pairs out, and the two ranks' products add up to the
+    product over all the experts."""
+    num_experts, hidden, inter, top_k, n = 8, 16, 6, 3, 11
+    gate_up, down = expert_weights(num_experts, hidden, inter, seed=7)
+    x = torch.randn(n, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    logits = torch.randn(n, num_experts, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    weights, experts = moe.route(logits, top_k, True)
+    whole = moe.expert_products(x, gate_up, down, weights, experts, torch.zeros(1, dtype=torch.int64))
+    total, held = torch.zeros_like(whole), num_experts // 2
+    for rank in (0, 1):
+        first = rank * held
+        rank_weights, local = moe.route(logits, top_k, True, first, held)
+        assert torch.equal(rank_weights, weights)  # renormalised over all top_k, wherever they are held
+        mine = (experts >= first) & (experts < first + held)
+        assert torch.equal(local, torch.where(mine, experts - first, -1))
+        grouping = moe.group_by_expert(local, held, 4)
+        grouped = grouping.pairs[grouping.pairs < n * top_k]
+        assert sorted(grouped.tolist()) == torch.nonzero(mine.reshape(-1)).view(-1).tolist()
+        reads = torch.zeros(1, dtype=torch.int64)
+        stacks = gate_up[first : first + held], down[first : first + held]
+        total += moe.expert_products(x, *stacks, weights, local, reads)
+        assert reads.item() == local[local >= 0].unique().numel()
+    torch.testing.assert_close(total, whole, rtol=0, atol=1e-13)

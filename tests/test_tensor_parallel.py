@@ -71,6 +71,42 @@ def test_two_ranks_give_the_logits_of_one(checkpoints, name):
     assert_same_outputs(generate(checkpoints[name], 2, LOGPROBS), want)
 
 
+def fused_experts(source: Path, target: Path) -> Path:
+    """A copy of checkpoint `source` whose per-expert tensors are stacked as some releases store them: gate_up_proj
+    [E, H, 2I] and down_proj [E, I, H] (both transposed against deltaspec's layout)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    (file,) = target.glob("*.safetensors")
+    tensors, stacks = load_file(file), {}
+    for name in sorted(tensors):
+        if match := re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name):
+            stacks.setdefault((match[1], match[3]), {})[int(match[2])] = tensors.pop(name)
+    for prefix in {prefix for prefix, _ in stacks}:
+        gate, up, down = (stacks[(prefix, proj)] for proj in ("gate_proj", "up_proj", "down_proj"))
+        experts = range(len(gate))
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]]).T for e in experts]).contiguous()
+        tensors[f"{prefix}.down_proj"] = torch.stack([down[e].T for e in experts]).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize("name", ["qwen3_next_r3_moe", "qwen3_5_moe_r2", "fused"])
+def test_expert_parallel_ranks_give_the_logits_of_one(checkpoints, tmp_path, name):
+    """Each rank holds 3 of the 6 experts whole (read from per-expert tensors, or slices of stacked ones) and adds
+    the chosen ones it holds: the logprobs of one process within 1e-9."""
+    path = checkpoints.get(name) or fused_experts(checkpoints["qwen3_5_moe_r2"], tmp_path / "fused")
+    want = generate(path, 1, LOGPROBS)
+    llm = LLM(str(path), tensor_parallel_size=2, enable_expert_parallel=True, **OPTIONS)
+    try:
+        experts = llm.engine.model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[:2] == (3, 2 * 32) and experts.down_proj.shape[0] == 3  # 3 whole experts
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], LOGPROBS)
+    finally:
+        llm.close()
+    assert_same_outputs(got, want)
+
+
 def test_four_ranks_give_the_logits_of_one(tmp_path):
     heads = dict(num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
     path = write_checkpoint(tmp_path / "wide", "qwen3_5_moe", seed=11, **heads)
@@ -84,7 +120,8 @@ GGUF = Path(__file__).parent / "data" / "gguf"
 def test_gguf_files_split_whole_blocks_among_ranks(tmp_path):
     """A llama.cpp-converted Q8_0 file and a deltaspec-written Q4_K_M MoE file: each rank keeps its rows and whole
     blocks of input columns (logprobs within 1e-9 of one process); a file whose blocks would straddle two ranks (the
-    converted MoE fixture's 32-input Q8_0 blocks over a 32-wide expert) is refused with what would work."""
+    converted MoE fixture's 32-input Q8_0 blocks over a 32-wide expert) is refused with what would work; with expert
+    parallelism the written file's ranks hold whole experts."""
     from deltaspec.model.gguf_write import write_gguf
     from deltaspec.model.gguf_write_source import open_source
     from tools.make_gguf_fixtures import give_qwen_pre_tokenizer
@@ -98,9 +135,11 @@ def test_gguf_files_split_whole_blocks_among_ranks(tmp_path):
     give_qwen_pre_tokenizer(checkpoint, "qwen35")
     written = tmp_path / "moe-q4_k_m.gguf"
     write_gguf(open_source(str(checkpoint)), written, "Q4_K_M", progress=False)
-    assert_same_outputs(generate(written, 2, LOGPROBS, prompts), generate(written, 1, LOGPROBS, prompts))
+    want_written = generate(written, 1, LOGPROBS, prompts)
+    assert_same_outputs(generate(written, 2, LOGPROBS, prompts), want_written)
     with pytest.raises(DeltaspecError, match=r"experts\.down_proj \(Q8_0, blocks of 32 inputs\) cannot be split"):
         LLM(str(GGUF / "qwen35moe-q8_0.gguf"), tensor_parallel_size=2, **OPTIONS)
+    assert_same_outputs(generate(written, 2, LOGPROBS, prompts, enable_expert_parallel=True), want_written)
 
 
 def test_the_mtp_head_drafts_alike_and_speculation_stays_exact(with_mtp):
@@ -193,6 +232,19 @@ def test_layouts_that_do_not_divide_are_refused_with_what_would(checkpoints):
     assert out.returncode == 0 and "one rank's" in out.stdout, out.stderr
     out = subprocess.run([*command, "-tp", "5"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "does not divide" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([*command, "-tp", "2", "-ep"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "this model has none" in out.stderr and "Traceback" not in out.stderr
+    moe = [*command[:6], "qwen3.5-35b-a3b", *command[7:]]
+    tensor = subprocess.run([*moe, "-tp", "2"], capture_output=True, text=True, timeout=120)
+    experts = subprocess.run([*moe, "-tp", "2", "-ep"], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in tensor.stderr + experts.stderr  # (this host may lack the memory: the plan says so)
+    assert "experts split whole" in experts.stdout and "experts split whole" not in tensor.stdout
+    moe_config = parse_model_config(read_config_json(checkpoints["qwen3_5_moe_r2"]))
+    with pytest.raises(DeltaspecError, match=r"does not divide the model's .*num_experts \(6\)"):
+        shard_config(moe_config, 4, expert_parallel=True)
+    assert [Shard(moe_config, 1, 2, expert_parallel=True).held_expert(e) for e in range(6)] == [None] * 3 + [0, 1, 2]
+    held = shard_config(moe_config, 2, expert_parallel=True).moe
+    assert (held.held_experts, held.moe_intermediate_size) == (3, moe_config.moe.moe_intermediate_size)
 
 
 def test_what_runs_on_one_device_only_says_so(checkpoints):

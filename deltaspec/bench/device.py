@@ -124,6 +124,7 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         "quant": cfg.quant,
         "weight_blocks": block_types(engine.model),  # GGUF types of the weights kept quantized; [] for float
         "tensor_parallel_size": cfg.tensor_parallel_size,  # ranks (GPUs); bytes and rooflines are one rank's
+        "expert_parallel": cfg.enable_expert_parallel,  # routed experts split whole among the ranks
         "speculative": cfg.speculative,
         "draft_tokens": cfg.draft_tokens if cfg.speculative != "none" else None,
         "commit": commit(),

@@ -54,8 +54,11 @@ def experts_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int) 
 
 
 def weight_bytes_per_step(engine: Engine, mtp: bool = False, experts: float | None = None) -> int:
-    """Weight bytes one step reads; `experts` distinct experts per MoE layer (default: the top-k of one token)."""
+    """Weight bytes one step reads; `experts` distinct experts per MoE layer (default: the top-k of one token);
+    under expert parallelism, of those this rank holds (`experts` counts them)."""
     config = engine.model_config
+    expert_shards = engine.config.tensor_parallel_size if engine.config.enable_expert_parallel else 1
+    held = config.moe.num_experts // expert_shards if config.moe is not None else 0  # routed experts per rank
     total = 0
     for name, size, row in _weights(engine):
         if name.startswith("mtp.") and not mtp:
@@ -63,8 +66,9 @@ def weight_bytes_per_step(engine: Engine, mtp: bool = False, experts: float | No
         if "embed_tokens" in name:
             size = row  # one row
         elif ".experts." in name and config.moe is not None:
-            chosen = config.moe.num_experts_per_tok if experts is None or name.startswith("mtp.") else experts
-            size = int(size * chosen / config.moe.num_experts)
+            top_k = config.moe.num_experts_per_tok * held / config.moe.num_experts  # those held, on average
+            chosen = top_k if experts is None or name.startswith("mtp.") else experts
+            size = int(size * chosen / held)
         total += size
     return total
 
@@ -75,7 +79,8 @@ def bytes_per_step(
     """{"weights", "kv", "gdn_state", "total"} bytes one decode step of `streams` sequences reads (and, for
     states, writes) at `context` tokens of attention KV each, reading `experts` distinct experts per MoE layer; under
     tensor parallelism, one rank's: its weights, its heads' KV and states."""
-    config, dtype_size = shard_config(engine.model_config, engine.config.tensor_parallel_size), engine.dtype.itemsize
+    layout = engine.config.tensor_parallel_size, engine.config.enable_expert_parallel
+    config, dtype_size = shard_config(engine.model_config, *layout), engine.dtype.itemsize
     state_size = torch.empty(0, dtype=engine.cache.gdn.state[0].dtype).element_size() if config.gdn_layer_ids else 0
     kv_layers = len(config.attention_layer_ids) + (
         engine.model.num_kv_layers - len(config.attention_layer_ids) if mtp else 0

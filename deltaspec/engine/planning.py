@@ -86,18 +86,19 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     dtype = parse_dtype(resolved.dtype)
     with_mtp = drafter is None and uses(resolved.speculative, "mtp")
     size = resolved.tensor_parallel_size
-    rank_config = shard_config(model_config, size)  # what one rank holds; refuses sizes that do not divide
+    experts_whole = resolved.enable_expert_parallel
+    rank_config = shard_config(model_config, size, experts_whole)  # one rank's; refuses sizes that do not divide
     if size > 1:
         _check_parallel(resolved, drafter)
     if size > 1 and gguf is None:
-        target, mtp = rank_weight_bytes(model_config, dtype, size, with_mtp)
+        target, mtp = rank_weight_bytes(model_config, dtype, TensorParallel(0, size, experts_whole), with_mtp)
     elif model_dir is None and resolved.quant:
         target, mtp = random_quantized_bytes(model_config, dtype, resolved.quant, with_mtp)
     elif model_dir is None:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
     elif gguf is not None:
-        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, Shard(model_config, 0, size))
+        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, Shard(model_config, 0, size, experts_whole))
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
@@ -131,7 +132,8 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
 
     sizing = PoolSizing(resolved, model_config.max_position_embeddings, plan_at)
     streams, ctx, kv_blocks, notes = sizing.decide()
-    parallel_note = f"tensor parallel {size}: the weights, caches and memory above are one rank's (one GPU's)"
+    layout = f"tensor parallel {size}" + (", experts split whole" if experts_whole else "")
+    parallel_note = f"{layout}: the weights, caches and memory above are one rank's (one GPU's)"
     plan = replace(
         plan_at(streams, ctx, kv_blocks),
         notes=tuple(filter(None, (budget_note, parallel_note if size > 1 else None, *notes))),
@@ -148,13 +150,12 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     return Planned(plan, resolved, model_config, raw, model_dir, with_mtp, gguf)
 
 
-def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, size: int, with_mtp: bool) -> tuple[int, int]:
-    """Bytes of one tensor-parallel rank's weights in `dtype`: the target's and (0 unless `with_mtp`) its MTP
-    head's, as the sharded model holds them."""
+def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, with_mtp: bool) -> tuple[int, int]:
+    """Bytes of rank `tp`'s weights in `dtype`: the target's and (0 unless `with_mtp`) its MTP head's, as the
+    sharded model holds them."""
     with torch.device("meta"):
-        model = HybridModel(
-            shard_config(config, size), REFERENCE, dtype, "meta", config.num_mtp_layers, TensorParallel(0, size)
-        )
+        rank_config = shard_config(config, tp.size, tp.expert_parallel)
+        model = HybridModel(rank_config, REFERENCE, dtype, "meta", config.num_mtp_layers, tp)
     sizes = {name: p.numel() * dtype.itemsize for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         sizes.pop("lm_head.weight")

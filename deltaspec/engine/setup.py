@@ -82,7 +82,7 @@ def engine_cache(config: EngineConfig, model_config: ModelConfig, num_kv_layers:
     tensor-parallel rank's hold its heads only."""
     num_blocks = config.num_kv_blocks or config.max_num_seqs * -(-config.max_model_len // config.block_size)
     return CacheManager(
-        shard_config(model_config, config.tensor_parallel_size),
+        shard_config(model_config, config.tensor_parallel_size, config.enable_expert_parallel),
         num_kv_layers,
         config.max_num_seqs,
         num_blocks,

@@ -155,7 +155,9 @@ def _unfinished(engine, request_id: str):
     return next(seq for seq in (*scheduler.running, *scheduler.waiting) if seq.request_id == request_id)
 
 
-def _join(rank: int, size: int, init_method: str, device: torch.device) -> tuple[TensorParallel, object]:
+def _join(rank: int, config, init_method: str) -> tuple[TensorParallel, object]:
+    """Rank `rank` of the group `config` describes: joined, with its gloo control group."""
+    size, device = config.tensor_parallel_size, torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -164,12 +166,12 @@ def _join(rank: int, size: int, init_method: str, device: torch.device) -> tuple
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if device.type == "cuda":  # NCCL sets its communicator up at the first collective, which must not be in a capture
         dist.all_reduce(torch.zeros(1, device="cuda"))
-    return TensorParallel(rank, size), control
+    return TensorParallel(rank, size, config.enable_expert_parallel), control
 
 
 def launch(config) -> Group:
     """Rank 0: start the workers of `config.tensor_parallel_size` ranks and join the group with them."""
-    size, device = config.tensor_parallel_size, torch.device(config.device)
+    size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")
     workers = [
@@ -185,7 +187,7 @@ def launch(config) -> Group:
         proc.start()
     group = Group(None, None, workers)
     threading.Thread(target=_watch, args=(group,), name="deltaspec-tp-watch", daemon=True).start()
-    group.tp, group.control = _join(0, size, init_method, device)
+    group.tp, group.control = _join(0, config, init_method)
     atexit.register(group.close)
     return group
 
@@ -221,7 +223,7 @@ def run_worker(config, rank: int, size: int, init_method: str, parent: int) -> N
 
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     try:
-        tp, control = _join(rank, size, init_method, torch.device(config.device))
+        tp, control = _join(rank, config, init_method)
         group = Group(tp, control, [])
         follow(Engine(config, progress=False, group=group))
         group.close()

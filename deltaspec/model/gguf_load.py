@@ -65,10 +65,10 @@ def load_gguf_model(
     `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share."""
     if not any(name.endswith("in_proj_qkvz.weight") for name in checkpoint.tensors):
         config = replace(config, gdn_layout="qwen3_5")  # a Qwen3-Next file's GDN projections read as separate ones
-    shard = Shard(config, tp.rank, tp.size)
+    shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
     with torch.device("meta"):
         num_mtp_layers = config.num_mtp_layers if with_mtp else 0
-        model = HybridModel(shard_config(config, tp.size), ops, dtype, device, num_mtp_layers, tp)
+        model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     experts: dict[str, dict[str, QuantizedWeight | torch.Tensor]] = {}

@@ -83,7 +83,7 @@ class TextModel(nn.Module):
                     gdn_index if is_gdn else attn_index,
                     ops,
                     is_gdn,
-                    make_mlp(config, config.moe_layers[i], ops),
+                    make_mlp(config, config.moe_layers[i], ops, tp.rank),
                     tp,
                 )
             )

@@ -135,8 +135,8 @@ class Experts(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.moe_intermediate_size, hidden))
-        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.moe_intermediate_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.held_experts, 2 * moe.moe_intermediate_size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(moe.held_experts, hidden, moe.moe_intermediate_size))
 
 
 class QuantizedEmbedding(nn.Module):
@@ -158,12 +158,15 @@ class SparseMoE(nn.Module):
     table's `moe_router` follows with the top-k choice (one kernel for both on CUDA), and the op table's
     `moe_experts` multiplies the shared expert along with the routed ones (the kernels as one more
     expert) and adds its gated output. `expert_reads` [1] int64
-    counts, over all passes, the distinct experts each pass read (benchmarks turn it into bytes per step)."""
+    counts, over all passes, the distinct experts each pass read (benchmarks turn it into bytes per step).
+    Under expert parallelism the layer holds experts `first_expert` .. + `moe.held_experts` - 1 (rank r's are
+    the r-th run of them) and adds the products of those alone."""
 
-    def __init__(self, moe: MoEConfig, hidden: int, ops: OpTable):
+    def __init__(self, moe: MoEConfig, hidden: int, ops: OpTable, rank: int = 0):
         super().__init__()
         self.moe = moe
         self.ops = ops
+        self.first_expert = rank * moe.held_experts if moe.expert_parallel_size > 1 else 0
         self.gate = Linear(hidden, moe.num_experts, ops)
         self.experts = Experts(moe, hidden)
         if moe.shared_expert_intermediate_size:
@@ -183,8 +186,9 @@ class SparseMoE(nn.Module):
         """The expert bytes a pass of `tokens` tokens reads here on average: the distinct routed experts a uniform
         routing selects (`expected_distinct_experts`) and the shared expert (float weights or GGUF blocks)."""
         moe = self.moe
-        per_expert = (self.experts.gate_up_proj.nbytes + self.experts.down_proj.nbytes) / moe.num_experts
-        routed = expected_distinct_experts(tokens, moe.num_experts, moe.num_experts_per_tok) * per_expert
+        per_expert = (self.experts.gate_up_proj.nbytes + self.experts.down_proj.nbytes) / moe.held_experts
+        held_share = moe.held_experts / moe.num_experts  # of the distinct experts, those this rank holds
+        routed = expected_distinct_experts(tokens, moe.num_experts, moe.num_experts_per_tok) * held_share * per_expert
         if not moe.shared_expert_intermediate_size:
             return routed
         shared = self.shared_expert
@@ -197,8 +201,16 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, router = self.moe, self.router
         logits, weights, experts = self.ops.moe_router(
-            x, router.weight, router.bias, router.product, moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob
-        )  # [N, E (+ 1: the shared expert's gate)], [N, top_k], [N, top_k]
+            x,
+            router.weight,
+            router.bias,
+            router.product,
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            moe.norm_topk_prob,
+            self.first_expert,
+            moe.held_experts,
+        )  # [N, E (+ 1: the shared expert's gate)], [N, top_k], [N, top_k] (held experts' indices, else -1)
         shared = None
         if moe.shared_expert_intermediate_size:
             mlp = self.shared_expert
@@ -207,7 +219,8 @@ class SparseMoE(nn.Module):
         return self.ops.moe_experts(x, gate_up, down, weights, experts, self.expert_reads, shared)
 
 
-def make_mlp(config: ModelConfig, use_moe: bool, ops: OpTable) -> nn.Module:
+def make_mlp(config: ModelConfig, use_moe: bool, ops: OpTable, rank: int = 0) -> nn.Module:
+    """The layer's MLP: a `SparseMoE` (holding tensor-parallel rank `rank`'s experts) or a dense `MLP`."""
     if use_moe and config.moe is not None:
-        return SparseMoE(config.moe, config.hidden_size, ops)
+        return SparseMoE(config.moe, config.hidden_size, ops, rank)
     return MLP(config.hidden_size, config.intermediate_size, ops)

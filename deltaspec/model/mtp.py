@@ -26,9 +26,9 @@ class MTPHead(nn.Module):
         self.fc = Linear(2 * hidden, hidden, ops)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, ops)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, ops)
+        mlp = [make_mlp(config, config.moe is not None, ops, tp.rank) for _ in range(num_layers)]
         self.layers = nn.ModuleList(
-            DecoderLayer(config, first_kv_index + i, ops, False, make_mlp(config, config.moe is not None, ops), tp)
-            for i in range(num_layers)
+            DecoderLayer(config, first_kv_index + i, ops, False, mlp[i], tp) for i in range(num_layers)
         )
         self.norm = RMSNorm(hidden, eps, ops)
 

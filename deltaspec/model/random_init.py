@@ -94,9 +94,9 @@ def random_model(
         config = quantized_config(config)
     num_mtp_layers = config.num_mtp_layers if with_mtp else 0
     with torch.device("meta"):
-        model = HybridModel(shard_config(config, tp.size), ops, dtype, device, num_mtp_layers, tp)
+        model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)
         full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
-    shard = Shard(config, tp.rank, tp.size)
+    shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     shapes = {n: p.shape for n, p in full.named_parameters()}

@@ -208,10 +208,10 @@ def load_model(
     files = checkpoint_files(model_dir)
     num_mtp_layers = count_mtp_layers(files) if with_mtp else 0
     with torch.device("meta"):
-        model = HybridModel(shard_config(config, tp.size), ops, dtype, device, num_mtp_layers, tp)
+        model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)
         full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
     shapes = {name: param.shape for name, param in full.named_parameters()}  # the checkpoint's (full) shapes
-    shard = Shard(config, tp.rank, tp.size)
+    shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     expert_parts: dict[str, set] = defaultdict(set)
@@ -255,19 +255,21 @@ def load_model(
 
 
 def _load_expert(match: re.Match, source, params, shapes, shard: Shard, loaded, expert_parts, dtype, device) -> None:
-    """Copy one per-expert projection (this rank's part of it) into its slice of the fused expert tensor."""
+    """Copy one per-expert projection (this rank's part of it, or with expert parallelism the whole of it when
+    the rank holds the expert) into its slice of the fused expert tensor."""
     prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
     fused_name = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
     if fused_name not in params:
         raise DeltaspecError(f"Tensor {match.group(0)} belongs to a MoE layer but config.json describes a dense one.")
     if fused_name not in loaded:
         loaded[fused_name] = torch.empty(params[fused_name].shape, dtype=dtype, device=device)
-    fused = loaded[fused_name]
-    if not 0 <= expert < fused.shape[0]:
-        raise DeltaspecError(
-            f"Tensor {match.group(0)} names expert {expert}, but config.json has {fused.shape[0]} experts."
-        )
-    half, full = fused.shape[1] // 2, shapes[fused_name]
+    fused, full = loaded[fused_name], shapes[fused_name]
+    if not 0 <= expert < full[0]:
+        raise DeltaspecError(f"Tensor {match.group(0)} names expert {expert}, but config.json has {full[0]} experts.")
+    expert = shard.held_expert(expert)
+    if expert is None:  # expert parallelism: another rank's
+        return
+    half = fused.shape[1] // 2
     rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None), "down_proj": slice(None)}[proj]
     full_shape = torch.Size((full[1] // 2, full[2]) if proj != "down_proj" else full[1:])  # one expert's, unsharded
     fused[expert, rows].copy_(read_part(match.group(0), match.group(0), source, full_shape, shard).to(dtype))

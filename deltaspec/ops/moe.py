@@ -7,6 +7,9 @@ each expert's gate|up product, SiLU, the gated product, the down product and its
 dtype as `F.linear` / `F.silu` would; the top-k outputs of a token summed in float32 (float64) in slot order,
 then rounded once; the shared expert's product rounded as a routed expert's (unscaled), and added gated in the
 dtype, as `out + sigmoid(g) * shared` rounds.
+Under expert parallelism a rank holds experts first_expert .. first_expert + held_experts - 1 alone: the router
+names the chosen experts by their index among those, -1 for another rank's, and the expert products skip those
+pairs (the rank adds nothing for them; the all-reduce adds the rank that holds them).
 Nothing here reads a device value on the host except `expert_products`, the readable loop over the experts a
 pass selected.
 """
@@ -20,14 +23,20 @@ import torch.nn.functional as F
 from deltaspec.ops.quant.weight import QuantizedWeight, quantized_linear
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, first_expert: int = 0, held_experts: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] -> (weights [N, top_k] float32 (float64 for float64 logits), experts [N, top_k] int32):
-    softmax over the experts, the top_k most probable (highest first), renormalised to sum to 1 if `normalize`."""
+    softmax over the experts, the top_k most probable (highest first), renormalised to sum to 1 if `normalize`.
+    Each chosen expert is named by its index among the `held_experts` (default: all) from `first_expert` on,
+    -1 where it is not one of them (expert parallelism: another rank's)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts.to(torch.int32)
+    held = logits.shape[-1] if held_experts is None else held_experts
+    local = experts - first_expert
+    return weights, torch.where((local >= 0) & (local < held), local, -1).to(torch.int32)
 
 
 def router(
@@ -38,12 +47,15 @@ def router(
     num_experts: int,
     top_k: int,
     normalize: bool,
+    first_expert: int = 0,
+    held_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, H] -> (logits [N, OUT], weights [N, top_k], experts [N, top_k]): the router's product
     `product(x)` = x @ weight.T (+ bias), whose first `num_experts` columns are the experts' logits (the rest,
-    a shared expert's gate), then `route` of those. `weight` and `bias` are for kernels that fuse the two."""
+    a shared expert's gate), then `route` of those (with `first_expert`, `held_experts`). `weight` and `bias`
+    are for kernels that fuse the two."""
     logits = product(x)
-    return logits, *route(logits[:, :num_experts], top_k, normalize)
+    return logits, *route(logits[:, :num_experts], top_k, normalize, first_expert, held_experts)
 
 
 @dataclass(frozen=True)
@@ -91,24 +103,31 @@ def group_by_expert(
     expert_reads: torch.Tensor | None = None,
     counted: int | None = None,
 ) -> Grouping:
-    """The grouping of `experts` [N, top_k] (int32): shapes depend only on N, top_k, E and block_m, and no value
-    is read on the host, so it runs inside a CUDA graph. Within an expert, pairs keep their order. The number of
-    distinct experts below `counted` (default: all) is added to `expert_reads` [1] int64 when given."""
+    """The grouping of `experts` [N, top_k] (int32; -1: a pair of no held expert, left out): shapes depend only on
+    N, top_k, E and block_m, and no value is read on the host, so it runs inside a CUDA graph. Within an expert,
+    pairs keep their order. The number of distinct experts below `counted` (default: all) is added to
+    `expert_reads` [1] int64 when given."""
     flat = experts.reshape(-1).long()  # [P]
+    flat = torch.where(flat < 0, num_experts, flat)  # pairs left out sort last, as expert E, which has no blocks
     num_pairs = flat.numel()
     blocks_bound = max_blocks(num_pairs, num_experts, block_m)
     order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts = counts.index_add_(0, flat, torch.ones_like(flat))[:num_experts]  # [E] (the left-out pairs dropped)
     if expert_reads is not None:
         expert_reads += (counts[:counted] > 0).sum()
     blocks = (counts + block_m - 1) // block_m  # [E]
     block_end = blocks.cumsum(0)  # [E]
     first_pair = counts.cumsum(0) - counts  # [E] where each expert's pairs start in `order`
     sorted_experts = flat[order]
-    rank = torch.arange(num_pairs, device=flat.device) - first_pair[sorted_experts]
-    rows = (block_end - blocks)[sorted_experts] * block_m + rank  # [P] each sorted pair's row
-    pairs = torch.full((blocks_bound * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    kept = sorted_experts < num_experts  # [P]
+    held = torch.where(kept, sorted_experts, 0)
+    rank = torch.arange(num_pairs, device=flat.device) - first_pair[held]
+    rows = (block_end - blocks)[held] * block_m + rank  # [P] each sorted pair's row
+    rows = torch.where(kept, rows, blocks_bound * block_m)  # left-out pairs land in a spare row, dropped below
+    pairs = torch.full((blocks_bound * block_m + 1,), num_pairs, dtype=torch.int32, device=flat.device)
     pairs.scatter_(0, rows, order.to(torch.int32))
+    pairs = pairs[:-1]
     block_ids = torch.arange(blocks_bound, device=flat.device)
     owner = torch.searchsorted(block_end, block_ids, right=True)  # [blocks] the expert whose blocks cover it
     block_experts = torch.where(owner < num_experts, owner, -1).to(torch.int32)
@@ -145,11 +164,11 @@ def expert_products(
     sigmoid(shared.logit[t]) * the shared expert's product of x_t.
 
     x [N, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [N, k] float; experts [N, k]
-    int -> [N, H] in x's dtype, rounded as the module docstring says (the shared term and the sum with it as
-    `out + torch.sigmoid(logit) * shared_output(x, shared)` round in x's dtype). Adds the distinct experts read to
-    `expert_reads` [1] int64."""
+    int (-1: another rank's expert, which adds nothing) -> [N, H] in x's dtype, rounded as the module docstring
+    says (the shared term and the sum with it as `out + torch.sigmoid(logit) * shared_output(x, shared)` round in
+    x's dtype). Adds the distinct experts read to `expert_reads` [1] int64."""
     n, top_k = experts.shape
-    chosen = experts.unique().tolist()
+    chosen = [expert for expert in experts.unique().tolist() if expert >= 0]
     expert_reads += len(chosen)
     per_slot = torch.zeros(n, top_k, x.shape[-1], dtype=x.dtype, device=x.device)  # [N, k, H]
     scale = weights.to(x.dtype)

@@ -19,8 +19,12 @@ ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """Rank `rank` of `size`; `expert_parallel`: the routed experts are split whole among the ranks rather than
+    each expert's intermediate size (`deltaspec.parallel.shard`)."""
+
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     @property
     def sharded(self) -> bool:

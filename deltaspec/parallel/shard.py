@@ -8,11 +8,17 @@ layer's input) keep a slice of their output rows, row-parallel ones (attention a
 down projections) a slice of their input columns, whose partial outputs the decoder all-reduces. Norms, the
 router, the shared expert's gate and the MTP head's fc are whole on every rank. A weight whose rows are
 several parts side by side (GDN's q | k | v, an expert's gate | up) takes its slice of each part.
+
+With expert parallelism (`expert_parallel`, vLLM's `--enable-expert-parallel`) the routed experts are not cut:
+rank r holds experts r * E / size .. (r + 1) * E / size - 1 whole (every router still scores all E), and adds
+the products of the chosen ones it holds; everything else, the shared expert included, splits as above, and the
+MoE output's all-reduce is the same one.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +29,10 @@ from deltaspec.errors import DeltaspecError
 Pieces = tuple[int, tuple[tuple[int, int], ...]]  # (dimension, (start, stop) of each piece along it, concatenated)
 
 
-def _sharded_counts(config: ModelConfig) -> dict[str, int]:
+PER_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")  # a checkpoint's per-expert tensor: `...experts.N.gate_proj...`
+
+
+def _sharded_counts(config: ModelConfig, expert_parallel: bool = False) -> dict[str, int]:
     """The model's counts a tensor-parallel size must divide, by name."""
     counts = {
         "vocab_size": config.vocab_size,
@@ -35,38 +44,48 @@ def _sharded_counts(config: ModelConfig) -> dict[str, int]:
     if not all(config.moe_layers) or config.moe is None:
         counts["intermediate_size"] = config.intermediate_size
     if config.moe is not None:
-        counts["moe_intermediate_size"] = config.moe.moe_intermediate_size
+        if expert_parallel:
+            counts["num_experts"] = config.moe.num_experts
+        else:
+            counts["moe_intermediate_size"] = config.moe.moe_intermediate_size
         if config.moe.shared_expert_intermediate_size:
             counts["shared_expert_intermediate_size"] = config.moe.shared_expert_intermediate_size
     return counts
 
 
-def valid_sizes(config: ModelConfig, limit: int = 8) -> list[int]:
+def valid_sizes(config: ModelConfig, limit: int = 8, expert_parallel: bool = False) -> list[int]:
     """Tensor-parallel sizes up to `limit` that divide every split count of `config`."""
-    common = math.gcd(*_sharded_counts(config).values())
+    common = math.gcd(*_sharded_counts(config, expert_parallel).values())
     return [n for n in range(1, limit + 1) if common % n == 0]
 
 
-def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+def shard_config(config: ModelConfig, size: int, expert_parallel: bool = False) -> ModelConfig:
     """The architecture one of `size` ranks holds: heads and intermediate sizes divided by `size` (the vocabulary
-    stays whole: the embedding and the LM head divide it themselves)."""
+    stays whole: the embedding and the LM head divide it themselves); with `expert_parallel`, the routed experts
+    divided instead of their intermediate size."""
+    if expert_parallel and config.moe is None:
+        raise DeltaspecError(
+            "--enable-expert-parallel splits a mixture-of-experts model's experts, and this model has none; drop it."
+        )
     if size == 1:
         return config
     if size < 1:
         raise DeltaspecError(f"--tensor-parallel-size must be at least 1, got {size}.")
-    counts = _sharded_counts(config)
+    counts = _sharded_counts(config, expert_parallel)
     undivided = [f"{name} ({count})" for name, count in counts.items() if count % size]
     if undivided:
+        sizes = ", ".join(map(str, valid_sizes(config, expert_parallel=expert_parallel)))
         raise DeltaspecError(
             f"Tensor parallel size {size} does not divide the model's {', '.join(undivided)}; sizes that divide "
-            f"every head count and intermediate size of this model: {', '.join(map(str, valid_sizes(config)))}."
+            f"every head count and intermediate size of this model: {sizes}."
         )
     moe = config.moe
     if moe is not None:
         moe = replace(
             moe,
-            moe_intermediate_size=moe.moe_intermediate_size // size,
+            moe_intermediate_size=moe.moe_intermediate_size if expert_parallel else moe.moe_intermediate_size // size,
             shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size,
+            expert_parallel_size=size if expert_parallel else 1,
         )
     return replace(
         config,
@@ -83,15 +102,24 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
 
 @dataclass(frozen=True)
 class Shard:
-    """Rank `rank` of `size`, for the full architecture `config`: which pieces of each weight it holds."""
+    """Rank `rank` of `size`, for the full architecture `config`: which pieces of each weight it holds (with
+    `expert_parallel`, whole routed experts)."""
 
     config: ModelConfig
     rank: int
     size: int
+    expert_parallel: bool = False
 
     def _part(self, start: int, stop: int) -> tuple[int, int]:
         step = (stop - start) // self.size
         return start + self.rank * step, start + (self.rank + 1) * step
+
+    def held_expert(self, expert: int) -> int | None:
+        """The index among this rank's experts of routed expert `expert`, None where another rank holds it."""
+        if not self.expert_parallel:
+            return expert
+        first, stop = self._part(0, self.config.moe.num_experts)
+        return expert - first if first <= expert < stop else None
 
     def pieces(self, name: str, shape: torch.Size) -> Pieces | None:
         """The pieces of parameter `name` (its full `shape`) this rank holds; None where it holds all of it.
@@ -102,7 +130,11 @@ class Shard:
         key, value = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
         if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d_weight")):
             return 0, (self._part(0, key), self._part(key, 2 * key), self._part(2 * key, 2 * key + value))
-        if name.endswith(("experts.gate_proj", "experts.up_proj")):  # a GGUF file's expert stacks [E, I, H]
+        if self.expert_parallel and name.endswith(("experts.gate_up_proj", "experts.down_proj", *GGUF_STACKS)):
+            return 0, (self._part(0, shape[0]),)
+        if self.expert_parallel and PER_EXPERT_RE.search(name):  # a held expert's tensor is whole
+            return None
+        if name.endswith(GGUF_STACKS):  # a GGUF file's expert stacks [E, I, H]
             return 1, (self._part(0, shape[1]),)
         if name.endswith("experts.gate_up_proj"):
             half = shape[1] // 2
@@ -136,6 +168,7 @@ class Shard:
         return sum(stop - start for start, stop in spans) / shape[dim]
 
 
+GGUF_STACKS = ("experts.gate_proj", "experts.up_proj")  # a GGUF file's gate and up expert stacks [E, I, H]
 COLUMN_PARALLEL = (
     "embed_tokens.weight",
     "lm_head.weight",

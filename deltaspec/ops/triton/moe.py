@@ -25,6 +25,8 @@ Nothing reads a device value on the host, so MoE passes run inside CUDA graphs:
   blocks are dequantized in registers with the tile code of `quant_dequant` exactly as the reference
   dequantizes them.
 Weights are float (bf16, fp16, fp32) or single-segment GGUF blocks of Q8_0, Q6_K or Q4_K.
+Under expert parallelism the routing names another rank's experts -1: their pairs' programs return at once, the
+grouping leaves them out and the sums skip them.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ def _top_k_of_row(
     experts_ptr,
     row,
     E,
+    first,
+    held,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -124,8 +128,9 @@ def _top_k_of_row(
     VOLATILE: tl.constexpr,
 ):
     """Row `row`'s softmax over the E logits at logits_row in float32, its TOP_K largest (lowest index first
-    among equal ones), renormalised if NORMALIZE, stored as weights[row] and experts[row] (VOLATILE: the logits
-    were written by other programs of the launch)."""
+    among equal ones), renormalised if NORMALIZE, stored as weights[row] and experts[row], each expert by its
+    index among the `held` from `first` on, else -1 (VOLATILE: the logits were written by other programs of the
+    launch)."""
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
     logits = tl.load(logits_row + cols, mask=mask, other=-float("inf"), volatile=VOLATILE).to(tl.float32)
@@ -142,6 +147,8 @@ def _top_k_of_row(
         probs = tl.where(cols == index, -1.0, probs)
     if NORMALIZE:
         chosen = chosen / tl.sum(chosen, axis=0)
+    ids = ids - first
+    ids = tl.where((ids >= 0) & (ids < held), ids, -1)
     out = row.to(tl.int64) * TOP_K + slots
     tl.store(weights_ptr + out, chosen, mask=slots < TOP_K)
     tl.store(experts_ptr + out, ids, mask=slots < TOP_K)
@@ -153,6 +160,8 @@ def _route_kernel(
     weights_ptr,
     experts_ptr,
     E,
+    first,
+    held,
     stride_l,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -162,13 +171,15 @@ def _route_kernel(
     """`_top_k_of_row` of row `program_id`."""
     row = tl.program_id(0)
     logits_row = logits_ptr + row.to(tl.int64) * stride_l
-    _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, TOP_K, K_PAD, NORMALIZE, BLOCK_E, False)
+    _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, first, held, TOP_K, K_PAD, NORMALIZE, BLOCK_E, False)
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, first_expert: int = 0, held_experts: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`deltaspec.ops.moe.route` in one kernel (float64 logits take the reference)."""
     if logits.dtype not in FLOAT_DTYPES:
-        return reference.route(logits, top_k, normalize)
+        return reference.route(logits, top_k, normalize, first_expert, held_experts)
     rows, num_experts = logits.shape
     weights = torch.empty(rows, top_k, dtype=torch.float32, device=logits.device)
     experts = torch.empty(rows, top_k, dtype=torch.int32, device=logits.device)
@@ -178,6 +189,8 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
             weights,
             experts,
             num_experts,
+            first_expert,
+            num_experts if held_experts is None else held_experts,
             logits.stride(0),
             TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k),
@@ -197,6 +210,8 @@ def _router_kernel(
     experts_ptr,
     arrivals_ptr,
     E,
+    first,
+    held,
     OUT,
     H,
     stride_xm,
@@ -223,7 +238,7 @@ def _router_kernel(
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
         tl.store(arrivals_ptr + row, 0)
-        _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, TOP_K, K_PAD, NORMALIZE, BLOCK_E, True)
+        _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, first, held, TOP_K, K_PAD, NORMALIZE, BLOCK_E, True)
 
 
 @functools.cache
@@ -242,6 +257,8 @@ def router(
     num_experts: int,
     top_k: int,
     normalize: bool,
+    first_expert: int = 0,
+    held_experts: int | None = None,
     tile: RouterTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`deltaspec.ops.moe.router`: where `router_tile` has a launch (or `tile` gives one: tests, the sweep), for
@@ -253,7 +270,7 @@ def router(
     fused = fused and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1 == x.stride(-1)
     if not fused:
         logits = product(x)
-        return logits, *route(logits[:, :num_experts], top_k, normalize)
+        return logits, *route(logits[:, :num_experts], top_k, normalize, first_expert, held_experts)
     out_features = weight.shape[0]
     logits = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
@@ -267,6 +284,8 @@ def router(
         experts,
         _arrivals(x.device, rows),
         num_experts,
+        first_expert,
+        num_experts if held_experts is None else held_experts,
         out_features,
         hidden,
         x.stride(0),
@@ -313,6 +332,7 @@ def _align_kernel(
     reads[0]."""
     pair = tl.arange(0, P_PAD)
     expert = tl.load(experts_ptr + pair, mask=pair < num_pairs, other=E)  # [P_PAD], E past the pairs
+    expert = tl.where(expert < 0, E, expert)  # pairs of no held expert (-1) are left out like those
     counts = tl.histogram(expert, E_PAD)  # [E_PAD]
     expert_ids = tl.arange(0, E_PAD)
     nblocks = tl.where(expert_ids < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
@@ -468,11 +488,11 @@ def _expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W: tl.cons
 
 @triton.jit
 def _count_distinct(experts_ptr, num_pairs, reads_ptr, P_PAD: tl.constexpr):
-    """reads[0] += the number of distinct experts among the pass's num_pairs <= P_PAD pairs."""
+    """reads[0] += the number of distinct held experts (not -1) among the pass's num_pairs <= P_PAD pairs."""
     index = tl.arange(0, P_PAD)
     chosen = tl.load(experts_ptr + index, mask=index < num_pairs, other=-1)  # [P_PAD]
     earlier = (chosen[:, None] == chosen[None, :]) & (index[None, :] < index[:, None])  # [P_PAD, P_PAD]
-    first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (index < num_pairs)
+    first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (index < num_pairs) & (chosen >= 0)
     tl.atomic_add(reads_ptr, tl.sum(first.to(tl.int64), axis=0))
 
 
@@ -629,7 +649,8 @@ def _sum_kernel(
     P_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """out[token] = the float32 sum of per_pair[token * TOP_K + slot] over the slots, in slot order, rounded;
+    """out[token] = the float32 sum of per_pair[token * TOP_K + slot] over the slots whose expert is held (not
+    -1), in slot order, rounded;
     with SHARED, plus sigmoid(logit[token]) * shared[token], rounded as the reference's dtype ops round. With
     COUNT (ungrouped blocks: no grouping kernel counted them) program (0, 0) adds the distinct experts among
     the pass's pairs to reads[0]."""
@@ -638,7 +659,9 @@ def _sum_kernel(
     mask = cols < H
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
-        total += tl.load(per_pair_ptr + (token * TOP_K + slot) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        held = tl.load(experts_ptr + token * TOP_K + slot) >= 0  # else another rank's expert: no row was written
+        row = per_pair_ptr + (token * TOP_K + slot) * H + cols
+        total += tl.load(row, mask=mask & held, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if SHARED:
         shared = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0)
@@ -727,6 +750,8 @@ def _pair_gate_up_kernel(
     `cols`: a GEMV per pair, no grouping (QTYPE, strides and the shared expert's pairs as `_gate_up_kernel`'s)."""
     pair = tl.program_id(0)
     expert = tl.load(experts_ptr + pair, mask=pair < routed_pairs, other=E)
+    if expert < 0:  # another rank's expert
+        return
     x_row = x_ptr + _token_of(pair, routed_pairs, TOP_K).to(tl.int64) * stride_xm
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < inter_size
@@ -784,13 +809,14 @@ def _pair_down_sum_kernel(
     for slot in tl.static_range(TOP_K):
         pair = token * TOP_K + slot
         expert = tl.load(experts_ptr + pair)
-        x_row = inter_ptr + pair.to(tl.int64) * stride_im
-        w_expert = w_ptr + expert.to(tl.int64) * stride_we
-        acc = _rows_times_x(
-            x_row, w_expert, cols, n_mask, stride_wn, inter_size, *exps, QTYPE, BLOCK_N, BLOCK_K, K_TILES, PRMT
-        )
-        scale = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
-        total += (acc.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
+        if expert >= 0:  # else another rank's expert, which adds nothing here
+            x_row = inter_ptr + pair.to(tl.int64) * stride_im
+            w_expert = w_ptr + expert.to(tl.int64) * stride_we
+            acc = _rows_times_x(
+                x_row, w_expert, cols, n_mask, stride_wn, inter_size, *exps, QTYPE, BLOCK_N, BLOCK_K, K_TILES, PRMT
+            )
+            scale = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
+            total += (acc.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
     if SHARED:
         if SHARED_W:
             x_row = inter_ptr + (routed_pairs + token).to(tl.int64) * stride_im
