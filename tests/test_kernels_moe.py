@@ -307,7 +307,8 @@ def test_the_router_names_the_held_experts_by_their_index_among_them(kernels, ke
         )
         assert torch.equal(local, want) and torch.equal(got_weights, weights)
         routed_weights, routed = kernels.route(logits, top_k, True, first, held)
-        assert torch.equal(routed, want) and torch.equal(routed_weights, weights)
+        assert torch.equal(routed, want)  # (its launch may reduce in another order than the fused router's)
+        torch.testing.assert_close(routed_weights, weights, rtol=2e-6, atol=2e-7)
 
 
 @pytest.mark.parametrize("tile", TILES)
