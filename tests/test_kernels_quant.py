@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deltaspec.ops.quant import format_of
+from deltaspec.ops.quant.quantize import quantize
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as reference_linear
 
@@ -16,9 +17,12 @@ HALF_FIELDS = ("d", "dmin")
 
 
 def random_weight(qtype: str, rows: int, columns: int, seed: int) -> torch.Tensor:
-    """Random blocks [rows, row_bytes] of `qtype` whose float16 scales are small (values of order 1)."""
+    """Random blocks [rows, row_bytes] of `qtype` whose float16 scales are small (values of order 1); FP8_B128
+    blocks quantized from normal values (random bytes would hold e4m3 NaNs)."""
     fmt = format_of(qtype)
     gen = torch.Generator().manual_seed(seed)
+    if qtype == "FP8_B128":
+        return quantize(torch.randn(rows, columns, generator=gen), qtype)
     n_blocks = columns // fmt.block_size
     blocks = torch.randint(0, 256, (rows, n_blocks, fmt.type_size), generator=gen, dtype=torch.uint8)
     offset = 0
@@ -49,6 +53,7 @@ def kernel(kernel_device):
 
 
 FAMILIES = [("Q8_0", "gemv"), ("Q8_0", "tile"), ("Q4_K", "gemv"), ("Q4_K", "tile"), ("Q6_K", "gemv"), ("Q6_K", "tile")]
+FAMILIES += [("FP8_B128", "tile")]
 
 
 @pytest.mark.parametrize(("qtype", "family"), FAMILIES)
@@ -68,7 +73,7 @@ def test_every_kernel_family_matches_the_reference(kernel, kernel_device, qtype,
     assert_near_the_reference(got, x, weight)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "FP8_B128"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_routed_product_matches_the_reference(kernel, kernel_device, qtype, rows, dtype):
@@ -91,7 +96,7 @@ def test_segments_of_different_types_and_leading_dims(kernel, kernel_device):
     torch.testing.assert_close(kernel(prefill, weight), reference_linear(prefill, weight), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "FP8_B128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_pass_dequantize_equals_the_reference(kernel_device, qtype, dtype):
     """37 rows (a partial last program), two super-blocks: the same bits as the reference, rounded to dtype."""

@@ -138,7 +138,7 @@ def test_config_missing_required_field(checkpoints, tmp_path, field):
 
 def test_quantized_checkpoint_is_refused(checkpoints, tmp_path):
     path = copy_checkpoint(checkpoints, "qwen3_5_r2", tmp_path)
-    edit_config(path, lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
+    edit_config(path, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}))
     message = load_error(path)
     assert str(path) in message
     assert "quantized" in message

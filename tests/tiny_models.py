@@ -60,17 +60,8 @@ def make_model(kind: str, seed: int = 0, **overrides):
         config = tf.Qwen3_5MoeTextConfig(**_common(**(moe | overrides)))
         model = tf.Qwen3_5MoeForCausalLM(config)
     elif kind == "qwen3_next":
-        config = tf.Qwen3NextConfig(
-            **_common(
-                num_experts=6,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=48,
-                decoder_sparse_step=1,
-                norm_topk_prob=True,
-                **overrides,
-            )
-        )
+        moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        config = tf.Qwen3NextConfig(**_common(**(moe | dict(decoder_sparse_step=1, norm_topk_prob=True) | overrides)))
         model = tf.Qwen3NextForCausalLM(config)
     else:
         raise ValueError(kind)
@@ -206,3 +197,59 @@ def write_block_drafter(
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     return directory
+
+
+# dimensions whose matrices all have input sizes divisible by 128, as FP8 block-scaled checkpoints need, even
+# when two tensor-parallel ranks split the row-parallel ones
+FP8_DIMS = dict(hidden_size=128, intermediate_size=256, head_dim=64, linear_value_head_dim=64)
+FP8_MOE_DIMS = FP8_DIMS | dict(moe_intermediate_size=256, shared_expert_intermediate_size=256)
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+FP8_KEPT = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "shared_expert_gate", "conv1d", "in_proj_b.", "in_proj_a.")
+
+
+def write_fp8_checkpoint(source: Path, target: Path) -> Path:
+    """A copy of float checkpoint `source` in the layout of Qwen's `-FP8` releases: every other matrix as float8
+    e4m3 `weight` with a float32 `weight_scale_inv` per 128 x 128 tile (amax / 448, as transformers' fine-grained
+    FP8 quantizer scales), the embeddings, norms, routers, conv and GDN b / a projections in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    from deltaspec.ops.quant.fp8 import quantize_tiles
+
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            (target / file.name).write_bytes(file.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = FP8_CONFIG | {"modules_to_not_convert": list(FP8_KEPT)}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for name, tensor in load_file(next(source.glob("*.safetensors"))).items():
+        if tensor.dim() == 2 and name.endswith(".weight") and not any(kept in name for kept in FP8_KEPT):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_tiles(tensor)
+        else:
+            tensors[name] = tensor.to(torch.bfloat16)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def write_dequantized_checkpoint(source: Path, target: Path) -> Path:
+    """A float32 copy of FP8 checkpoint `source`, each matrix dequantized by transformers' own FP8 code."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            (target / file.name).write_bytes(file.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    block = config.pop("quantization_config")["weight_block_size"]
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = load_file(source / "model.safetensors")
+    floats = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        floats[name] = tensor.float() if scale is None else _dequantize_fp8_weight(tensor, scale, block, torch.float32)
+    save_file(floats, target / "model.safetensors", metadata={"format": "pt"})
+    return target

@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
+from deltaspec.ops.quant.fp8 import BLOCK_BYTES as FP8_BLOCK_BYTES
+from deltaspec.ops.quant.fp8 import SCALE_SUFFIX as FP8_SCALE_SUFFIX
 
 GIB = 1 << 30
 RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack, Python
@@ -145,16 +147,21 @@ class MemoryPlan:
 
 
 def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
-    """Bytes of all loaded tensors in `dtype`, from the safetensors headers (no tensor is read)."""
+    """Bytes of all loaded tensors, from the safetensors headers (no tensor is read): float ones in `dtype`, an
+    FP8 checkpoint's e4m3 matrices as their FP8_B128 blocks (132 bytes per 128 values; their tile scales are in
+    those bytes)."""
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
-        if not skip(name):
+        if not skip(name) and not (name.endswith(FP8_SCALE_SUFFIX) and name[: -len(FP8_SCALE_SUFFIX)] in files):
             by_file.setdefault(file, []).append(name)
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
-            total += sum(math.prod(f.get_slice(n).get_shape()) for n in names) * size
+            for name in names:
+                tensor = f.get_slice(name)
+                per_value = FP8_BLOCK_BYTES / 128 if tensor.get_dtype() == "F8_E4M3" else size
+                total += int(math.prod(tensor.get_shape()) * per_value)
     return total
 
 

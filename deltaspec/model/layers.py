@@ -12,7 +12,7 @@ from torch import nn
 from deltaspec.config import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.moe import SharedExpert, expected_distinct_experts
-from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.ops.quant.weight import FLOAT_TYPES, QuantizedWeight
 
 
 def project(ops: OpTable, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
@@ -65,11 +65,16 @@ class FusedLinear(Linear):
         self.sizes = [p.out_features for p in parts.values()]
         with torch.no_grad():
             weights = [p.weight for p in parts.values()]
-            if any(isinstance(w, QuantizedWeight) for w in weights):
+            floats = [w for w in weights if not isinstance(w, QuantizedWeight)]
+            if len(floats) == len(weights):
+                set_weight(self, "weight", torch.cat(weights))
+            elif all(w.dtype in FLOAT_TYPES for w in floats):  # float parts join the blocks as float segments
                 as_blocks = [w if isinstance(w, QuantizedWeight) else QuantizedWeight.from_float(w) for w in weights]
                 set_weight(self, "weight", QuantizedWeight.cat(as_blocks))
-            else:
-                set_weight(self, "weight", torch.cat(weights))
+            else:  # float64 parts (reference runs): the blocks dequantized to them, exactly, give the same products
+                dtype = floats[0].dtype
+                whole = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
+                set_weight(self, "weight", torch.cat(whole))
             if self.bias is not None:
                 self.bias = nn.Parameter(torch.cat([p.bias for p in parts.values()]), requires_grad=False)
 

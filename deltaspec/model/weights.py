@@ -8,6 +8,7 @@ Checkpoint names are mapped to the model's parameter names here: the multimodal 
 `model.language_model.` is dropped (the vision tower is skipped), GDN conv and norm weights are
 renamed, and per-expert MoE tensors are packed into the fused expert tensors. A tensor-parallel rank reads
 only its slices of each tensor (`deltaspec.parallel.shard.Shard`; safetensors reads slices without the rest).
+An FP8 checkpoint's quantized matrices become FP8_B128 blocks (`deltaspec.model.hf_quant`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.hf_quant import SCALE_SUFFIX, Blocks, checkpoint_quantization
 from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.layers import set_weight
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.group import SINGLE, TensorParallel
 from deltaspec.parallel.shard import Shard, shard_config
 
@@ -199,12 +203,8 @@ def load_model(
 ) -> HybridModel:
     """Build the model and fill every parameter from the checkpoint at `model_dir` (the MTP head, when the
     checkpoint has one, only `with_mtp`: it is a drafter's memory); a rank of a tensor-parallel group `tp` builds
-    and reads its share."""
-    if raw_config.get("quantization_config"):
-        raise DeltaspecError(
-            f"{model_dir} is a quantized checkpoint; deltaspec loads unquantized weights "
-            "(bfloat16, float16 or float32) for now."
-        )
+    and reads its share. An FP8 checkpoint's quantized matrices are kept as blocks."""
+    fp8 = checkpoint_quantization(raw_config, model_dir) == "fp8"
     files = checkpoint_files(model_dir)
     num_mtp_layers = count_mtp_layers(files) if with_mtp else 0
     with torch.device("meta"):
@@ -212,8 +212,9 @@ def load_model(
         full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
     shapes = {name: param.shape for name, param in full.named_parameters()}  # the checkpoint's (full) shapes
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
-    params = dict(model.named_parameters())
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
     loaded: dict[str, torch.Tensor] = {}
+    blocks = Blocks(files if fp8 else {}, shard, params, shapes, device)
     expert_parts: dict[str, set] = defaultdict(set)
     unexpected = []
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -225,21 +226,29 @@ def load_model(
             for name in names:
                 bar.update(1)
                 target = target_name(name, with_mtp)
-                if target is None:
+                if target is None or (fp8 and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in files):
                     continue
+                source = f.get_slice(name)
                 if expert := EXPERT_RE.match(target):
-                    _load_expert(expert, f.get_slice(name), params, shapes, shard, loaded, expert_parts, dtype, device)
+                    if not blocks.add_expert(expert, name, source, expert_parts):
+                        _load_expert(expert, source, params, shapes, shard, loaded, expert_parts, dtype, device)
                     continue
                 if target not in params:
                     unexpected.append(name)
                     continue
-                part = read_part(name, target, f.get_slice(name), shapes[target], shard)
-                loaded[target] = part.to(device=device, dtype=dtype)
+                if not blocks.add(name, target, source):
+                    part = read_part(name, target, source, shapes[target], shard)
+                    loaded[target] = part.to(device=device, dtype=dtype)
     bar.close()
+    for target, weight in blocks.weights().items():
+        module_name, _, attribute = target.rpartition(".")
+        set_weight(modules[module_name], attribute, weight)
+        loaded[target] = weight
     if "lm_head.weight" not in loaded and config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
     _check_experts(expert_parts, params)
     missing = [checkpoint_name(n) for n in params if n not in loaded]
+    loaded = {name: tensor for name, tensor in loaded.items() if not isinstance(tensor, QuantizedWeight)}
     if unexpected:
         raise DeltaspecError(
             f"The checkpoint at {model_dir} has {len(unexpected)} tensors deltaspec does not "

@@ -201,6 +201,12 @@ def _mxfp4(f: dict[str, torch.Tensor]) -> torch.Tensor:
     return _levels(MXFP4_LEVELS, index.device)[index] * scale
 
 
+def _fp8_b128(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """e4m3 values times their tile's float32 scale, rounded once in float32 (as transformers dequantizes)."""
+    values = f["qs"].contiguous().view(torch.float8_e4m3fn).to(torch.float32)  # [n, 128], exact
+    return values * f["scale"].contiguous().view(torch.float32)
+
+
 _DEQUANTIZERS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "F32": _float32,
     "F16": _float16,
@@ -218,4 +224,5 @@ _DEQUANTIZERS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "IQ4_NL": _iq4_nl,
     "IQ4_XS": _iq4_xs,
     "MXFP4": _mxfp4,
+    "FP8_B128": _fp8_b128,
 }

@@ -1,10 +1,17 @@
-"""The GGUF tensor types deltaspec reads: each one's block size and byte layout.
+"""The GGUF tensor types deltaspec reads, and its own block type for FP8 checkpoints: each one's block size and
+byte layout.
 
 A quantized row is a run of blocks; a block packs `block_size` elements into `type_size` bytes,
 laid out as the fields of ggml's `block_*` struct (ggml/src/ggml-common.h), in struct order and
 without padding. The float types are blocks of one element. Names are spelled as gguf spells them.
 Fields named `d`, `dmin` or `m` hold one little-endian float16 each (two bytes); `e` (MXFP4) is an
 E8M0 exponent byte; every other field is packed quants or packed sub-block scales.
+
+`FP8_B128` is not a GGUF type: it is how deltaspec keeps the weights of a Hugging Face FP8 checkpoint (float8
+e4m3 values, one float32 scale per 128 x 128 tile): each run of 128 values of a row as a block of its tile's
+float32 `scale` (the checkpoint's `weight_scale_inv`, repeated on each of the tile's rows: 4 bytes per 128
+values) and the 128 e4m3 bytes, so that the row segments, fusions, shards and expert stacks of GGUF weights
+hold it unchanged.
 """
 
 from dataclasses import dataclass
@@ -46,6 +53,7 @@ _ALL = (
     QuantFormat("IQ4_NL", 32, (("d", 2), ("qs", 16))),
     QuantFormat("IQ4_XS", QK_K, (("d", 2), ("scales_h", 2), ("scales_l", QK_K // 64), ("qs", QK_K // 2))),
     QuantFormat("MXFP4", 32, (("e", 1), ("qs", 16))),
+    QuantFormat("FP8_B128", 128, (("scale", 4), ("qs", 128))),
 )
 
 FORMATS: dict[str, QuantFormat] = {fmt.name: fmt for fmt in _ALL}

@@ -52,6 +52,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
 PAIR_MAX_TOKENS = 2  # passes of at most this many tokens skip the grouping (`tile_for`)
 PRMT = not INTERPRETED  # the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks)
+MOE_TYPES = ("Q8_0", "Q4_K", "Q6_K")  # GGUF expert types the kernels read (FP8_B128 experts take the reference)
 KernelWeight = tuple[int, torch.Tensor, int, int]  # QTYPE (-1: float), the stack, its stride per expert and per row
 
 
@@ -844,7 +845,7 @@ def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> KernelWeight | Non
             return None
         return -1, weight, weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2)
     (qtype, data), *rest = weight.segments
-    if rest or qtype not in KERNEL_TYPES or weight.input_order is not None or weight.in_features % 256:
+    if rest or qtype not in MOE_TYPES or weight.input_order is not None or weight.in_features % 256:
         return None
     if not data.is_contiguous():
         return None

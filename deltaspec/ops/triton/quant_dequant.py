@@ -2,9 +2,9 @@
 (prefill chunks): each program reads BLOCK_N rows of one 256-value super-block once and writes their values in
 the activations' dtype, dequantized in float32 exactly as `deltaspec.ops.quant.dequant` does (the same tile
 code as the tensor-core products in `quant_matmul`), so cuBLAS then multiplies the same values the reference
-would. Q8_0, Q4_K and Q6_K (the types of llama.cpp's Q4_K_M, Q6_K and Q8_0 files); other types keep the torch
-reference. The tile code (`_tile`, `_q4_k_half_chunk`: a tile of rows dequantized in registers) lives here and
-the tensor-core products of `quant_matmul` use it too.
+would. Q8_0, Q4_K and Q6_K (the types of llama.cpp's Q4_K_M, Q6_K and Q8_0 files) and FP8_B128 (an FP8
+checkpoint's weights); other types keep the torch reference. The tile code (`_tile`, `_q4_k_half_chunk`: a tile
+of rows dequantized in registers) lives here and the tensor-core products of `quant_matmul` use it too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from deltaspec.ops.quant import format_of
 from deltaspec.ops.quant.dequant import dequantize as reference_dequantize
 from deltaspec.ops.triton import quant_gemv
 
-KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2}  # QTYPE of the tile code
+KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2, "FP8_B128": 3}  # QTYPE of the tile code
 STEP = 256  # values per super-block (eight Q8_0 blocks)
 BLOCK_N = 16
 
@@ -31,12 +31,28 @@ def _fp16_at(ptr, mask):
 
 
 @triton.jit
+def _fp32_at(ptr, mask):
+    """The little-endian float32 stored at byte pointer(s) `ptr` (0 where masked)."""
+    word = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+    for byte in tl.static_range(1, 4):
+        word = word | (tl.load(ptr + byte, mask=mask, other=0).to(tl.uint32) << (8 * byte))
+    return word.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_N, 256] of super-block `step` of Q8_0 or Q6_K weight rows `rows`, dequantized in float32.
-    Bytes are read in contiguous runs and unpacked with shifts and reshapes, never gathered value by value."""
+    """Values [BLOCK_N, 256] of super-block `step` of Q8_0, Q6_K or FP8_B128 weight rows `rows`, dequantized in
+    float32. Bytes are read in contiguous runs and unpacked with shifts and reshapes, never gathered value by
+    value."""
     base = w_ptr + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
     mask = n_mask[:, None]
-    if QTYPE == 0:  # Q8_0: 8 blocks of (fp16 d, 32 x int8)
+    if QTYPE == 3:  # FP8_B128: 2 blocks of (float32 scale, 128 x e4m3)
+        block = base[:, None] + step * 264 + tl.arange(0, 2)[None, :] * 132  # [BLOCK_N, 2]
+        scale = _fp32_at(block, mask)
+        quants = tl.load(block[:, :, None] + 4 + tl.arange(0, 128)[None, None, :], mask=mask[:, :, None], other=0)
+        values = scale[:, :, None] * quants.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, 2, 128]
+        return tl.reshape(values, (BLOCK_N, 256))
+    elif QTYPE == 0:  # Q8_0: 8 blocks of (fp16 d, 32 x int8)
         block = base[:, None] + step * 272 + tl.arange(0, 8)[None, :] * 34  # [BLOCK_N, 8]
         d = _fp16_at(block, mask)
         quants = tl.load(block[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=mask[:, :, None], other=0)

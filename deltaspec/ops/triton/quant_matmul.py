@@ -10,8 +10,8 @@ splits the input dimension into shares; with one share a program writes its outp
 float32 partial sums are added in a fixed order (`finish_kernel`), so results never depend on scheduling.
 `LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
 takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
-made of); other types, and products of more rows, dequantize the matrix in one pass (`quant_dequant`) and
-use cuBLAS.
+made of) and FP8_B128 (an FP8 checkpoint's weights; tensor-core tiles only); other types, and products of more
+rows, dequantize the matrix in one pass (`quant_dequant`) and use cuBLAS.
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
     ),
     "Q6_K": ((1, Launch("gemv", 32, 8, 2)), (MAX_ROWS, Launch("tile", 32, 4))),
     "Q8_0": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
+    "FP8_B128": ((MAX_ROWS, Launch("tile", 32, 4)),),  # no CUDA-core GEMV yet; Q8_0's tile, not yet swept
 }
 FINISH_BLOCK = 1024
 
