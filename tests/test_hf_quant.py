@@ -146,8 +146,9 @@ def test_other_quantizations_are_refused_in_one_sentence(fp8, tmp_path, quantiza
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_fp8_checkpoints_on_the_gpu_follow_their_dequantized_weights(fp8, kind):
-    """On CUDA in bf16 with CUDA graphs: the FP8 blocks through the tile kernels (dense) or the reference experts
-    (MoE) give the greedy tokens of the dequantized checkpoint's bf16 model, and logprobs within bf16 rounding."""
+    """On CUDA in bf16 with CUDA graphs: the FP8 blocks through the block kernels (the GEMV, the tensor-core tiles,
+    the expert kernels) give the greedy tokens of the dequantized checkpoint's bf16 model, and logprobs within bf16
+    rounding."""
     quantized, dequantized = fp8[kind]
     cuda = dict(device="cuda", dtype="bfloat16")
     got, want = generate(quantized, **cuda)[1], generate(dequantized, **cuda)[1]

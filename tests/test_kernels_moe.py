@@ -217,6 +217,8 @@ QUANT_CASES = [
     ("Q6_K", "Q4_K", 1, ("pair", 32, 16, 256), False, torch.float32),
     ("Q4_K", "Q6_K", 2, ("pair", 32, 16, 256), "expert", torch.bfloat16),
     ("Q4_K", "Q6_K", 1, ("pair", 32, 16, 256), "apart", torch.bfloat16),
+    *[("FP8_B128", "FP8_B128", n, tile, "expert", torch.bfloat16) for n, tile in ((1, None), (9, GROUPED_16))],
+    ("FP8_B128", "FP8_B128", 2, ("pair", 32, 16, 256), False, torch.float32),
 ]
 
 

@@ -53,7 +53,7 @@ def kernel(kernel_device):
 
 
 FAMILIES = [("Q8_0", "gemv"), ("Q8_0", "tile"), ("Q4_K", "gemv"), ("Q4_K", "tile"), ("Q6_K", "gemv"), ("Q6_K", "tile")]
-FAMILIES += [("FP8_B128", "tile")]
+FAMILIES += [("FP8_B128", "gemv"), ("FP8_B128", "tile")]
 
 
 @pytest.mark.parametrize(("qtype", "family"), FAMILIES)

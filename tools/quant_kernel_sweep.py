@@ -1,8 +1,8 @@
 """Sweep the launches of the GGUF-block products (`deltaspec/ops/triton/quant_matmul.py`) on CUDA.
 
-For the 27B shape's largest decode products in Q4_K, Q6_K and Q8_0 and row counts 1..64, times every kernel
-family and tile (`Launch`) that applies with `triton.testing.do_bench` (L2 flushed before each call, median),
-checks each result against the dequantizing reference, and records the achieved bandwidth (weight bytes /
+For the 27B shape's largest decode products in Q4_K, Q6_K and Q8_0 (or `--types`) and row counts 1..64, times
+every kernel family and tile (`Launch`) that applies with `triton.testing.do_bench` (L2 flushed before each call,
+median), checks each result against the dequantizing reference, and records the achieved bandwidth (weight bytes /
 time) next to bf16 `F.linear` on a matrix of the same shape; also the one-pass dequantization that prefill
 products take (`quant_dequant`, bandwidth counting the blocks read and the bf16 matrix written). Prints the
 best launch per (type, shape, rows) and writes everything as JSON to the path given (or stdout).
@@ -12,7 +12,7 @@ CUDA graph (`do_bench_cudagraph`, no launch overhead), each call reading the nex
 weight that they exceed twice the L2 cache, so every call reads its blocks from DRAM, next to bf16 `F.linear`
 timed the same way.
 
-    python tools/quant_kernel_sweep.py OUT.json [--quick] [--rows=1,2,4] [--table]
+    python tools/quant_kernel_sweep.py OUT.json [--quick] [--rows=1,2,4] [--types=Q4_K,FP8_B128] [--table]
 """
 
 import functools
@@ -70,11 +70,11 @@ def graph_timed(operands: list, call) -> float:
     return do_bench_cudagraph(lambda: call(next(turn)), rep=30)
 
 
-def table_timings(row_counts: tuple[int, ...]) -> list[dict]:
+def table_timings(row_counts: tuple[int, ...], types: tuple[str, ...]) -> list[dict]:
     """The routed product of each type, shape and row count against bf16, each timed by `graph_timed` over
     copies of the weight that exceed twice the L2."""
     records = []
-    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+    for qtype in types:
         for name, (n_out, n_in) in SHAPES.items():
             blocks = random_weight(qtype, n_out, n_in, 0)
             weights = [QuantizedWeight([(qtype, blocks)], n_in).cuda() for _ in range(copies_past_l2(blocks.numel()))]
@@ -106,9 +106,11 @@ def main() -> None:
     quick = "--quick" in sys.argv
     rows_flag = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rows=")), None)
     row_counts = tuple(int(r) for r in rows_flag.split(",")) if rows_flag else ROWS
+    types_flag = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--types=")), None)
+    types = tuple(types_flag.split(",")) if types_flag else ("Q4_K", "Q6_K", "Q8_0")
     path = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
     if "--table" in sys.argv:
-        report = {"device": torch.cuda.get_device_name(), "table": table_timings(row_counts)}
+        report = {"device": torch.cuda.get_device_name(), "table": table_timings(row_counts, types)}
         text = json.dumps(report, indent=1)
         if path:
             open(path, "w").write(text + "\n")
@@ -116,7 +118,7 @@ def main() -> None:
             print(text)
         return
     results, best, dequantized = [], [], []
-    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+    for qtype in types:
         for name, (n_out, n_in) in SHAPES.items():
             weight = QuantizedWeight([(qtype, random_weight(qtype, n_out, n_in, 0))], n_in).cuda()
             dense = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16)

@@ -24,7 +24,7 @@ Nothing reads a device value on the host, so MoE passes run inside CUDA graphs:
   the expert's output columns on the MMA's wide side and the pairs on its narrow side (padded to 16); GGUF
   blocks are dequantized in registers with the tile code of `quant_dequant` exactly as the reference
   dequantizes them.
-Weights are float (bf16, fp16, fp32) or single-segment GGUF blocks of Q8_0, Q6_K or Q4_K.
+Weights are float (bf16, fp16, fp32) or single-segment blocks of Q8_0, Q6_K, Q4_K or FP8_B128.
 Under expert parallelism the routing names another rank's experts -1: their pairs' programs return at once, the
 grouping leaves them out and the sums skip them.
 """
@@ -52,7 +52,6 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
 PAIR_MAX_TOKENS = 2  # passes of at most this many tokens skip the grouping (`tile_for`)
 PRMT = not INTERPRETED  # the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks)
-MOE_TYPES = ("Q8_0", "Q4_K", "Q6_K")  # GGUF expert types the kernels read (FP8_B128 experts take the reference)
 KernelWeight = tuple[int, torch.Tensor, int, int]  # QTYPE (-1: float), the stack, its stride per expert and per row
 
 
@@ -448,7 +447,7 @@ def _quant_rows_times(
                     w = _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, 2 * c + half, BLOCK_N)  # [BLOCK_N, 32]
                     x = tl.load(x_rows + step * 256 + c * 64 + half * 32 + lane[None, :], mask=row_mask[:, None])
                     acc = _times_rows(w, x, acc, WIDEN)
-        else:  # Q8_0, Q6_K: one 256-value super-block at a time
+        else:  # Q8_0, Q6_K, FP8_B128: one 256-value super-block at a time
             w = _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] float32
             x = tl.load(x_rows + step * 256 + tl.arange(0, 256)[None, :], mask=row_mask[:, None])
             acc = _times_rows(w, x, acc, WIDEN)
@@ -707,6 +706,9 @@ def _rows_times_x(
         result = quant_gemv.q4_k_rows(
             x_row, x_row, w32_ptr, start, n_mask, 0, K // 256, half_exponent, False, BLOCK_N, PRMT
         )
+    elif QTYPE == 3:
+        start = rows.to(tl.int64) * row_stride
+        result = quant_gemv.fp8_b128_rows(x_row, x_row, w_ptr, start, n_mask, 0, K // 256, False, BLOCK_N)
     elif QTYPE == 2:
         w16_ptr = w_ptr.to(tl.pointer_type(tl.int16))
         start = rows.to(tl.int64) * row_stride
@@ -845,7 +847,7 @@ def _kernel_weight(weight: torch.Tensor | QuantizedWeight) -> KernelWeight | Non
             return None
         return -1, weight, weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2)
     (qtype, data), *rest = weight.segments
-    if rest or qtype not in MOE_TYPES or weight.input_order is not None or weight.in_features % 256:
+    if rest or qtype not in KERNEL_TYPES or weight.input_order is not None or weight.in_features % 256:
         return None
     if not data.is_contiguous():
         return None

@@ -31,24 +31,15 @@ def _fp16_at(ptr, mask):
 
 
 @triton.jit
-def _fp32_at(ptr, mask):
-    """The little-endian float32 stored at byte pointer(s) `ptr` (0 where masked)."""
-    word = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
-    for byte in tl.static_range(1, 4):
-        word = word | (tl.load(ptr + byte, mask=mask, other=0).to(tl.uint32) << (8 * byte))
-    return word.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Values [BLOCK_N, 256] of super-block `step` of Q8_0, Q6_K or FP8_B128 weight rows `rows`, dequantized in
     float32. Bytes are read in contiguous runs and unpacked with shifts and reshapes, never gathered value by
     value."""
     base = w_ptr + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
     mask = n_mask[:, None]
-    if QTYPE == 3:  # FP8_B128: 2 blocks of (float32 scale, 128 x e4m3)
+    if QTYPE == 3:  # FP8_B128: 2 blocks of (float32 scale, 128 x e4m3); rows and blocks start 4-aligned
         block = base[:, None] + step * 264 + tl.arange(0, 2)[None, :] * 132  # [BLOCK_N, 2]
-        scale = _fp32_at(block, mask)
+        scale = tl.load(block.to(tl.pointer_type(tl.int32)), mask=mask, other=0).to(tl.float32, bitcast=True)
         quants = tl.load(block[:, :, None] + 4 + tl.arange(0, 128)[None, None, :], mask=mask[:, :, None], other=0)
         values = scale[:, :, None] * quants.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, 2, 128]
         return tl.reshape(values, (BLOCK_N, 256))

@@ -14,7 +14,8 @@ one, so a few rows re-read the weight from L2. Program `grid(1)` takes super-blo
 [s * steps_per_split, (s + 1) * steps_per_split) (the last share may be shorter); with several shares the
 partial sums go to a float32 workspace [shares, M, N] that `finish_kernel` reduces in a fixed order.
 Each kernel's product of BLOCK_N rows with one activation row is a function (`q4_k_rows`, `q6_k_rows`,
-`q8_0_rows`) that the mixture-of-experts decode kernels call on one expert's rows.
+`q8_0_rows`) that the mixture-of-experts decode kernels call on one expert's rows. FP8_B128 blocks (an FP8
+checkpoint's) need no bit tricks: their e4m3 bytes convert to float32 in hardware (`fp8_b128_rows`).
 """
 
 from __future__ import annotations
@@ -377,6 +378,58 @@ def q8_0_rows(
             + q1 * _x_at(x_row, order_ptr, position + 1, HAS_ORDER)[None]
         )
         acc += d[:, :, None] * products  # each thread's partial sums, added across the words once, at the end
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def fp32_at(w32_ptr, word, mask):
+    """The float32 stored as 32-bit word(s) `word` of w32_ptr (0 where masked)."""
+    return tl.load(w32_ptr + word, mask=mask, other=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_b128_gemv_kernel(
+    x_ptr,
+    order_ptr,
+    w_ptr,
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    row_bytes,
+    stride_xm,
+    stride_om,
+    steps,
+    steps_per_split,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """FP8_B128: 132-byte blocks of a float32 scale and 128 e4m3 values, two blocks (256 values) per step."""
+    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
+    x_row = x_ptr + m * stride_xm
+    row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
+    value = fp8_b128_rows(x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER, BLOCK_N)
+    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+
+
+@triton.jit
+def fp8_b128_rows(
+    x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """[BLOCK_N] float32: the FP8_B128 rows starting at bytes `row_start` [BLOCK_N] times the activations at x_row,
+    over steps (two blocks) [first, last): each value converted to float32, times its scale and activation,
+    summed per thread and across the row once at the end."""
+    w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+    half = tl.arange(0, 2)
+    lane = tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_N, 2, 128), dtype=tl.float32)
+    for step in range(first, last):
+        block = row_start[:, None] + step * 264 + half[None, :] * 132  # [BLOCK_N, 2] byte offsets, 4-aligned
+        scale = fp32_at(w32_ptr, block // 4, n_mask[:, None])  # [BLOCK_N, 2]
+        quants = tl.load(w_ptr + block[:, :, None] + 4 + lane[None, None, :], mask=n_mask[:, None, None], other=0)
+        values = quants.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, 2, 128]
+        x = _x_at(x_row, order_ptr, step * 256 + half[:, None] * 128 + lane[None, :], HAS_ORDER)  # [2, 128]
+        acc += values * scale[:, :, None] * x[None]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 

@@ -10,7 +10,7 @@ splits the input dimension into shares; with one share a program writes its outp
 float32 partial sums are added in a fixed order (`finish_kernel`), so results never depend on scheduling.
 `LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
 takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
-made of) and FP8_B128 (an FP8 checkpoint's weights; tensor-core tiles only); other types, and products of more
+made of) and FP8_B128 (an FP8 checkpoint's weights); other types, and products of more
 rows, dequantize the matrix in one pass (`quant_dequant`) and use cuBLAS.
 """
 
@@ -175,7 +175,7 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
     ),
     "Q6_K": ((1, Launch("gemv", 32, 8, 2)), (MAX_ROWS, Launch("tile", 32, 4))),
     "Q8_0": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
-    "FP8_B128": ((MAX_ROWS, Launch("tile", 32, 4)),),  # no CUDA-core GEMV yet; Q8_0's tile, not yet swept
+    "FP8_B128": ((1, Launch("gemv", 16, 4)), (MAX_ROWS, Launch("tile", 32, 4))),  # not yet swept
 }
 FINISH_BLOCK = 1024
 
@@ -210,6 +210,8 @@ def _segment_matmul(
             quant_gemv.q6_k_gemv_kernel[gemv_grid](
                 x, order, data, data.view(torch.int16), parts, out, m, n, n_bytes, *tail, HALF, PRMT=PRMT, **common
             )
+        elif qtype == "FP8_B128":
+            quant_gemv.fp8_b128_gemv_kernel[gemv_grid](x, order, data, parts, out, m, n, n_bytes, *tail, **common)
         else:
             quant_gemv.q8_0_gemv_kernel[gemv_grid](
                 x, order, data.view(torch.int16), parts, out, m, n, n_bytes // 2, *tail, BIASED, PRMT=PRMT, **common
