@@ -232,10 +232,18 @@ def write_fp8_checkpoint(source: Path, target: Path) -> Path:
     return target
 
 
+def dequantize_fp8_tiles(values: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """values [out, in] e4m3 times each one's tile scale, in float32: transformers' `_dequantize_fp8_weight`
+    (integrations/finegrained_fp8, transformers 5.2x; older releases lack it, so the test of the blocks compares
+    the two where it exists)."""
+    rows, columns = values.shape
+    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :columns]
+    return values.float() * scale
+
+
 def write_dequantized_checkpoint(source: Path, target: Path) -> Path:
-    """A float32 copy of FP8 checkpoint `source`, each matrix dequantized by transformers' own FP8 code."""
+    """A float32 copy of FP8 checkpoint `source`, each matrix dequantized as transformers does."""
     from safetensors.torch import load_file, save_file
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     target.mkdir(parents=True)
     for file in source.iterdir():
@@ -250,6 +258,6 @@ def write_dequantized_checkpoint(source: Path, target: Path) -> Path:
         if name.endswith("_scale_inv"):
             continue
         scale = tensors.get(name + "_scale_inv")
-        floats[name] = tensor.float() if scale is None else _dequantize_fp8_weight(tensor, scale, block, torch.float32)
+        floats[name] = tensor.float() if scale is None else dequantize_fp8_tiles(tensor, scale, block)
     save_file(floats, target / "model.safetensors", metadata={"format": "pt"})
     return target

@@ -29,6 +29,7 @@ class QuantFormat:
     block_size: int
     fields: tuple[tuple[str, int], ...]  # (field name, bytes), in struct order
     is_float: bool = False
+    in_gguf: bool = True  # a ggml type (FP8_B128 is deltaspec's own)
 
     @property
     def type_size(self) -> int:
@@ -53,10 +54,11 @@ _ALL = (
     QuantFormat("IQ4_NL", 32, (("d", 2), ("qs", 16))),
     QuantFormat("IQ4_XS", QK_K, (("d", 2), ("scales_h", 2), ("scales_l", QK_K // 64), ("qs", QK_K // 2))),
     QuantFormat("MXFP4", 32, (("e", 1), ("qs", 16))),
-    QuantFormat("FP8_B128", 128, (("scale", 4), ("qs", 128))),
+    QuantFormat("FP8_B128", 128, (("scale", 4), ("qs", 128)), in_gguf=False),
 )
 
 FORMATS: dict[str, QuantFormat] = {fmt.name: fmt for fmt in _ALL}
+GGUF_TYPES = tuple(name for name, fmt in FORMATS.items() if fmt.in_gguf)
 
 
 def format_of(name: str) -> QuantFormat:
