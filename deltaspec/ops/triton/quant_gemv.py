@@ -414,16 +414,7 @@ def fp8_b128_gemv_kernel(
 
 @triton.jit
 def fp8_b128_rows(
-    x_row,
-    order_ptr,
-    w_ptr,
-    row_start,
-    n_mask,
-    first,
-    last,
-    HAS_ORDER: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr = 3,
+    x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """[BLOCK_N] float32: the FP8_B128 rows starting at bytes `row_start` [BLOCK_N] times the activations at x_row,
     over steps (two blocks) [first, last): each value converted to float32, times its scale and activation,
@@ -432,7 +423,7 @@ def fp8_b128_rows(
     half = tl.arange(0, 2)
     lane = tl.arange(0, 128)
     acc = tl.zeros((BLOCK_N, 2, 128), dtype=tl.float32)
-    for step in tl.range(first, last, num_stages=STAGES):  # loads of later steps issued early
+    for step in range(first, last):
         block = row_start[:, None] + step * 264 + half[None, :] * 132  # [BLOCK_N, 2] byte offsets, 4-aligned
         scale = fp32_at(w32_ptr, block // 4, n_mask[:, None])  # [BLOCK_N, 2]
         quants = tl.load(w_ptr + block[:, :, None] + 4 + lane[None, None, :], mask=n_mask[:, None, None], other=0)
