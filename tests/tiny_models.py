@@ -207,6 +207,13 @@ FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp
 FP8_KEPT = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "shared_expert_gate", "conv1d", "in_proj_b.", "in_proj_a.")
 
 
+def _copy_all_but_weights(source: Path, target: Path) -> None:
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            (target / file.name).write_bytes(file.read_bytes())
+
+
 def write_fp8_checkpoint(source: Path, target: Path) -> Path:
     """A copy of float checkpoint `source` in the layout of Qwen's `-FP8` releases: every other matrix as float8
     e4m3 `weight` with a float32 `weight_scale_inv` per 128 x 128 tile (amax / 448, as transformers' fine-grained
@@ -215,10 +222,7 @@ def write_fp8_checkpoint(source: Path, target: Path) -> Path:
 
     from deltaspec.ops.quant.fp8 import quantize_tiles
 
-    target.mkdir(parents=True)
-    for file in source.iterdir():
-        if file.suffix != ".safetensors":
-            (target / file.name).write_bytes(file.read_bytes())
+    _copy_all_but_weights(source, target)
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = FP8_CONFIG | {"modules_to_not_convert": list(FP8_KEPT)}
     (target / "config.json").write_text(json.dumps(config, indent=2))
@@ -245,10 +249,7 @@ def write_dequantized_checkpoint(source: Path, target: Path) -> Path:
     """A float32 copy of FP8 checkpoint `source`, each matrix dequantized as transformers does."""
     from safetensors.torch import load_file, save_file
 
-    target.mkdir(parents=True)
-    for file in source.iterdir():
-        if file.suffix != ".safetensors":
-            (target / file.name).write_bytes(file.read_bytes())
+    _copy_all_but_weights(source, target)
     config = json.loads((source / "config.json").read_text())
     block = config.pop("quantization_config")["weight_block_size"]
     (target / "config.json").write_text(json.dumps(config, indent=2))

@@ -22,8 +22,7 @@ from safetensors import safe_open
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.ops.quant.fp8 import BLOCK_BYTES as FP8_BLOCK_BYTES
-from deltaspec.ops.quant.fp8 import SCALE_SUFFIX as FP8_SCALE_SUFFIX
+from deltaspec.ops.quant import fp8
 
 GIB = 1 << 30
 RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack, Python
@@ -152,7 +151,7 @@ def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
     those bytes)."""
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
-        if not skip(name) and not (name.endswith(FP8_SCALE_SUFFIX) and name[: -len(FP8_SCALE_SUFFIX)] in files):
+        if not skip(name) and not (name.endswith(fp8.SCALE_SUFFIX) and name[: -len(fp8.SCALE_SUFFIX)] in files):
             by_file.setdefault(file, []).append(name)
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0
@@ -160,7 +159,7 @@ def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
         with safe_open(file, framework="pt") as f:
             for name in names:
                 tensor = f.get_slice(name)
-                per_value = FP8_BLOCK_BYTES / 128 if tensor.get_dtype() == "F8_E4M3" else size
+                per_value = fp8.BLOCK_BYTES / fp8.BLOCK if tensor.get_dtype() == "F8_E4M3" else size
                 total += int(math.prod(tensor.get_shape()) * per_value)
     return total
 

@@ -17,11 +17,10 @@ import torch
 from safetensors import safe_open
 
 from deltaspec.errors import DeltaspecError
-from deltaspec.ops.quant.fp8 import BLOCK, SCALE_SUFFIX, tiles_to_blocks
+from deltaspec.ops.quant.fp8 import BLOCK, QTYPE, SCALE_SUFFIX, tiles_to_blocks
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.shard import Shard
 
-FP8_TYPE = "FP8_B128"
 LOADED = "FP8 block-scaled checkpoints (quant_method fp8, weight_block_size [128, 128]), unquantized ones, GGUF files"
 
 
@@ -127,6 +126,6 @@ class Blocks:
     def weights(self) -> dict[str, QuantizedWeight]:
         """Every FP8 matrix read, as blocks on the device, by parameter name."""
         return {
-            target: QuantizedWeight([(FP8_TYPE, data.to(self.device))], self.params[target].shape[-1])
+            target: QuantizedWeight([(QTYPE, data.to(self.device))], self.params[target].shape[-1])
             for target, data in (*self.plain.items(), *self.stacks.items())
         }

@@ -47,7 +47,8 @@ GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "o
 POOL_BLOCKS = 1024  # quantized unit-normal blocks per type that `random_blocks` draws from
 HALF_SCALES = ("d", "dmin", "m")  # float16 block fields each value of the block is linear in
 FLOAT_SCALE = "scale"  # FP8_B128's float32 scale field
-FP8_KEPT = ("token_embd.", "output.", "ffn_gate_inp")  # kept float in Qwen's -FP8 releases: embeddings, routers
+FP8_KEPT = ("token_embd.", "output.")  # kept float in Qwen's -FP8 releases, with the routers (ROUTER)
+ROUTER = "ffn_gate_inp"  # a MoE layer's router and shared expert gate
 MTP_FC = "mtp.fc.weight"
 
 
@@ -93,7 +94,7 @@ def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str)
         block = format_of(key).block_size
         chosen = {gguf: (key if shapes[name][-1] % block == 0 else "F16") for gguf, name in named.items()}
         if key == "FP8_B128":  # the layout of an FP8 checkpoint: embeddings, LM head and routers stay float
-            kept = [gguf for gguf in chosen if gguf.startswith(FP8_KEPT[:2]) or FP8_KEPT[2] in gguf]
+            kept = [gguf for gguf in chosen if gguf.startswith(FP8_KEPT) or ROUTER in gguf]
             chosen |= dict.fromkeys(kept, "F16")
     else:
         n_expert = config.moe.num_experts if config.moe else 0

@@ -28,7 +28,6 @@ from deltaspec.model.hf_quant import SCALE_SUFFIX, Blocks, checkpoint_quantizati
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.layers import set_weight
 from deltaspec.ops.dispatch import OpTable
-from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.group import SINGLE, TensorParallel
 from deltaspec.parallel.shard import Shard, shard_config
 
@@ -240,15 +239,14 @@ def load_model(
                     part = read_part(name, target, source, shapes[target], shard)
                     loaded[target] = part.to(device=device, dtype=dtype)
     bar.close()
-    for target, weight in blocks.weights().items():
+    quantized = blocks.weights()
+    for target, weight in quantized.items():
         module_name, _, attribute = target.rpartition(".")
         set_weight(modules[module_name], attribute, weight)
-        loaded[target] = weight
     if "lm_head.weight" not in loaded and config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
     _check_experts(expert_parts, params)
-    missing = [checkpoint_name(n) for n in params if n not in loaded]
-    loaded = {name: tensor for name, tensor in loaded.items() if not isinstance(tensor, QuantizedWeight)}
+    missing = [checkpoint_name(n) for n in params if n not in loaded and n not in quantized]
     if unexpected:
         raise DeltaspecError(
             f"The checkpoint at {model_dir} has {len(unexpected)} tensors deltaspec does not "

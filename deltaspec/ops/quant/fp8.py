@@ -16,6 +16,7 @@ import torch
 
 from deltaspec.errors import DeltaspecError
 
+QTYPE = "FP8_B128"  # the block type's name (`deltaspec.ops.quant.formats`)
 BLOCK = 128  # values per block, and the tile's side
 BLOCK_BYTES = 4 + BLOCK  # its float32 scale and its e4m3 values
 SCALE_SUFFIX = "_scale_inv"  # a checkpoint's `...weight_scale_inv`: the tile scales of `...weight`
