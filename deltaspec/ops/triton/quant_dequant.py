@@ -127,8 +127,10 @@ def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, stride_on, QTYPE: tl.conste
 
 
 def kernel_dequantizes(qtype: str, data: torch.Tensor) -> bool:
-    """Whether the kernel takes this segment: a kernel type, 2-D, whole 256-value super-blocks per row."""
-    return qtype in KERNEL_TYPES and data.dim() == 2 and data.shape[1] % format_of(qtype).type_size == 0
+    """Whether the kernel takes this segment: a kernel type, 2-D, whole 256-value super-blocks per row (a row of
+    Q8_0 or FP8_B128 blocks may end in half of one: such segments take the reference)."""
+    fmt = format_of(qtype) if qtype in KERNEL_TYPES else None
+    return fmt is not None and data.dim() == 2 and data.shape[1] % (fmt.type_size * STEP // fmt.block_size) == 0
 
 
 def dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
