@@ -1,8 +1,10 @@
-"""Hugging Face FP8 block-scaled checkpoints (tiny models in the layout of Qwen's `-FP8` releases, float8 e4m3
-values with float32 `weight_scale_inv` tiles): kept as FP8_B128 blocks that dequantize bit for bit as
-transformers does; the logits of the dequantized checkpoint within 1e-9 in float64, dense and MoE, one process
-or tensor / expert parallel; greedy speculative decoding exact; the plan counts the blocks; other quantization
-methods refused in one sentence."""
+"""Hugging Face quantized checkpoints. FP8 block-scaled ones (tiny models in the layout of Qwen's `-FP8`
+releases, float8 e4m3 values with float32 `weight_scale_inv` tiles): kept as FP8_B128 blocks that dequantize
+bit for bit as transformers does. int4 W4A16 ones (compressed-tensors pack-quantized written by that library,
+GPTQ in AutoGPTQ's layout; groups of 32 and 128, symmetric and asymmetric): kept as I4 blocks. Each gives the
+logits of its dequantized checkpoint within 1e-9 in float64, dense and MoE, one process or tensor / expert
+parallel; greedy speculative decoding exact; the plan counts the blocks; other quantization methods and
+variants refused in one sentence."""
 
 from __future__ import annotations
 
@@ -21,10 +23,13 @@ from deltaspec.ops.quant.weight import QuantizedWeight
 from tests.tiny_models import (
     FP8_DIMS,
     FP8_MOE_DIMS,
+    INT4_DIMS,
+    INT4_MOE_DIMS,
     dequantize_fp8_tiles,
     write_checkpoint,
     write_dequantized_checkpoint,
     write_fp8_checkpoint,
+    write_int4_checkpoints,
 )
 
 OPTIONS = dict(dtype="float64", device="cpu", max_num_seqs=4, max_model_len=512)
@@ -42,6 +47,26 @@ def fp8(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         quantized = write_fp8_checkpoint(source, root / f"{kind}-fp8")
         made[kind] = quantized, write_dequantized_checkpoint(quantized, root / f"{kind}-dequantized")
     return made
+
+
+# (model kind, layout, group size, symmetric): each layout in both group sizes, both zero-point kinds, dense and MoE
+INT4_CASES = [
+    ("qwen3_5", "compressed-tensors", 128, True),
+    ("qwen3_5_moe", "compressed-tensors", 32, False),
+    ("qwen3_5", "gptq", 128, False),
+    ("qwen3_5_moe", "gptq_v2", 32, True),
+]
+
+
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory) -> dict[tuple, tuple[Path, Path]]:
+    """{case: (int4 checkpoint, its dequantized float32 copy)}."""
+    root = tmp_path_factory.mktemp("int4")
+    sources = {
+        kind: write_checkpoint(root / kind, kind, seed=5, **dims)
+        for kind, dims in (("qwen3_5", INT4_DIMS), ("qwen3_5_moe", INT4_MOE_DIMS))
+    }
+    return {case: write_int4_checkpoints(sources[case[0]], root, *case[1:]) for case in INT4_CASES}
 
 
 def test_blocks_dequantize_bit_for_bit_as_transformers_does():
@@ -123,10 +148,92 @@ def test_the_plan_counts_fp8_blocks(fp8):
     assert planned < 0.6 * weight_bytes(checkpoint_files(dequantized), torch.bfloat16, lambda name: False)
 
 
+@pytest.mark.parametrize("case", INT4_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_int4_checkpoints_give_the_logits_of_their_dequantized_weights(int4, case):
+    quantized, dequantized = int4[case]
+    llm, got = generate(quantized)
+    layer = llm.engine.model.model.layers[0]
+    mlp = layer.mlp.experts.gate_up_proj if case[0] != "qwen3_5" else layer.mlp.gate_up_proj.weight
+    assert isinstance(mlp, QuantizedWeight) and mlp.qtypes == (f"I4_G{case[2]}",)
+    assert_same(got, generate(dequantized)[1])
+
+
+def test_int4_under_tensor_parallelism(int4):
+    """Each rank takes its rows, or whole groups of input columns, of every int4 matrix (whole experts under
+    expert parallelism take the FP8 test's path): the logits of one process."""
+    quantized, _ = int4[INT4_CASES[1]]
+    assert_same(generate(quantized, tensor_parallel_size=2)[1], generate(quantized)[1])
+
+
+def test_greedy_speculation_on_int4_weights_is_exact(int4):
+    quantized, _ = int4[INT4_CASES[2]]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = generate(quantized, greedy)[1]
+    spec = generate(quantized, greedy, speculative="ngram", draft_tokens=4)[1]
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("case", [INT4_CASES[0], INT4_CASES[3]], ids=lambda case: "-".join(map(str, case)))
+def test_the_plan_counts_int4_blocks(int4, case):
+    """A group of G values takes G / 2 bytes of nibbles and a 4-byte header: the plan says what the engine holds."""
+    from deltaspec.cache.memory_plan import weight_bytes
+    from deltaspec.model.weights import checkpoint_files
+
+    quantized, _ = int4[case]
+    planned = weight_bytes(checkpoint_files(quantized), torch.bfloat16, lambda name: False)
+    llm = LLM(str(quantized), **(OPTIONS | dict(dtype="bfloat16")))
+    try:
+        model = llm.engine.model
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        held += sum(m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))
+    finally:
+        llm.close()
+    assert planned == held
+
+
+def test_act_order_int4_groups_are_refused(int4, tmp_path):
+    """A GPTQ matrix whose g_idx permutes its groups (desc_act) cannot be kept as runs of consecutive columns."""
+    from safetensors.torch import load_file, save_file
+
+    quantized, _ = int4[INT4_CASES[2]]
+    path = tmp_path / "act-order"
+    path.mkdir()
+    (path / "config.json").write_text((quantized / "config.json").read_text())
+    tensors = load_file(quantized / "model.safetensors")
+    name = next(n for n in tensors if n.endswith(".g_idx"))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(DeltaspecError, match="activation order"):
+        LLM(str(path), **OPTIONS)
+
+
 @pytest.mark.parametrize(
     ("quantization", "says"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "quantized with 'gptq', which deltaspec does not load"),
+        ({"quant_method": "awq", "bits": 4}, "quantized with 'awq', which deltaspec does not load"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit weights in groups of 128"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 64}, "4-bit weights in groups of 64"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}},
+            },
+            "float-quantized float 8-bit channel weights",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {
+                        "weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128},
+                        "input_activations": {"type": "int", "num_bits": 8},
+                    }
+                },
+            },
+            "with quantized activations",
+        ),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size [64, 64]"),
         ({"quant_method": "fp8"}, "weight_block_size None (per-tensor scales when absent)"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "'static'"),

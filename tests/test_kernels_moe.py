@@ -1,8 +1,8 @@
 """The Triton mixture-of-experts kernels against their references (`deltaspec.ops.moe`): the router's top-k,
-the one-program grouping against the torch one, and the expert products for float and GGUF (Q8_0, Q6_K, Q4_K,
-and Q4_K with Q6_K down products) experts, one token to a prefill's worth, through the decode path (a GEMV per
-pair) and the grouped one with every tile height; under expert parallelism, the router naming the held experts
-and every path skipping the pairs of another rank's."""
+the one-program grouping against the torch one, and the expert products for float and quantized (Q8_0, Q6_K,
+Q4_K, Q4_K with Q6_K down products, FP8_B128, I4_G32 and I4_G128) experts, one token to a prefill's worth,
+through the decode path (a GEMV per pair) and the grouped one with every tile height; under expert parallelism,
+the router naming the held experts and every path skipping the pairs of another rank's."""
 
 import pytest
 import torch
@@ -219,6 +219,10 @@ QUANT_CASES = [
     ("Q4_K", "Q6_K", 1, ("pair", 32, 16, 256), "apart", torch.bfloat16),
     *[("FP8_B128", "FP8_B128", n, tile, "expert", torch.bfloat16) for n, tile in ((1, None), (9, GROUPED_16))],
     ("FP8_B128", "FP8_B128", 2, ("pair", 32, 16, 256), False, torch.float32),
+    *[("I4_G128", "I4_G32", n, tile, "expert", torch.bfloat16) for n, tile in ((1, None), (9, GROUPED_16))],
+    *[("I4_G32", "I4_G128", n, tile, False, torch.float32) for n, tile in ((1, None), (9, GROUPED_16))],
+    ("I4_G128", "I4_G128", 2, ("pair", 32, 16, 256), False, torch.float32),
+    ("I4_G32", "I4_G32", 2, ("pair", 32, 16, 256), "expert", torch.bfloat16),
 ]
 
 

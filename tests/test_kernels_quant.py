@@ -1,7 +1,7 @@
-"""The Triton products from GGUF blocks against their reference (dequantize, then one GEMM): Q8_0, Q4_K and Q6_K
-weights, 1 to 64 rows, every kernel family with one split and several, a permuted input order, one or several
-segments of different types, row counts and widths that leave tiles partly empty; more rows or other types
-take the dequantizing path."""
+"""The Triton products from GGUF blocks against their reference (dequantize, then one GEMM): Q8_0, Q4_K, Q6_K,
+FP8_B128 and int4 group (I4_G32, I4_G128) weights, 1 to 64 rows, every kernel family with one split and several,
+a permuted input order, one or several segments of different types, row counts and widths that leave tiles partly
+empty; more rows or other types take the dequantizing path."""
 
 import pytest
 import torch
@@ -14,15 +14,18 @@ from deltaspec.ops.quant.weight import quantized_linear as reference_linear
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
 HALF_FIELDS = ("d", "dmin")
+INT4_TYPES = ("I4_G32", "I4_G128")
 
 
 def random_weight(qtype: str, rows: int, columns: int, seed: int) -> torch.Tensor:
     """Random blocks [rows, row_bytes] of `qtype` whose float16 scales are small (values of order 1); FP8_B128
-    blocks quantized from normal values (random bytes would hold e4m3 NaNs)."""
+    blocks quantized from normal values (random bytes would hold e4m3 NaNs); int4 groups as `random_int4`."""
     fmt = format_of(qtype)
     gen = torch.Generator().manual_seed(seed)
     if qtype == "FP8_B128":
         return quantize(torch.randn(rows, columns, generator=gen), qtype)
+    if qtype in INT4_TYPES:
+        return random_int4(qtype, rows, columns, gen)
     n_blocks = columns // fmt.block_size
     blocks = torch.randint(0, 256, (rows, n_blocks, fmt.type_size), generator=gen, dtype=torch.uint8)
     offset = 0
@@ -32,6 +35,20 @@ def random_weight(qtype: str, rows: int, columns: int, seed: int) -> torch.Tenso
             blocks[..., offset : offset + size] = scale.view(torch.uint8)
         offset += size
     return blocks.reshape(rows, n_blocks * fmt.type_size)
+
+
+def random_int4(qtype: str, rows: int, columns: int, gen: torch.Generator) -> torch.Tensor:
+    """int4 group blocks [rows, row_bytes] quantized from normal values (symmetric, bfloat16 scales), then with
+    random zero points z' in 0..16 and, in about half the blocks, a float16 scale in [-0.5, 0.5) instead."""
+    fmt = format_of(qtype)
+    n_blocks = columns // fmt.block_size
+    blocks = quantize(torch.randn(rows, columns, generator=gen), qtype).view(rows, n_blocks, fmt.type_size)
+    blocks[..., 2] = torch.randint(0, 17, (rows, n_blocks), generator=gen, dtype=torch.uint8)
+    is_half = torch.rand(rows, n_blocks, generator=gen) < 0.5  # [rows, n_blocks]
+    half_scale = (torch.rand(rows, n_blocks, 1, generator=gen) - 0.5).to(torch.float16).view(torch.uint8)
+    blocks[..., :2] = torch.where(is_half[..., None], half_scale, blocks[..., :2])
+    blocks[..., 3] = is_half.to(torch.uint8)
+    return blocks.view(rows, n_blocks * fmt.type_size)
 
 
 def assert_near_the_reference(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
@@ -54,6 +71,7 @@ def kernel(kernel_device):
 
 FAMILIES = [("Q8_0", "gemv"), ("Q8_0", "tile"), ("Q4_K", "gemv"), ("Q4_K", "tile"), ("Q6_K", "gemv"), ("Q6_K", "tile")]
 FAMILIES += [("FP8_B128", "gemv"), ("FP8_B128", "tile")]
+FAMILIES += [(qtype, family) for qtype in INT4_TYPES for family in ("gemv", "tile")]
 
 
 @pytest.mark.parametrize(("qtype", "family"), FAMILIES)
@@ -73,7 +91,7 @@ def test_every_kernel_family_matches_the_reference(kernel, kernel_device, qtype,
     assert_near_the_reference(got, x, weight)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "FP8_B128"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "FP8_B128", *INT4_TYPES])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_routed_product_matches_the_reference(kernel, kernel_device, qtype, rows, dtype):
@@ -96,14 +114,16 @@ def test_segments_of_different_types_and_leading_dims(kernel, kernel_device):
     torch.testing.assert_close(kernel(prefill, weight), reference_linear(prefill, weight), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    ("qtype", "columns"), [("Q8_0", 512), ("Q4_K", 512), ("Q6_K", 512), ("FP8_B128", 512), ("Q8_0", 384), ("FP8_B128", 384)]
-)
+ONE_PASS_CASES = [(qtype, 512) for qtype in ("Q8_0", "Q4_K", "Q6_K", "FP8_B128", *INT4_TYPES)]
+ONE_PASS_CASES += [("Q8_0", 384), ("FP8_B128", 384), ("I4_G32", 384), ("I4_G128", 384), ("I4_G32", 288)]
+
+
+@pytest.mark.parametrize(("qtype", "columns"), ONE_PASS_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_pass_dequantize_equals_the_reference(kernel_device, qtype, columns, dtype):
-    """37 rows (a partial last program), two super-blocks, or one and a half (Q8_0 and FP8_B128 rows of 384
-    values, whose last 128 the kernel leaves to the reference): the same bits as the reference, rounded to
-    dtype."""
+    """37 rows (a partial last program), two super-blocks, or one and a part (Q8_0, FP8_B128 and int4 rows of
+    384 values, I4_G32 rows of 288, whose last values the kernel leaves to the reference): the same bits as the
+    reference, rounded to dtype."""
     from deltaspec.ops.quant.dequant import dequantize as reference_dequantize
     from deltaspec.ops.triton.quant_dequant import dequantize
 

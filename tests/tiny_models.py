@@ -262,3 +262,98 @@ def write_dequantized_checkpoint(source: Path, target: Path) -> Path:
         floats[name] = tensor.float() if scale is None else dequantize_fp8_tiles(tensor, scale, block)
     save_file(floats, target / "model.safetensors", metadata={"format": "pt"})
     return target
+
+
+INT4_DIMS = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_value_head_dim=64)
+INT4_MOE_DIMS = INT4_DIMS | dict(moe_intermediate_size=256, shared_expert_intermediate_size=256)
+
+
+def write_int4_checkpoints(
+    source: Path, root: Path, layout: str, group: int, symmetric: bool
+) -> tuple[Path, Path]:
+    """An int4 W4A16 copy of float checkpoint `source` under `root` in `layout` ("compressed-tensors": written by
+    the compressed-tensors library's own quantizer and pack-quantized compressor; "gptq" / "gptq_v2": AutoGPTQ's
+    layout, zero points stored minus one in the original format), every matrix but those of FP8_KEPT in groups
+    of `group` input columns, in bf16 (compressed-tensors) or fp16 (GPTQ) scales; and a float32 copy of it whose
+    matrices are the int4 weights dequantized exactly, s * (q - z). Returns (quantized, dequantized)."""
+    from safetensors.torch import load_file, save_file
+
+    quantized = root / f"{source.name}-{layout}-{group}-{'sym' if symmetric else 'asym'}"
+    dequantized = quantized.with_name(quantized.name + "-dequantized")
+    _copy_all_but_weights(source, quantized)
+    _copy_all_but_weights(source, dequantized)
+    write = _compressed_int4 if layout == "compressed-tensors" else _gptq_int4
+    packed, floats = {}, {}
+    for name, tensor in load_file(next(source.glob("*.safetensors"))).items():
+        if tensor.dim() == 2 and name.endswith(".weight") and not any(kept in name for kept in FP8_KEPT):
+            stored, floats[name] = write(tensor, group, symmetric, layout)
+            packed.update({f"{name.removesuffix('.weight')}.{suffix}": value for suffix, value in stored.items()})
+        else:
+            packed[name] = tensor.to(torch.bfloat16)
+            floats[name] = packed[name].float()
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = _int4_config(layout, group, symmetric)
+    (quantized / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
+    save_file(floats, dequantized / "model.safetensors", metadata={"format": "pt"})
+    return quantized, dequantized
+
+
+def _int4_config(layout: str, group: int, symmetric: bool) -> dict:
+    if layout != "compressed-tensors":
+        return dict(
+            quant_method="gptq", bits=4, group_size=group, desc_act=False, sym=symmetric, checkpoint_format=layout
+        )
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("W4A16" if symmetric else "W4A16_ASYM", ["Linear"])
+    scheme.weights.group_size = group
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized", ignore=list(FP8_KEPT))
+    return json.loads(config.model_dump_json())
+
+
+def _compressed_int4(weight: torch.Tensor, group: int, symmetric: bool, layout: str):
+    """The library's tensors of one matrix and its exact float32 dequantization."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = preset_name_to_scheme("W4A16" if symmetric else "W4A16_ASYM", ["Linear"])
+    scheme.weights.group_size = group
+    weight = weight.to(torch.bfloat16)
+    groups = weight.unflatten(-1, (-1, group))  # [out, in / G, G]
+    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}
+    stored = PackedQuantizationCompressor.compress(state, scheme)
+    q = unpack_from_int32(stored["weight_packed"], 4, weight.shape).float().unflatten(-1, (-1, group))
+    zero = 0.0 if symmetric else zero_point.float()[..., None]
+    return stored, ((q - zero) * scale.float()[..., None]).flatten(-2)
+
+
+def _gptq_int4(weight: torch.Tensor, group: int, symmetric: bool, layout: str):
+    """AutoGPTQ's `qweight`, `qzeros`, `scales` and `g_idx` of one matrix (min-max scales, as its quantizer
+    starts from) and its exact float32 dequantization."""
+    rows, columns = weight.shape
+    groups = weight.float().unflatten(-1, (-1, group))  # [out, in / G, G]
+    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    if symmetric:
+        high = torch.maximum(-low, high)
+        low = -high
+    scale = ((high - low) / 15).clamp(min=1e-8).half()  # [out, in / G]
+    zero = torch.full_like(scale, 8, dtype=torch.int32) if symmetric else torch.round(-low / scale.float()).int()
+    q = (torch.round(groups / scale.float()[..., None]) + zero[..., None]).clamp(0, 15).int().flatten(-2)  # [out, in]
+    stored_zero = zero - (1 if layout == "gptq" else 0)  # the original format's off-by-one
+    return {
+        "qweight": _pack_nibbles(q.t(), dim=0),  # [in / 8, out]
+        "qzeros": _pack_nibbles(stored_zero.t(), dim=1),  # [in / G, out / 8]
+        "scales": scale.t().contiguous(),  # [in / G, out]
+        "g_idx": torch.arange(columns, dtype=torch.int32) // group,
+    }, (q.unflatten(-1, (-1, group)) - zero[..., None]).float().mul(scale.float()[..., None]).flatten(-2)
+
+
+def _pack_nibbles(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """4-bit values (int32) packed eight to an int32 along `dim`, value 8w + j in bits 4j of word w."""
+    values = values.movedim(dim, -1).unflatten(-1, (-1, 8)).to(torch.int64)
+    words = (values << (4 * torch.arange(8))).sum(-1)
+    return words.to(torch.uint32).view(torch.int32).movedim(-1, dim).contiguous()

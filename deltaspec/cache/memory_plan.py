@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.ops.quant import fp8
+from deltaspec.model.hf_quant import main_tensor, stored_bytes
 
 GIB = 1 << 30
 RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack, Python
@@ -146,12 +146,12 @@ class MemoryPlan:
 
 
 def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
-    """Bytes of all loaded tensors, from the safetensors headers (no tensor is read): float ones in `dtype`, an
-    FP8 checkpoint's e4m3 matrices as their FP8_B128 blocks (132 bytes per 128 values; their tile scales are in
-    those bytes)."""
+    """Bytes of all loaded tensors, from the safetensors headers (no tensor is read): float ones in `dtype`, a
+    quantized checkpoint's matrices as their blocks (`deltaspec.model.hf_quant.stored_bytes`; their scales and
+    zero points are in those bytes)."""
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
-        if not skip(name) and not (name.endswith(fp8.SCALE_SUFFIX) and name[: -len(fp8.SCALE_SUFFIX)] in files):
+        if not skip(name) and main_tensor(name, files) is None:
             by_file.setdefault(file, []).append(name)
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0
@@ -159,8 +159,9 @@ def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
         with safe_open(file, framework="pt") as f:
             for name in names:
                 tensor = f.get_slice(name)
-                per_value = fp8.BLOCK_BYTES / fp8.BLOCK if tensor.get_dtype() == "F8_E4M3" else size
-                total += int(math.prod(tensor.get_shape()) * per_value)
+                shape, stored = tensor.get_shape(), tensor.get_dtype()
+                blocks = stored_bytes(name, shape, stored, files)
+                total += blocks if blocks is not None else math.prod(shape) * size
     return total
 
 

@@ -1,39 +1,80 @@
-"""Hugging Face quantized checkpoints: which `quantization_config`s deltaspec loads, and this rank's part of an
-FP8 tensor as blocks.
+"""Hugging Face quantized checkpoints: which `quantization_config`s deltaspec loads, how their tensors are
+named, and this rank's part of a quantized matrix as blocks.
 
-Loaded: `quant_method: fp8` with `weight_block_size: [128, 128]` and dynamic activations (Qwen's and DeepSeek's
-`-FP8` releases): a matrix with a `<name>_scale_inv` companion is float8 e4m3 values with one float32 scale per
-128 x 128 tile and becomes `FP8_B128` blocks (`deltaspec.ops.quant.fp8`); tensors without one (embeddings, norms,
-routers, whatever the checkpoint left in bf16) load as float weights. Every other method is refused in one
-sentence naming it.
+Loaded:
+- `quant_method: fp8` with `weight_block_size: [128, 128]` and dynamic activations (Qwen's and DeepSeek's
+  `-FP8` releases): a matrix `<p>.weight` with a `<p>.weight_scale_inv` companion is float8 e4m3 values with
+  one float32 scale per 128 x 128 tile and becomes `FP8_B128` blocks (`deltaspec.ops.quant.fp8`);
+- `quant_method: compressed-tensors` in the `pack-quantized` format with 4-bit integer weights in groups of 32
+  or 128 and unquantized activations (W4A16, symmetric or asymmetric): `<p>.weight_packed` with
+  `weight_scale`, `weight_shape` and, asymmetric, `weight_zero_point`;
+- `quant_method: gptq`, 4 bits, groups of 32 or 128, in the `gptq` or `gptq_v2` checkpoint format:
+  `<p>.qweight` with `qzeros`, `scales` and `g_idx`;
+both int4 kinds become `I4_G32` / `I4_G128` blocks (`deltaspec.ops.quant.int4`). Tensors without a
+quantized layout (embeddings, norms, routers, whatever the checkpoint kept in bf16) load as float weights.
+Every other method or variant is refused in one sentence naming it.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from deltaspec.errors import DeltaspecError
-from deltaspec.ops.quant.fp8 import BLOCK, QTYPE, SCALE_SUFFIX, tiles_to_blocks
+from deltaspec.ops.quant import format_of
+from deltaspec.ops.quant.fp8 import BLOCK, SCALE_SUFFIX, tiles_to_blocks
+from deltaspec.ops.quant.fp8 import QTYPE as FP8_QTYPE
+from deltaspec.ops.quant.int4 import GROUP_TYPES, HEADER, compressed_to_blocks, gptq_to_blocks, unpack_zero_points
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.shard import Shard
 
-LOADED = "FP8 block-scaled checkpoints (quant_method fp8, weight_block_size [128, 128]), unquantized ones, GGUF files"
+LOADED = (
+    "FP8 block-scaled checkpoints (quant_method fp8, weight_block_size [128, 128]), int4 W4A16 ones "
+    "(compressed-tensors pack-quantized or GPTQ, groups of 32 or 128), unquantized ones, GGUF files"
+)
+# a quantized matrix's main tensor suffix -> the suffixes of its companions (the first one marks an FP8 matrix)
+COMPANIONS = {
+    "weight": ("weight" + SCALE_SUFFIX,),
+    "weight_packed": ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+    "qweight": ("qzeros", "scales", "g_idx"),
+}
+SCALES = {"weight_packed": "weight_scale", "qweight": "scales"}  # an int4 matrix's group scales
 
 
-def checkpoint_quantization(raw_config: dict, model_dir: Path) -> str | None:
-    """ "fp8" for an FP8 block-scaled checkpoint, None for an unquantized one; any other is refused."""
+@dataclass(frozen=True)
+class Quantization:
+    """A checkpoint's quantization: `method` ("fp8", "compressed-tensors" or "gptq"); for the int4 ones the
+    `group` size and the `zero_offset` added to GPTQ's stored zero points (1 in the original `gptq` format)."""
+
+    method: str
+    group: int = BLOCK
+    zero_offset: int = 0
+
+    @property
+    def main_suffix(self) -> str:
+        return {"fp8": "weight", "compressed-tensors": "weight_packed", "gptq": "qweight"}[self.method]
+
+
+def checkpoint_quantization(raw_config: dict, model_dir: Path) -> Quantization | None:
+    """The checkpoint's quantization (None for an unquantized one); any other is refused in one sentence."""
     config = raw_config.get("quantization_config") or (raw_config.get("text_config") or {}).get("quantization_config")
     if not config:
         return None
     method = config.get("quant_method")
-    if method != "fp8":
-        raise DeltaspecError(
-            f"{model_dir} is quantized with {method!r}, which deltaspec does not load; it loads {LOADED}."
-        )
+    if method == "fp8":
+        return _fp8(config, model_dir)
+    if method == "compressed-tensors":
+        return _compressed_tensors(config, model_dir)
+    if method == "gptq":
+        return _gptq(config, model_dir)
+    raise DeltaspecError(f"{model_dir} is quantized with {method!r}, which deltaspec does not load; it loads {LOADED}.")
+
+
+def _fp8(config: dict, model_dir: Path) -> Quantization:
     block = config.get("weight_block_size")
     if block is None or list(block) != [BLOCK, BLOCK]:
         raise DeltaspecError(
@@ -46,12 +87,87 @@ def checkpoint_quantization(raw_config: dict, model_dir: Path) -> str | None:
             f"{model_dir} is an FP8 checkpoint with {scheme!r} activation scales and {fmt!r} values; deltaspec "
             f"loads {LOADED}, with dynamic activation scales and e4m3 values."
         )
-    return "fp8"
+    return Quantization("fp8")
 
 
-def scale_name(name: str) -> str:
-    """The checkpoint name of the tile scales of weight `name`."""
-    return name + SCALE_SUFFIX
+def _compressed_tensors(config: dict, model_dir: Path) -> Quantization:
+    groups = list((config.get("config_groups") or {}).values())
+    if not groups:
+        raise DeltaspecError(f"{model_dir} is a compressed-tensors checkpoint without config_groups; {LOADED}.")
+    schemes = []
+    for scheme in groups:
+        weights = scheme.get("weights") or {}
+        fmt = scheme.get("format") or config.get("format")
+        described = (
+            f"{fmt} {weights.get('type')} {weights.get('num_bits')}-bit {weights.get('strategy')} weights"
+            f"{' with quantized activations' if scheme.get('input_activations') else ''}"
+        )
+        if (
+            fmt != "pack-quantized"
+            or weights.get("type") != "int"
+            or weights.get("num_bits") != 4
+            or weights.get("strategy") != "group"
+            or weights.get("group_size") not in GROUP_TYPES
+            or scheme.get("input_activations")
+            or weights.get("actorder") in ("group", "dynamic", True)
+        ):
+            raise DeltaspecError(
+                f"{model_dir} is a compressed-tensors checkpoint of {described} (group size "
+                f"{weights.get('group_size')}, actorder {weights.get('actorder')}); deltaspec loads {LOADED}."
+            )
+        schemes.append(weights["group_size"])
+    if len(set(schemes)) != 1:
+        raise DeltaspecError(
+            f"{model_dir} mixes int4 group sizes {sorted(set(schemes))}; deltaspec loads one group size per checkpoint."
+        )
+    return Quantization("compressed-tensors", group=schemes[0])
+
+
+def _gptq(config: dict, model_dir: Path) -> Quantization:
+    bits, group = config.get("bits"), config.get("group_size")
+    checkpoint_format = config.get("checkpoint_format", "gptq")
+    if bits != 4 or group not in GROUP_TYPES or checkpoint_format not in ("gptq", "gptq_v2"):
+        raise DeltaspecError(
+            f"{model_dir} is a GPTQ checkpoint of {bits}-bit weights in groups of {group} ({checkpoint_format} "
+            f"format); deltaspec loads {LOADED}, in the gptq or gptq_v2 format."
+        )
+    return Quantization("gptq", group=group, zero_offset=1 if checkpoint_format == "gptq" else 0)
+
+
+def main_tensor(name: str, files: dict[str, Path]) -> str | None:
+    """The quantized matrix tensor that checkpoint tensor `name` is a companion of (None if it is none's)."""
+    prefix, _, suffix = name.rpartition(".")
+    for main, companions in COMPANIONS.items():
+        if suffix in companions and f"{prefix}.{main}" in files:
+            return f"{prefix}.{main}"
+    return None
+
+
+def weight_name(name: str) -> str:
+    """The `<p>.weight` a quantized matrix's main tensor `<p>.weight_packed` / `<p>.qweight` stands for."""
+    prefix, _, suffix = name.rpartition(".")
+    return f"{prefix}.weight" if suffix in SCALES else name
+
+
+def stored_bytes(name: str, shape: list[int], dtype: str, files: dict[str, Path]) -> int | None:
+    """The bytes a quantized matrix's main tensor `name` (its safetensors `shape` and `dtype`) takes as blocks,
+    None for any other tensor: FP8 as FP8_B128 (132 bytes per 128 values), int4 as its nibbles plus one
+    4-byte header per group."""
+    count = 1
+    for size in shape:
+        count *= size
+    if dtype == "F8_E4M3":
+        fmt = format_of(FP8_QTYPE)
+        return count * fmt.type_size // fmt.block_size
+    prefix, _, suffix = name.rpartition(".")
+    if suffix not in SCALES or dtype != "I32":
+        return None
+    scales = f"{prefix}.{SCALES[suffix]}"
+    with safe_open(files[scales], framework="pt") as f:
+        groups = 1
+        for size in f.get_slice(scales).get_shape():
+            groups *= size
+    return count * 4 + groups * HEADER
 
 
 def fp8_part(name: str, source, scale_inv: torch.Tensor, target: str, shape: torch.Size, shard: Shard) -> torch.Tensor:
@@ -69,41 +185,144 @@ def fp8_part(name: str, source, scale_inv: torch.Tensor, target: str, shape: tor
         if dim == 0:
             parts.append(tiles_to_blocks(source[start:stop], scale_inv, first_row=start))
             continue
-        if start % BLOCK or stop % BLOCK:
-            raise DeltaspecError(
-                f"The FP8 tensor {name} cannot be split among {shard.size} ranks without cutting a block of "
-                f"{BLOCK} inputs; run it on fewer GPUs."
-            )
+        _check_column_split(name, start, stop, BLOCK, shard)
         parts.append(tiles_to_blocks(source[:, start:stop], scale_inv[:, start // BLOCK : stop // BLOCK]))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1 if dim == 1 else 0)
 
 
+def _check_column_split(name: str, start: int, stop: int, block: int, shard: Shard) -> None:
+    if start % block or stop % block:
+        raise DeltaspecError(
+            f"The quantized tensor {name} cannot be split among {shard.size} ranks without cutting a block of "
+            f"{block} inputs; run it on fewer GPUs."
+        )
+
+
+def int4_part(name: str, blocks: torch.Tensor, group: int, target: str, shape: torch.Size, shard: Shard):
+    """`shard`'s rows, or whole groups of input columns, of the int4 matrix `name` (full `shape` [out, in]) whose
+    blocks are `blocks` [out, in / G * (4 + G / 2)]."""
+    pieces = shard.pieces(target, shape)
+    if pieces is None:
+        return blocks
+    dim, spans = pieces
+    per_group = blocks.shape[-1] // (shape[-1] // group)
+    parts = []
+    for start, stop in spans:
+        if dim == 0:
+            parts.append(blocks[start:stop])
+            continue
+        _check_column_split(name, start, stop, group, shard)
+        parts.append(blocks[:, start // group * per_group : stop // group * per_group])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1 if dim == 1 else 0)
+
+
 class Blocks:
-    """The FP8 matrices of one rank's load (`files`: the checkpoint's tensor -> file map, empty for an unquantized
-    checkpoint): each matrix with tile scales as blocks, per-expert ones gathered into their layer's stacks on
-    `device`; `weights` gives them as `QuantizedWeight`s by parameter name. `params` and `shapes` are the rank's
-    and the full model's parameters."""
+    """The quantized matrices of one rank's load of a checkpoint quantized as `quantization` (None: unquantized;
+    `files`: the checkpoint's tensor -> file map): each as blocks, per-expert ones gathered into their layer's
+    stacks on `device`; `weights` gives them as `QuantizedWeight`s by parameter name. `params` and `shapes` are
+    the rank's and the full model's parameters."""
 
-    def __init__(self, files: dict[str, Path], shard: Shard, params: dict, shapes: dict, device: torch.device):
-        self.files, self.shard, self.params, self.shapes, self.device = files, shard, params, shapes, device
-        self.plain: dict[str, torch.Tensor] = {}  # parameter -> blocks [rows, bytes]
-        self.stacks: dict[str, torch.Tensor] = {}  # fused expert parameter -> blocks [held experts, rows, bytes]
+    def __init__(
+        self,
+        files: dict[str, Path],
+        quantization: Quantization | None,
+        shard: Shard,
+        params: dict,
+        shapes: dict,
+        device: torch.device,
+    ):
+        self.files, self.quantization, self.shard = files, quantization, shard
+        self.params, self.shapes, self.device = params, shapes, device
+        self.plain: dict[str, tuple[str, torch.Tensor]] = {}  # parameter -> (block type, blocks [rows, bytes])
+        self.stacks: dict[str, tuple[str, torch.Tensor]] = {}  # fused expert parameter -> [held experts, rows, bytes]
 
-    def _scales(self, name: str) -> torch.Tensor:
-        with safe_open(self.files[scale_name(name)], framework="pt", device="cpu") as f:
-            return f.get_tensor(scale_name(name))
+    def skipped(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is read along with its matrix rather than on its own."""
+        return self.quantization is not None and main_tensor(name, self.files) is not None
+
+    def _companion(self, name: str, suffix: str) -> torch.Tensor | None:
+        companion = f"{name.rpartition('.')[0]}.{suffix}"
+        if companion not in self.files:
+            return None
+        with safe_open(self.files[companion], framework="pt", device="cpu") as f:
+            return f.get_tensor(companion)
+
+    def _is_quantized(self, name: str) -> bool:
+        q = self.quantization
+        if q is None or not name.endswith("." + q.main_suffix):
+            return False
+        return q.method != "fp8" or self._has(name, COMPANIONS["weight"][0])
+
+    def _has(self, name: str, suffix: str) -> bool:
+        return f"{name.rpartition('.')[0]}.{suffix}" in self.files
+
+    def _part(self, name: str, source, target: str, shape: torch.Size) -> tuple[str, torch.Tensor]:
+        """(block type, `shard`'s part of matrix `name` as blocks); `target` names it for the shard."""
+        q = self.quantization
+        if q.method == "fp8":
+            scale_inv = self._companion(name, COMPANIONS["weight"][0])
+            return FP8_QTYPE, fp8_part(name, source, scale_inv, target, shape, self.shard)
+        if q.method == "compressed-tensors":
+            blocks = self._compressed(name, source[:], shape)
+        else:
+            blocks = self._gptq(name, source[:], shape)
+        return GROUP_TYPES[q.group], int4_part(name, blocks, q.group, target, shape, self.shard)
+
+    def _check_groups(self, name: str, g_idx: torch.Tensor | None, columns: int) -> None:
+        """Refuse an act-order matrix: its groups are not runs of consecutive input columns."""
+        if g_idx is not None and not torch.equal(
+            g_idx.to(torch.int64), torch.arange(columns, dtype=torch.int64) // self.quantization.group
+        ):
+            raise DeltaspecError(
+                f"{name} is quantized with activation order (its g_idx permutes the groups); deltaspec loads int4 "
+                "checkpoints whose groups are consecutive input columns (desc_act false, or static groups)."
+            )
+
+    def _shape_error(self, name: str, stored, shape: torch.Size) -> DeltaspecError:
+        return DeltaspecError(
+            f"Tensor {name} has shape {list(stored)} in the checkpoint but the config implies int4 blocks of a "
+            f"{list(shape)} matrix in groups of {self.quantization.group}; config.json and the weights do not "
+            "belong together."
+        )
+
+    def _compressed(self, name: str, packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        rows, columns = shape
+        scale = self._companion(name, "weight_scale")
+        if packed.shape != (rows, columns // 8) or scale is None or scale.shape != (rows, columns // self.group):
+            raise self._shape_error(name, packed.shape, shape)
+        self._check_groups(name, self._companion(name, "weight_g_idx"), columns)
+        zero_point = self._companion(name, "weight_zero_point")
+        zero = None if zero_point is None else unpack_zero_points(zero_point, rows)
+        return compressed_to_blocks(packed, scale, zero, self.group)
+
+    def _gptq(self, name: str, qweight: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        rows, columns = shape
+        scales, qzeros = self._companion(name, "scales"), self._companion(name, "qzeros")
+        if (
+            qweight.shape != (columns // 8, rows)
+            or scales is None
+            or scales.shape != (columns // self.group, rows)
+            or qzeros is None
+        ):
+            raise self._shape_error(name, qweight.shape, shape)
+        self._check_groups(name, self._companion(name, "g_idx"), columns)
+        return gptq_to_blocks(qweight, qzeros, scales, self.group, self.quantization.zero_offset)
+
+    @property
+    def group(self) -> int:
+        return self.quantization.group
 
     def add(self, name: str, target: str, source) -> bool:
-        """Keep checkpoint matrix `name` (parameter `target`) as blocks if it is FP8; False if it is not."""
-        if scale_name(name) not in self.files:
+        """Keep checkpoint matrix `name` (parameter `target`) as blocks if it is quantized; False if it is not."""
+        if not self._is_quantized(name):
             return False
-        self.plain[target] = fp8_part(name, source, self._scales(name), target, self.shapes[target], self.shard)
+        self.plain[target] = self._part(name, source, target, self.shapes[target])
         return True
 
     def add_expert(self, match: re.Match, name: str, source, expert_parts: dict[str, set]) -> bool:
-        """Put per-expert FP8 matrix `name` (`match`: prefix, expert, projection) in its layer's stack, if the rank
-        holds the expert; False if it is not FP8."""
-        if scale_name(name) not in self.files:
+        """Put per-expert quantized matrix `name` (`match`: prefix, expert, projection of its weight name) in its
+        layer's stack, if the rank holds the expert; False if it is not quantized."""
+        if not self._is_quantized(name):
             return False
         prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
         fused = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
@@ -114,18 +333,18 @@ class Blocks:
         if local is None:  # expert parallelism: another rank's
             return True
         one = torch.Size((full[1] // 2, full[2]) if proj != "down_proj" else full[1:])  # one expert's, unsharded
-        data = fp8_part(name, source, self._scales(name), name, one, self.shard)
+        qtype, data = self._part(name, source, weight_name(name), one)
         if fused not in self.stacks:
-            self.stacks[fused] = torch.empty((*held[:2], data.shape[-1]), dtype=torch.uint8, device=self.device)
+            self.stacks[fused] = qtype, torch.empty((*held[:2], data.shape[-1]), dtype=torch.uint8, device=self.device)
         half = held[1] // 2
         rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None), "down_proj": slice(None)}[proj]
-        self.stacks[fused][local, rows].copy_(data)
+        self.stacks[fused][1][local, rows].copy_(data)
         expert_parts[fused].add((local, proj))
         return True
 
     def weights(self) -> dict[str, QuantizedWeight]:
-        """Every FP8 matrix read, as blocks on the device, by parameter name."""
+        """Every quantized matrix read, as blocks on the device, by parameter name."""
         return {
-            target: QuantizedWeight([(QTYPE, data.to(self.device))], self.params[target].shape[-1])
-            for target, data in (*self.plain.items(), *self.stacks.items())
+            target: QuantizedWeight([(qtype, data.to(self.device))], self.params[target].shape[-1])
+            for target, (qtype, data) in (*self.plain.items(), *self.stacks.items())
         }

@@ -8,7 +8,7 @@ Checkpoint names are mapped to the model's parameter names here: the multimodal 
 `model.language_model.` is dropped (the vision tower is skipped), GDN conv and norm weights are
 renamed, and per-expert MoE tensors are packed into the fused expert tensors. A tensor-parallel rank reads
 only its slices of each tensor (`deltaspec.parallel.shard.Shard`; safetensors reads slices without the rest).
-An FP8 checkpoint's quantized matrices become FP8_B128 blocks (`deltaspec.model.hf_quant`).
+A quantized checkpoint's matrices (FP8 block-scaled, int4 W4A16) become blocks (`deltaspec.model.hf_quant`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.hf_quant import SCALE_SUFFIX, Blocks, checkpoint_quantization
+from deltaspec.model.hf_quant import Blocks, checkpoint_quantization, weight_name
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.layers import set_weight
 from deltaspec.ops.dispatch import OpTable
@@ -202,8 +202,8 @@ def load_model(
 ) -> HybridModel:
     """Build the model and fill every parameter from the checkpoint at `model_dir` (the MTP head, when the
     checkpoint has one, only `with_mtp`: it is a drafter's memory); a rank of a tensor-parallel group `tp` builds
-    and reads its share. An FP8 checkpoint's quantized matrices are kept as blocks."""
-    fp8 = checkpoint_quantization(raw_config, model_dir) == "fp8"
+    and reads its share. A quantized checkpoint's matrices are kept as blocks."""
+    quantization = checkpoint_quantization(raw_config, model_dir)
     files = checkpoint_files(model_dir)
     num_mtp_layers = count_mtp_layers(files) if with_mtp else 0
     with torch.device("meta"):
@@ -213,7 +213,7 @@ def load_model(
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     loaded: dict[str, torch.Tensor] = {}
-    blocks = Blocks(files if fp8 else {}, shard, params, shapes, device)
+    blocks = Blocks(files, quantization, shard, params, shapes, device)
     expert_parts: dict[str, set] = defaultdict(set)
     unexpected = []
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -224,8 +224,8 @@ def load_model(
         with open_safetensors(file) as f:
             for name in names:
                 bar.update(1)
-                target = target_name(name, with_mtp)
-                if target is None or (fp8 and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in files):
+                target = target_name(weight_name(name), with_mtp)
+                if target is None or blocks.skipped(name):
                     continue
                 source = f.get_slice(name)
                 if expert := EXPERT_RE.match(target):

@@ -207,6 +207,17 @@ def _fp8_b128(f: dict[str, torch.Tensor]) -> torch.Tensor:
     return values * f["scale"].contiguous().view(torch.float32)
 
 
+def _int4_groups(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """s * (q' - z') for one group's bfloat16 or float16 scale s, zero point z' and nibbles q' (exact in float32)."""
+    bits = f["scale"].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [n, 1]
+    as_bfloat16 = (bits << 16).view(torch.float32)
+    as_float16 = bits.to(torch.int16).view(torch.float16).to(torch.float32)
+    scale = torch.where(f["scale_type"] == 0, as_bfloat16, as_float16)
+    n = f["qs"].shape[0]
+    q = _bit_fields(f["qs"], 4, 2).transpose(1, 2).reshape(n, -1)  # [n, G]: value 2i low, 2i + 1 high nibble
+    return scale * (q - f["zero"].to(torch.int32)).to(torch.float32)
+
+
 _DEQUANTIZERS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "F32": _float32,
     "F16": _float16,
@@ -225,4 +236,6 @@ _DEQUANTIZERS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "IQ4_XS": _iq4_xs,
     "MXFP4": _mxfp4,
     "FP8_B128": _fp8_b128,
+    "I4_G32": _int4_groups,
+    "I4_G128": _int4_groups,
 }

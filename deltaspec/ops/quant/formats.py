@@ -11,7 +11,8 @@ E8M0 exponent byte; every other field is packed quants or packed sub-block scale
 e4m3 values, one float32 scale per 128 x 128 tile): each run of 128 values of a row as a block of its tile's
 float32 `scale` (the checkpoint's `weight_scale_inv`, repeated on each of the tile's rows: 4 bytes per 128
 values) and the 128 e4m3 bytes, so that the row segments, fusions, shards and expert stacks of GGUF weights
-hold it unchanged.
+hold it unchanged. `I4_G32` and `I4_G128` are its blocks for the int4 W4A16 checkpoints (compressed-tensors,
+GPTQ): one group's bfloat16 or float16 scale, zero point and nibbles (`deltaspec.ops.quant.int4`).
 """
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ class QuantFormat:
     block_size: int
     fields: tuple[tuple[str, int], ...]  # (field name, bytes), in struct order
     is_float: bool = False
-    in_gguf: bool = True  # a ggml type (FP8_B128 is deltaspec's own)
+    in_gguf: bool = True  # a ggml type (FP8_B128, I4_G32 and I4_G128 are deltaspec's own)
 
     @property
     def type_size(self) -> int:
@@ -55,6 +56,8 @@ _ALL = (
     QuantFormat("IQ4_XS", QK_K, (("d", 2), ("scales_h", 2), ("scales_l", QK_K // 64), ("qs", QK_K // 2))),
     QuantFormat("MXFP4", 32, (("e", 1), ("qs", 16))),
     QuantFormat("FP8_B128", 128, (("scale", 4), ("qs", 128)), in_gguf=False),
+    QuantFormat("I4_G32", 32, (("scale", 2), ("zero", 1), ("scale_type", 1), ("qs", 16)), in_gguf=False),
+    QuantFormat("I4_G128", 128, (("scale", 2), ("zero", 1), ("scale_type", 1), ("qs", 64)), in_gguf=False),
 )
 
 FORMATS: dict[str, QuantFormat] = {fmt.name: fmt for fmt in _ALL}

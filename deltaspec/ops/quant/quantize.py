@@ -17,6 +17,7 @@ import torch
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.quant.formats import row_bytes
 from deltaspec.ops.quant.fp8 import quantize_fp8_b128
+from deltaspec.ops.quant.int4 import quantize_i4_g32, quantize_i4_g128
 from deltaspec.ops.quant.quantize_iq4 import quantize_iq4_nl, quantize_iq4_xs
 from deltaspec.ops.quant.quantize_kquants import (
     quantize_q2_k,
@@ -47,6 +48,8 @@ QUANTIZERS = {
     "IQ4_NL": quantize_iq4_nl,
     "IQ4_XS": quantize_iq4_xs,
     "FP8_B128": quantize_fp8_b128,  # deltaspec's FP8 blocks (not a llama.cpp type)
+    "I4_G32": quantize_i4_g32,  # deltaspec's int4 W4A16 blocks (not llama.cpp types)
+    "I4_G128": quantize_i4_g128,
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED = FLOAT_TYPES + tuple(QUANTIZERS)

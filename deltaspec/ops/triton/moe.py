@@ -24,7 +24,7 @@ Nothing reads a device value on the host, so MoE passes run inside CUDA graphs:
   the expert's output columns on the MMA's wide side and the pairs on its narrow side (padded to 16); GGUF
   blocks are dequantized in registers with the tile code of `quant_dequant` exactly as the reference
   dequantizes them.
-Weights are float (bf16, fp16, fp32) or single-segment blocks of Q8_0, Q6_K, Q4_K or FP8_B128.
+Weights are float (bf16, fp16, fp32) or single-segment blocks of Q8_0, Q6_K, Q4_K, FP8_B128, I4_G32 or I4_G128.
 Under expert parallelism the routing names another rank's experts -1: their pairs' programs return at once, the
 grouping leaves them out and the sums skip them.
 """
@@ -447,7 +447,7 @@ def _quant_rows_times(
                     w = _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, 2 * c + half, BLOCK_N)  # [BLOCK_N, 32]
                     x = tl.load(x_rows + step * 256 + c * 64 + half * 32 + lane[None, :], mask=row_mask[:, None])
                     acc = _times_rows(w, x, acc, WIDEN)
-        else:  # Q8_0, Q6_K, FP8_B128: one 256-value super-block at a time
+        else:  # Q8_0, Q6_K, FP8_B128, I4_G32, I4_G128: one 256-value super-block at a time
             w = _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] float32
             x = tl.load(x_rows + step * 256 + tl.arange(0, 256)[None, :], mask=row_mask[:, None])
             acc = _times_rows(w, x, acc, WIDEN)
@@ -709,6 +709,13 @@ def _rows_times_x(
     elif QTYPE == 3:
         start = rows.to(tl.int64) * row_stride
         result = quant_gemv.fp8_b128_rows(x_row, x_row, w_ptr, start, n_mask, 0, K // 256, False, BLOCK_N)
+    elif QTYPE >= 4:  # I4_G32, I4_G128
+        w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+        start = rows.to(tl.int64) * (row_stride // 4)
+        group: tl.constexpr = 32 if QTYPE == 4 else 128
+        result = quant_gemv.i4_rows(
+            x_row, x_row, w32_ptr, start, n_mask, 0, K // 256, half_exponent, group, False, BLOCK_N, PRMT
+        )
     elif QTYPE == 2:
         w16_ptr = w_ptr.to(tl.pointer_type(tl.int16))
         start = rows.to(tl.int64) * row_stride

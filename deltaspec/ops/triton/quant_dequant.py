@@ -2,9 +2,10 @@
 (prefill chunks): each program reads BLOCK_N rows of one 256-value super-block once and writes their values in
 the activations' dtype, dequantized in float32 exactly as `deltaspec.ops.quant.dequant` does (the same tile
 code as the tensor-core products in `quant_matmul`), so cuBLAS then multiplies the same values the reference
-would. Q8_0, Q4_K and Q6_K (the types of llama.cpp's Q4_K_M, Q6_K and Q8_0 files) and FP8_B128 (an FP8
-checkpoint's weights); other types keep the torch reference. The tile code (`_tile`, `_q4_k_half_chunk`: a tile
-of rows dequantized in registers) lives here and the tensor-core products of `quant_matmul` use it too.
+would. Q8_0, Q4_K and Q6_K (the types of llama.cpp's Q4_K_M, Q6_K and Q8_0 files), FP8_B128 (an FP8
+checkpoint's weights) and I4_G32 and I4_G128 (W4A16 checkpoints' int4 groups); other types keep the torch
+reference. The tile code (`_tile`, `_q4_k_half_chunk`: a tile of rows dequantized in registers) lives here and the
+tensor-core products of `quant_matmul` use it too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from deltaspec.ops.quant import format_of
 from deltaspec.ops.quant.dequant import dequantize as reference_dequantize
 from deltaspec.ops.triton import quant_gemv
 
-KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2, "FP8_B128": 3}  # QTYPE of the tile code
+KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2, "FP8_B128": 3, "I4_G32": 4, "I4_G128": 5}  # QTYPE of the tile code
 STEP = 256  # values per super-block (eight Q8_0 blocks)
 BLOCK_N = 16
 
@@ -32,12 +33,14 @@ def _fp16_at(ptr, mask):
 
 @triton.jit
 def _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_N, 256] of super-block `step` of Q8_0, Q6_K or FP8_B128 weight rows `rows`, dequantized in
-    float32. Bytes are read in contiguous runs and unpacked with shifts and reshapes, never gathered value by
-    value."""
+    """Values [BLOCK_N, 256] of super-block `step` of Q8_0, Q6_K, FP8_B128, I4_G32 or I4_G128 weight rows `rows`,
+    dequantized in float32. Bytes are read in contiguous runs and unpacked with shifts and reshapes, never gathered
+    value by value."""
     base = w_ptr + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
     mask = n_mask[:, None]
-    if QTYPE == 3:  # FP8_B128: 2 blocks of (float32 scale, 128 x e4m3); rows and blocks start 4-aligned
+    if QTYPE >= 4:  # I4_G32, I4_G128: rows and blocks start 4-aligned
+        return _int4_tile(w_ptr, rows, row_bytes, step, n_mask, 32 if QTYPE == 4 else 128, BLOCK_N)
+    elif QTYPE == 3:  # FP8_B128: 2 blocks of (float32 scale, 128 x e4m3); rows and blocks start 4-aligned
         block = base[:, None] + step * 264 + tl.arange(0, 2)[None, :] * 132  # [BLOCK_N, 2]
         scale = tl.load(block.to(tl.pointer_type(tl.int32)), mask=mask, other=0).to(tl.float32, bitcast=True)
         quants = tl.load(block[:, :, None] + 4 + tl.arange(0, 128)[None, None, :], mask=mask[:, :, None], other=0)
@@ -71,6 +74,25 @@ def _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE: tl.constexpr, BLOCK_N: tl
         dsc = d[:, None, None, None, None] * scales
         values = dsc * tl.reshape((quants - 32).to(tl.float32), (BLOCK_N, 2, 4, 2, 16))
         return tl.reshape(values, (BLOCK_N, 256))
+
+
+@triton.jit
+def _int4_tile(w_ptr, rows, row_bytes, step, n_mask, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_N, 256] of step `step` of int4 rows of GROUP-value blocks (256 / GROUP blocks of a header
+    word and GROUP / 8 nibble words per step; nibble k of word i is value 8i + k): scale * (q' - z') in float32."""
+    BLOCKS: tl.constexpr = 256 // GROUP
+    WORDS: tl.constexpr = GROUP // 8
+    w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+    group = tl.arange(0, BLOCKS)
+    block = rows.to(tl.int64)[:, None] * (row_bytes // 4) + (step * BLOCKS + group[None, :]) * (WORDS + 1)
+    header = tl.load(w32_ptr + block, mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCKS]
+    words = block[:, :, None] + 1 + tl.arange(0, WORDS)[None, None, :]  # [BLOCK_N, BLOCKS, WORDS]
+    quants = tl.load(w32_ptr + words, mask=n_mask[:, None, None], other=0)
+    nibbles = (quants[:, :, :, None] >> (tl.arange(0, 8) * 4)[None, None, None, :]) & 0xF  # [N, BLOCKS, WORDS, 8]
+    zero = (header >> 16) & 0xFF
+    q = tl.reshape(nibbles, (BLOCK_N, BLOCKS, GROUP)) - zero[:, :, None]  # q' - z' in [-16, 15]
+    values = quant_gemv.int4_scale(header)[:, :, None] * q.to(tl.float32)  # [BLOCK_N, BLOCKS, GROUP]
+    return tl.reshape(values, (BLOCK_N, 256))
 
 
 @triton.jit
@@ -128,7 +150,7 @@ def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, stride_on, QTYPE: tl.conste
 
 def kernel_dequantizes(qtype: str, data: torch.Tensor) -> bool:
     """Whether the kernel takes this segment: a kernel type, 2-D, whole 256-value super-blocks per row (a row of
-    Q8_0 or FP8_B128 blocks may end in half of one: such segments take the reference)."""
+    Q8_0, FP8_B128, I4_G32 or I4_G128 blocks may end in part of one: such segments take the reference)."""
     fmt = format_of(qtype) if qtype in KERNEL_TYPES else None
     return fmt is not None and data.dim() == 2 and data.shape[1] % (fmt.type_size * STEP // fmt.block_size) == 0
 

@@ -15,7 +15,9 @@ one, so a few rows re-read the weight from L2. Program `grid(1)` takes super-blo
 partial sums go to a float32 workspace [shares, M, N] that `finish_kernel` reduces in a fixed order.
 Each kernel's product of BLOCK_N rows with one activation row is a function (`q4_k_rows`, `q6_k_rows`,
 `q8_0_rows`) that the mixture-of-experts decode kernels call on one expert's rows. FP8_B128 blocks (an FP8
-checkpoint's) need no bit tricks: their e4m3 bytes convert to float32 in hardware (`fp8_b128_rows`).
+checkpoint's) need no bit tricks: their e4m3 bytes convert to float32 in hardware (`fp8_b128_rows`). The int4
+group blocks of W4A16 checkpoints (I4_G32, I4_G128: `i4_rows`) take Q4_K's nibble bytes, with each group's
+zero point folded into the activations' sum.
 """
 
 from __future__ import annotations
@@ -430,6 +432,93 @@ def fp8_b128_rows(
         values = quants.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, 2, 128]
         x = _x_at(x_row, order_ptr, step * 256 + half[:, None] * 128 + lane[None, :], HAS_ORDER)  # [2, 128]
         acc += values * scale[:, :, None] * x[None]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def int4_scale(header):
+    """The float32 scale of int4 group blocks (`I4_G32`, `I4_G128`) from their header words (int32): the low 16
+    bits as a bfloat16 where the type byte (bits 24..31) is 0, else as a float16."""
+    as_bfloat16 = (header << 16).to(tl.float32, bitcast=True)
+    return tl.where(((header >> 24) & 0xFF) == 0, as_bfloat16, half_bits(header))
+
+
+@triton.jit
+def i4_gemv_kernel(
+    x_ptr,
+    order_ptr,
+    w32_ptr,
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    row_words,
+    stride_xm,
+    stride_om,
+    steps,
+    steps_per_split,
+    half_exponent,
+    GROUP: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """I4_G32 / I4_G128 (GROUP 32 or 128): blocks of a header word (scale bits, zero point z', scale type) and
+    GROUP / 8 nibble words, 256 / GROUP blocks per step. Nibble k of nibble word i holds value 8i + k. Nibbles q'
+    become bytes q' << 3 and f = 0.5 + q' / 32 (even values from the word shifted left 3, odd ones shifted right
+    1), so a word's sum of (q' - z') * x is 32 * (F - (0.5 + z' / 32) * X)."""
+    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
+    row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
+    x_row = x_ptr + m * stride_xm
+    value = i4_rows(
+        x_row, order_ptr, w32_ptr, row_start, n_mask, first, last, half_exponent, GROUP, HAS_ORDER, BLOCK_N, PRMT
+    )
+    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+
+
+@triton.jit
+def i4_rows(
+    x_row,
+    order_ptr,
+    w32_ptr,
+    row_start,
+    n_mask,
+    first,
+    last,
+    half_exponent,
+    GROUP: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """[BLOCK_N] float32: the int4 rows of GROUP-value blocks starting at words `row_start` [BLOCK_N] times the
+    activations at x_row, over steps (256 values) [first, last) (the layout and algebra of `i4_gemv_kernel`).
+    Each thread keeps its words' partial sums, the group's scale and zero point applied once per word of eight
+    values; they are added across the row once, at the end."""
+    BLOCKS: tl.constexpr = 256 // GROUP
+    WORDS: tl.constexpr = GROUP // 8  # nibble words per block, after its header word
+    group = tl.arange(0, BLOCKS)
+    word = group[:, None] * (WORDS + 1) + 1 + tl.arange(0, WORDS)[None, :]  # [BLOCKS, WORDS]: block b, word i
+    column = group[:, None] * GROUP + tl.arange(0, WORDS)[None, :] * 8  # [BLOCKS, WORDS]: value of nibble 0
+    acc = tl.zeros((BLOCK_N, BLOCKS, WORDS), dtype=tl.float32)
+    for step in range(first, last):
+        block = row_start + step * (BLOCKS * (WORDS + 1))  # [BLOCK_N] words
+        quants = tl.load(w32_ptr + block[:, None, None] + word[None, :, :], mask=n_mask[:, None, None], other=0)
+        header = tl.load(w32_ptr + block[:, None] + group[None, :] * (WORDS + 1), mask=n_mask[:, None], other=0)
+        even = (quants << 3) & 0x78787878  # [BLOCK_N, BLOCKS, WORDS]: byte k is q' << 3 of value 8i + 2k
+        odd = (quants >> 1) & 0x78787878  # value 8i + 2k + 1
+        f = tl.zeros((BLOCK_N, BLOCKS, WORDS), dtype=tl.float32)
+        xs = tl.zeros((BLOCKS, WORDS), dtype=tl.float32)
+        for k in tl.static_range(4):
+            xv = _x_at(x_row, order_ptr, step * 256 + column + 2 * k, HAS_ORDER)
+            f += byte_as_float(even, k, half_exponent, PRMT) * xv[None, :, :]
+            xs += xv
+            xv = _x_at(x_row, order_ptr, step * 256 + column + 2 * k + 1, HAS_ORDER)
+            f += byte_as_float(odd, k, half_exponent, PRMT) * xv[None, :, :]
+            xs += xv
+        scale = int4_scale(header) * 32.0  # [BLOCK_N, BLOCKS]
+        offset = 0.5 + as_float((header >> 16) & 0xFF) * 0.03125  # 0.5 + z' / 32, exact
+        acc += scale[:, :, None] * (f - offset[:, :, None] * xs[None, :, :])
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 

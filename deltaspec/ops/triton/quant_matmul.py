@@ -5,13 +5,13 @@ Two kernel families read the blocks in place, never a dequantized copy of the ma
 products of `quant_gemv` (one input row per program, sub-block sums scaled once) for decode, and the
 tensor-core tile kernels below for more rows, which dequantize a tile of weight rows in registers exactly as
 `deltaspec.ops.quant.dequant` does (float32, rounded to the activations' dtype) and multiply it by x (rows
-padded to 16): Q4_K one 64-value chunk at a time, Q8_0 and Q6_K one 256-value super-block at a time. Each
+padded to 16): Q4_K one 64-value chunk at a time, the other types one 256-value super-block at a time. Each
 splits the input dimension into shares; with one share a program writes its output directly, with more the
 float32 partial sums are added in a fixed order (`finish_kernel`), so results never depend on scheduling.
 `LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
 takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
-made of) and FP8_B128 (an FP8 checkpoint's weights); other types, and products of more
-rows, dequantize the matrix in one pass (`quant_dequant`) and use cuBLAS.
+made of), FP8_B128 (an FP8 checkpoint's weights) and I4_G32 and I4_G128 (a W4A16 checkpoint's int4 groups); other
+types, and products of more rows, dequantize the matrix in one pass (`quant_dequant`) and use cuBLAS.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PRMT = not INTERPRETED  # the CUDA-core products' byte permutes as PTX (the interpreter takes shifts and masks)
 HALF, BIASED = quant_gemv.HALF_EXPONENT, quant_gemv.BIASED_EXPONENT
 MAX_ROWS = 64
+I4_GROUPS = {"I4_G32": 32, "I4_G128": 128}  # int4 block type -> values per group
 
 
 @triton.jit
@@ -56,7 +57,8 @@ def _tile_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Q8_0 or Q6_K on tensor cores: each super-block's [BLOCK_N, 256] tile dequantized, then one product."""
+    """Q8_0, Q6_K, FP8_B128 or int4 groups on tensor cores: each super-block's [BLOCK_N, 256] tile dequantized,
+    then one product."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,6 +178,8 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
     "Q6_K": ((1, Launch("gemv", 32, 8, 2)), (MAX_ROWS, Launch("tile", 32, 4))),
     "Q8_0": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
     "FP8_B128": ((1, Launch("gemv", 16, 4)), (MAX_ROWS, Launch("tile", 32, 4))),  # not yet swept
+    "I4_G32": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),  # not yet swept
+    "I4_G128": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),  # not yet swept
 }
 FINISH_BLOCK = 1024
 
@@ -212,6 +216,22 @@ def _segment_matmul(
             )
         elif qtype == "FP8_B128":
             quant_gemv.fp8_b128_gemv_kernel[gemv_grid](x, order, data, parts, out, m, n, n_bytes, *tail, **common)
+        elif qtype in I4_GROUPS:
+            quant_gemv.i4_gemv_kernel[gemv_grid](
+                x,
+                order,
+                data.view(torch.int32),
+                parts,
+                out,
+                m,
+                n,
+                n_bytes // 4,
+                *tail,
+                HALF,
+                GROUP=I4_GROUPS[qtype],
+                PRMT=PRMT,
+                **common,
+            )
         else:
             quant_gemv.q8_0_gemv_kernel[gemv_grid](
                 x, order, data.view(torch.int16), parts, out, m, n, n_bytes // 2, *tail, BIASED, PRMT=PRMT, **common

@@ -1,0 +1,116 @@
+"""The int4 group blocks (`I4_G32`, `I4_G128`): the weights of W4A16 checkpoints (compressed-tensors
+`pack-quantized`, GPTQ) as deltaspec keeps them.
+
+Such a checkpoint stores 4-bit integers q, one scale s per row and group of G input columns (G = 32 or 128)
+and, when asymmetric, one integer zero point z per row and group; the weight is s * (q - z). deltaspec keeps
+each group of a row as one block: a 4-byte header (s as its 16 stored bits, z as a byte, one byte saying
+whether s is a bfloat16 (0) or a float16 (1)) and the G / 2 bytes of nibbles, value 2i in the low nibble of
+byte i and 2i + 1 in the high one. The nibbles are the unsigned q' = q + 8 of compressed-tensors (which packs
+signed q in [-8, 7] so) and GPTQ's q alike, with z shifted to match (8 + z, or 8 when symmetric; GPTQ's
+stored zero + 1 in its original `gptq` format, as stored in `gptq_v2`), so every block is s * (q' - z'), exact
+in float32 (s carries at most 11 significant bits, q' - z' at most 5). Rows, fusions, shards and expert stacks
+of GGUF weights hold these blocks unchanged.
+
+`compressed_to_blocks` and `gptq_to_blocks` convert a checkpoint's tensors; `quantize_int4` writes the blocks
+from a float matrix (random weights, test fixtures) as a symmetric W4A16 quantizer does (s = amax / 7.5 in
+bfloat16, q = round(w / s) clamped to [-8, 7]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaspec.errors import DeltaspecError
+
+GROUP_TYPES = {32: "I4_G32", 128: "I4_G128"}  # group size -> block type
+HEADER = 4  # bytes: scale bits (2), zero point (1), scale type (1)
+BFLOAT16, FLOAT16 = 0, 1  # the header's scale type
+SCALE_TYPES = {torch.bfloat16: BFLOAT16, torch.float16: FLOAT16}
+SYMMETRIC_ZERO = 8  # z' of a symmetric checkpoint: q' - 8 = q
+
+
+def block_bytes(group: int) -> int:
+    return HEADER + group // 2
+
+
+def _pack(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    """nibble bytes [..., rows, in / 2], scales [..., rows, in / G] (bfloat16 or float16) and zero points
+    [..., rows, in / G] (integers 0..16) -> blocks uint8 [..., rows, in / G * (4 + G / 2)]."""
+    if scale.dtype not in SCALE_TYPES:
+        raise DeltaspecError(f"int4 group scales are bfloat16 or float16, not {scale.dtype}.")
+    groups = scale.shape[-1]
+    if nibbles.shape[-1] != groups * group // 2:
+        raise DeltaspecError(
+            f"An int4 matrix with {nibbles.shape[-1] * 2} input columns does not have {groups} groups of {group}."
+        )
+    header = torch.empty((*scale.shape, HEADER), dtype=torch.uint8, device=scale.device)
+    header[..., :2] = scale.contiguous().view(torch.uint8).unflatten(-1, (groups, 2))
+    header[..., 2] = zero.to(torch.uint8)
+    header[..., 3] = SCALE_TYPES[scale.dtype]
+    values = nibbles.to(scale.device).unflatten(-1, (groups, group // 2))
+    return torch.cat([header, values], dim=-1).flatten(-2)
+
+
+def compressed_to_blocks(
+    packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    """compressed-tensors `pack-quantized` int4 tensors of one matrix [out, in] -> blocks: `weight_packed` int32
+    [out, in / 8] (q + 8 in nibbles, packed along the input), `weight_scale` [out, in / G] and, asymmetric,
+    the zero points z in [-8, 7] already unpacked to integers [out, in / G] (the checkpoint packs them along
+    the output dimension: `unpack_zero_points`)."""
+    zero = torch.full(scale.shape, SYMMETRIC_ZERO) if zero_point is None else zero_point.to(torch.int32) + 8
+    return _pack(packed.contiguous().view(torch.uint8), scale, zero, group)
+
+
+def unpack_zero_points(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """compressed-tensors' int4 zero points int32 [ceil(out / 8), groups], packed along the output dimension
+    (row 8w + j in bits 4j of word w, stored + 8) -> signed integers [out, groups]."""
+    nibbles = _nibbles_of(packed.t().contiguous())  # [groups, 8 * ceil(out / 8)]
+    return (nibbles[:, :rows] - 8).t()
+
+
+def _nibbles_of(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., n] -> their eight nibbles each, lowest first, as int32 [..., 8n]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
+
+
+def gptq_to_blocks(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    zero_offset: int,
+) -> torch.Tensor:
+    """GPTQ int4 tensors of one matrix [out, in] -> blocks: `qweight` int32 [in / 8, out] (input 8w + j of each
+    output column in bits 4j of word w), `qzeros` int32 [in / G, out / 8] (output 8w + j in bits 4j), `scales`
+    [in / G, out]; the zero point is the stored one plus `zero_offset` (1 in the original `gptq` format)."""
+    values = _nibbles_of(qweight.t().contiguous())  # [out, in]: q in 0..15
+    nibbles = (values[..., 0::2] | (values[..., 1::2] << 4)).to(torch.uint8)  # [out, in / 2]
+    zero = _nibbles_of(qzeros)[:, : scales.shape[1]].t() + zero_offset  # [out, in / G]
+    return _pack(nibbles, scales.t(), zero, group)
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """weight [rows, cols] float -> symmetric int4 blocks of `group` columns: s = amax / 7.5 in bfloat16 (1 for
+    an all-zero group), q = round(w / s) clamped to [-8, 7]."""
+    rows, columns = weight.shape
+    if columns % group:
+        raise DeltaspecError(f"int4 groups of {group} need input sizes divisible by {group}, not {columns}.")
+    groups = weight.to(torch.float32).view(rows, columns // group, group)
+    amax = groups.abs().amax(dim=-1)  # [rows, groups]
+    scale = torch.where(amax > 0, amax / 7.5, torch.ones_like(amax)).to(torch.bfloat16)
+    q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int32) + 8  # [rows, groups, group]
+    flat = q.view(rows, columns)
+    nibbles = (flat[:, 0::2] | (flat[:, 1::2] << 4)).to(torch.uint8)
+    return _pack(nibbles, scale, torch.full_like(amax, SYMMETRIC_ZERO, dtype=torch.int32), group)
+
+
+def quantize_i4_g32(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """`deltaspec.ops.quant.quantize`'s I4_G32 entry (`importance` does not change it)."""
+    return quantize_int4(x, 32)
+
+
+def quantize_i4_g128(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """`deltaspec.ops.quant.quantize`'s I4_G128 entry (`importance` does not change it)."""
+    return quantize_int4(x, 128)
