@@ -239,14 +239,31 @@ def test_random_weights_quantized_like_a_q4_k_m_file(shape):
         LLM(shape_overrides=QUANT_SMALL + extra, quant="q4_k_xx", **options)
 
 
+@pytest.mark.parametrize(("quant", "qtype"), [("fp8", "FP8_B128"), ("int4", "I4_G128"), ("i4_g32", "I4_G32")])
+def test_random_weights_in_a_hugging_face_checkpoints_layout(quant, qtype):
+    """--quant fp8 / int4 / i4_g32: every matrix in the checkpoint format's blocks but the embeddings, the LM head
+    and the routers, which such checkpoints keep in bf16; the plan counts what the engine holds."""
+    options = dict(random_weights=True, shape="qwen3.5-35b-a3b", dtype="float32", device="cpu", max_num_seqs=1)
+    llm = LLM(shape_overrides=QUANT_SMALL + (("num_experts", 8),), quant=quant, max_model_len=64, **options)
+    model = llm.engine.model
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    kept = list(quantized.values())
+    assert {q for w in kept for q in w.qtypes} == {qtype}
+    assert "lm_head.weight" not in quantized and not any("router" in name for name in quantized)
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert llm.engine.plan.weights == sum(w.nbytes for w in kept) + floats
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_quant_needs_random_weights():
     with pytest.raises(DeltaspecError, match="--quant quantizes --random-weights"):
         LLM(quant="q8_0", device="cpu")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q5_1", "FP8_B128", "I4_G128", "I4_G32"])
 def test_random_blocks_are_distributed_like_quantized_normal_weights(qtype):
-    """Blocks drawn from the pool with scaled float16 scales dequantize to values with the std of the exact
+    """Blocks drawn from the pool with scaled float16 (float32, bfloat16) scales dequantize to values with the std of the exact
     quantization of N(0, std²) (within 2 %; measured 0.3 %) and a mean within 3 % of the std (measured 1.2 % at
     most, the pool's own sample mean); every row differs, and the seed fixes the bytes."""
     from deltaspec.model.random_quant import random_blocks

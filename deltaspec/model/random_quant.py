@@ -46,8 +46,9 @@ GGUF_SUFFIXES = {  # deltaspec parameter (within a layer) -> the GGUF tensor lla
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
 POOL_BLOCKS = 1024  # quantized unit-normal blocks per type that `random_blocks` draws from
 HALF_SCALES = ("d", "dmin", "m")  # float16 block fields each value of the block is linear in
-FLOAT_SCALE = "scale"  # FP8_B128's float32 scale field
-FP8_KEPT = ("token_embd.", "output.")  # kept float in Qwen's -FP8 releases, with the routers (ROUTER)
+FLOAT_SCALE = "scale"  # FP8_B128's float32 scale field, the I4 types' bfloat16 one
+CHECKPOINT_TYPES = ("FP8_B128", "I4_G32", "I4_G128")  # the block types of Hugging Face quantized checkpoints
+FP8_KEPT = ("token_embd.", "output.")  # kept float in those checkpoints, with the routers (ROUTER)
 ROUTER = "ffn_gate_inp"  # a MoE layer's router and shared expert gate
 MTP_FC = "mtp.fc.weight"
 
@@ -68,13 +69,13 @@ def gguf_name(name: str, config: ModelConfig) -> str | None:
 
 def parse_quant(quant: str) -> str:
     """A --quant value as presets and formats spell it (Q4_K_M, Q8_0, ...), or one sentence listing the choices."""
-    key = {"FP8": "FP8_B128"}.get(quant.upper(), quant.upper())
+    key = {"FP8": "FP8_B128", "INT4": "I4_G128"}.get(quant.upper(), quant.upper())
     if key in DEFAULT_TYPE or (key in FORMATS and not format_of(key).is_float):
         return key
     choices = ", ".join(p.lower() for p in DEFAULT_TYPE)
     raise DeltaspecError(
-        f"Unknown --quant {quant!r}; use a preset ({choices}), fp8 (FP8_B128 blocks, an FP8 checkpoint's layout) or a "
-        "block type such as q4_k or q8_0."
+        f"Unknown --quant {quant!r}; use a preset ({choices}), fp8 (FP8_B128 blocks, an FP8 checkpoint's layout), "
+        "int4 (I4_G128 blocks, a W4A16 checkpoint's; i4_g32 for groups of 32) or a block type such as q4_k or q8_0."
     )
 
 
@@ -93,7 +94,7 @@ def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str)
     if key not in DEFAULT_TYPE:
         block = format_of(key).block_size
         chosen = {gguf: (key if shapes[name][-1] % block == 0 else "F16") for gguf, name in named.items()}
-        if key == "FP8_B128":  # the layout of an FP8 checkpoint: embeddings, LM head and routers stay float
+        if key in CHECKPOINT_TYPES:  # a quantized checkpoint's layout: embeddings, LM head and routers stay float
             kept = [gguf for gguf in chosen if gguf.startswith(FP8_KEPT) or ROUTER in gguf]
             chosen |= dict.fromkeys(kept, "F16")
     else:
@@ -125,8 +126,9 @@ def random_blocks(
             scale = blocks[:, offset : offset + 2].contiguous().view(torch.float16).float() * std
             blocks[:, offset : offset + 2] = scale.to(torch.float16).view(torch.uint8)
         if name == FLOAT_SCALE:
-            scale = blocks[:, offset : offset + 4].contiguous().view(torch.float32) * std
-            blocks[:, offset : offset + 4] = scale.view(torch.uint8)
+            scale_type = torch.float32 if size == 4 else torch.bfloat16
+            scale = blocks[:, offset : offset + size].contiguous().view(scale_type).float() * std
+            blocks[:, offset : offset + size] = scale.to(scale_type).view(torch.uint8)
         offset += size
     return QuantizedWeight([(qtype, blocks.view(*shape[:-1], per_row * fmt.type_size))], shape[-1])
 
