@@ -263,9 +263,9 @@ def test_quant_needs_random_weights():
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q5_1", "FP8_B128", "I4_G128", "I4_G32"])
 def test_random_blocks_are_distributed_like_quantized_normal_weights(qtype):
-    """Blocks drawn from the pool with scaled float16 (float32, bfloat16) scales dequantize to values with the std of the exact
-    quantization of N(0, std²) (within 2 %; measured 0.3 %) and a mean within 3 % of the std (measured 1.2 % at
-    most, the pool's own sample mean); every row differs, and the seed fixes the bytes."""
+    """Blocks drawn from the pool with scaled float16 (FP8: float32, I4: bfloat16) scales dequantize to values with
+    the std of the exact quantization of N(0, std²) (within 2 %; measured 0.3 %) and a mean within 3 % of the std
+    (measured 1.2 % at most, the pool's own sample mean); every row differs, and the seed fixes the bytes."""
     from deltaspec.model.random_quant import random_blocks
     from deltaspec.ops.quant.dequant import dequantize
     from deltaspec.ops.quant.quantize import quantize

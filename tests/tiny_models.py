@@ -268,9 +268,7 @@ INT4_DIMS = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_val
 INT4_MOE_DIMS = INT4_DIMS | dict(moe_intermediate_size=256, shared_expert_intermediate_size=256)
 
 
-def write_int4_checkpoints(
-    source: Path, root: Path, layout: str, group: int, symmetric: bool
-) -> tuple[Path, Path]:
+def write_int4_checkpoints(source: Path, root: Path, layout: str, group: int, symmetric: bool) -> tuple[Path, Path]:
     """An int4 W4A16 copy of float checkpoint `source` under `root` in `layout` ("compressed-tensors": written by
     the compressed-tensors library's own quantizer and pack-quantized compressor; "gptq" / "gptq_v2": AutoGPTQ's
     layout, zero points stored minus one in the original format), every matrix but those of FP8_KEPT in groups
