@@ -266,3 +266,19 @@ def test_fp8_checkpoints_on_the_gpu_follow_their_dequantized_weights(fp8, kind):
         for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             token = next(iter(theirs))
             assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [INT4_CASES[0], INT4_CASES[3]], ids=lambda case: "-".join(map(str, case)))
+def test_int4_checkpoints_on_the_gpu_follow_their_dequantized_weights(int4, case):
+    """On CUDA in bf16 with CUDA graphs: the int4 blocks through the block kernels (the GEMV, the tensor-core
+    tiles, the one-pass dequantize, the expert kernels) give the greedy tokens of the dequantized checkpoint's
+    bf16 model, and logprobs within bf16 rounding."""
+    quantized, dequantized = int4[case]
+    cuda = dict(device="cuda", dtype="bfloat16")
+    got, want = generate(quantized, **cuda)[1], generate(dequantized, **cuda)[1]
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            token = next(iter(theirs))
+            assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=0.1)
