@@ -179,6 +179,25 @@ def test_gdn_bfloat16_state(kernel_device):
     )
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("implementation", ["reference", "kernel"])
+def test_gdn_narrow_state_speculative_rows_are_single_steps(kernel_device, implementation, state_dtype):
+    """With a bf16 / fp16 state, verifying 3 rows and then folding them (with one new row) gives exactly what 4
+    single-row steps give: the same outputs and the same stored state, bit for bit (each row rounds the state
+    as a step's store does), so speculative decoding keeps plain decoding's tokens."""
+    rule = gdn_reference.gated_delta_rule if implementation == "reference" else gdn_kernels.gated_delta_rule
+    q, k, v, g, beta, state, log = _gdn_inputs(4, 2, 4, 16, 16, kernel_device, state_dtype=state_dtype, seed=3)
+    stepped = state.clone()
+    single = [rule(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], stepped,
+                   _layout([1], [5], kernel_device)) for i in range(4)]  # fmt: skip
+    verified = rule(
+        q[:3], k[:3], v[:3], g[:3], beta[:3], state, _layout([3], [5], kernel_device, speculative=[True]), log
+    )
+    last = rule(q[3:], k[3:], v[3:], g[3:], beta[3:], state, _layout([1], [5], kernel_device, fold=[3]), log)
+    assert torch.equal(torch.cat([verified, last]), torch.cat(single))
+    assert torch.equal(state, stepped)
+
+
 def test_gdn_long_mixed_pass_uses_recurrence(kernel_device):
     """max_query_len > 64 with a speculative sequence: the recurrent kernel runs the whole pass."""
     _check_gdn(

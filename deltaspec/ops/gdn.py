@@ -18,6 +18,12 @@ outputs are computed from its state but the state is not advanced; instead each 
 knows how many of those rows were accepted and passes that count as `fold` in the sequence's
 next call, which first replays the accepted log rows onto the state (and writes it), then
 processes its new rows. Rejected rows are simply never replayed.
+
+A state stored in a narrower dtype than the arithmetic (`--state-dtype bfloat16` / `float16`, or float32 under
+float64 arithmetic) is rounded to it each time plain decoding stores it, after every row. So that speculative
+decoding gives plain decoding's tokens exactly, speculative rows and the replay of accepted ones take the same
+single-row steps with the same rounding after each row (`stepwise`); plain multi-row segments (prompts) round
+once, at the end.
 """
 
 from dataclasses import dataclass
@@ -89,13 +95,28 @@ def chunked(q, k, v, g, beta, state):
     return torch.cat(outputs, dim=0), state
 
 
-def replay(k, v, g, beta, state):
-    """Advance `state` [Hv, Dk, Dv] over logged rows (k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv])."""
+def stepwise(q, k, v, g, beta, state, stored: torch.dtype):
+    """The recurrence over L rows of one sequence as L single-row steps, the state rounded to its `stored` dtype
+    after each row as plain decoding stores it: q, k [L, Hv, Dk]; v [L, Hv, Dv]; g, beta [L, Hv]; state
+    [Hv, Dk, Dv]. Returns (o [L, Hv, Dv], final state, rounded)."""
+    outputs = []
+    for i in range(q.shape[0]):
+        row = slice(i, i + 1)
+        o, state = recurrent_step(q[row], k[row], v[row], g[row], beta[row], state[None])
+        outputs.append(o)
+        state = state[0].to(stored).to(q.dtype)
+    return torch.cat(outputs, dim=0), state
+
+
+def replay(k, v, g, beta, state, stored: torch.dtype):
+    """Advance `state` [Hv, Dk, Dv] over logged rows (k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv]), rounding it
+    to its `stored` dtype after each row."""
     k = _expand_heads(k, v.shape[1])
     for i in range(k.shape[0]):
         state = state * g[i].exp()[:, None, None]
         u = torch.einsum("hkv,hk->hv", state, k[i])
         state = state + k[i][:, :, None] * (beta[i][:, None] * (v[i] - u))[:, None, :]
+        state = state.to(stored).to(u.dtype)
     return state
 
 
@@ -116,7 +137,14 @@ def gated_delta_rule(
     for n, slot in zip(fold, slots):
         if n:
             state[slot].copy_(
-                replay(log.k[slot, :n], log.v[slot, :n], log.g[slot, :n], log.beta[slot, :n], state[slot].to(acc))
+                replay(
+                    log.k[slot, :n],
+                    log.v[slot, :n],
+                    log.g[slot, :n],
+                    log.beta[slot, :n],
+                    state[slot].to(acc),
+                    state.dtype,
+                )
             )
     for i, slot in enumerate(slots):
         if speculative[i]:
@@ -137,7 +165,11 @@ def gated_delta_rule(
     for i, length in enumerate(query_lens):
         if length > 1 or speculative[i]:
             rows = slice(starts[i], starts[i] + length)
-            o, new_state = chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], state[slots[i]].to(acc))
+            inputs = (q[rows], k[rows], v[rows], g[rows], beta[rows], state[slots[i]].to(acc))
+            if speculative[i] and state.dtype != acc:
+                o, new_state = stepwise(*inputs, state.dtype)
+            else:
+                o, new_state = chunked(*inputs)
             out[rows] = o
             if not speculative[i]:
                 state[slots[i]].copy_(new_state)

@@ -3,7 +3,9 @@
 Recurrent path (decode, verify, mixed passes; CUDA-graph safe): one program per (sequence, value
 head, Dv block) holds its [Dk, BV] block of the slot's state in float32 registers, replays the
 sequence's `fold` logged rows onto it, then runs the sequence's rows one by one. A speculative
-sequence writes back the folded state (only if it folded); any other writes its final state.
+sequence writes back the folded state (only if it folded); any other writes its final state. A state stored in
+bf16 or fp16 is rounded to that dtype after every row, as single-row steps store it (the reference's
+`stepwise`), so speculative rows give plain decoding's results.
 Every per-sequence value is read from the layout's device tensors; the launch is shaped by
 `num_seqs`, `max_query_len` and tensor shapes only.
 
@@ -86,6 +88,7 @@ def _recurrent_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     HAS_LOG: tl.constexpr,
+    ROUND_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -132,6 +135,8 @@ def _recurrent_kernel(
                 tl.float32
             )
             state = _delta_step(state, key, value, decay, beta)
+            if ROUND_ROWS:  # as a run of single-row steps stores it
+                state = state.to(state_ptr.dtype.element_ty).to(tl.float32)
             log_row += 1
     # The reference writes the folded state, then reads it back: round it to the storage dtype.
     state = state.to(state_ptr.dtype.element_ty).to(tl.float32)
@@ -157,6 +162,8 @@ def _recurrent_kernel(
             output.to(out_ptr.dtype.element_ty),
             mask=dv_mask,
         )
+        if ROUND_ROWS:
+            state = state.to(state_ptr.dtype.element_ty).to(tl.float32)
         row += 1
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=block_mask & (speculative == 0))
 
@@ -339,6 +346,7 @@ def gated_delta_rule(
         BK=key_block,
         BV=value_block,
         HAS_LOG=has_log,
+        ROUND_ROWS=state.dtype != torch.float32,
         num_warps=RECURRENT_WARPS,
         num_stages=RECURRENT_STAGES,
     )
