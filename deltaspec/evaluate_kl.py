@@ -60,7 +60,14 @@ def tokens_of(llm: LLM, text: str) -> list[int]:
 
 
 def identity(llm: LLM) -> dict:
-    return {"path": str(llm.engine.model_dir), "dtype": llm.engine.config.dtype, "device": llm.engine.config.device}
+    config = llm.engine.config
+    return {
+        "path": str(llm.engine.model_dir),
+        "dtype": config.dtype,
+        "state_dtype": config.state_dtype,
+        "device": config.device,
+        "prefill_chunk": min(config.prefill_chunk, config.max_num_batched_tokens),
+    }
 
 
 @torch.inference_mode()
@@ -314,19 +321,22 @@ def run_kl(
     text: str,
     base: str | None,
     base_dtype: str | None,
+    base_state_dtype: str,
     base_logits: str | None,
     save_base: str | None,
     window: int,
     max_windows: int | None,
 ) -> dict:
-    """The `deltaspec kl` command: load the base (unless its logits are saved) and the model of `config` (none when
-    `config.model` is None: the base only runs to be saved), then `kl_divergence`."""
+    """The `deltaspec kl` command: load the base (unless its logits are saved; in `base_dtype`, default the model's,
+    with its own GDN state dtype `base_state_dtype`) and the model of `config` (none when `config.model` is None:
+    the base only runs to be saved), then `kl_divergence`."""
     check_request(config.model is not None, base is not None, base_logits, save_base, window, max_windows)
     if base_logits is not None:
         SavedBase(base_logits)  # a missing or foreign file fails before any model loads
     base_llm = model_llm = None
     if base is not None:
-        base_config = scoring_config(config, window, model=base, dtype=base_dtype or config.dtype)
+        changes = dict(model=base, dtype=base_dtype or config.dtype, state_dtype=base_state_dtype)
+        base_config = scoring_config(config, window, **changes)
         base_llm = LLM(progress=True, **vars(base_config))
     if config.model is not None:
         model_llm = LLM(progress=True, **vars(scoring_config(config, window)))

@@ -282,7 +282,10 @@ def write_int4_checkpoints(source: Path, root: Path, layout: str, group: int, sy
     _copy_all_but_weights(source, dequantized)
     write = _compressed_int4 if layout == "compressed-tensors" else _gptq_int4
     packed, floats = {}, {}
-    for name, tensor in load_file(next(source.glob("*.safetensors"))).items():
+    tensors = {name: t for file in sorted(source.glob("*.safetensors")) for name, t in load_file(file).items()}
+    for directory in (quantized, dequantized):  # one file each, whatever the source's sharding
+        (directory / "model.safetensors.index.json").unlink(missing_ok=True)
+    for name, tensor in tensors.items():
         if tensor.dim() == 2 and name.endswith(".weight") and not any(kept in name for kept in FP8_KEPT):
             stored, floats[name] = write(tensor, group, symmetric, layout)
             packed.update({f"{name.removesuffix('.weight')}.{suffix}": value for suffix, value in stored.items()})

@@ -40,7 +40,7 @@ def cmd_kl(args: argparse.Namespace) -> None:
     from deltaspec.evaluate_kl import read_corpus, run_kl
 
     text = read_corpus(args.file)
-    sources = (args.base, args.base_dtype, args.base_logits, args.save_base)
+    sources = (args.base, args.base_dtype, args.base_state_dtype, args.base_logits, args.save_base)
     print(json.dumps(run_kl(engine_config(args), text, *sources, args.window, args.max_windows), indent=1))
 
 
@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     base.add_argument("--base", metavar="BASE", help="the base checkpoint (directory or hub id) to compare with")
     base.add_argument("--base-logits", metavar="F", help="the base's logits saved by --save-base, instead of --base")
     kl.add_argument("--base-dtype", default=None, help="dtype of the base (default: --dtype)")
+    kl.add_argument(
+        "--base-state-dtype",
+        default="auto",
+        help="GDN state dtype of the base (default auto: float32, float64 for a float64 base), so that --state-dtype "
+        "bfloat16 measures the narrower state against the full one",
+    )
     kl.add_argument(
         "--save-base",
         metavar="F",
