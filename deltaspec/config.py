@@ -118,6 +118,22 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[key]
 
 
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def parse_kv_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype: a quantized one (`KV_CACHE_DTYPES`), or the model's `dtype` for "auto" (or
+    that dtype's own name, as a resolved config spells it)."""
+    if name in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[name]
+    model_dtype = parse_dtype(dtype)
+    if name != "auto" and (name not in DTYPES or DTYPES[name] != model_dtype):
+        raise DeltaspecError(
+            f"Unknown --kv-cache-dtype {name!r}; use auto (the model's dtype), fp8_e4m3 (or fp8) or int8."
+        )
+    return model_dtype
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the user chooses about running a model. "auto" fields are resolved on load."""
@@ -133,6 +149,13 @@ class EngineConfig:
         default="auto",
         metadata={
             "help": "GDN recurrent state dtype: auto (float32, float64 for float64 models), float32, bfloat16, float16"
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "attention KV cache dtype: auto (the model's dtype), fp8_e4m3 (fp8) or int8, each row with its "
+            "own scale computed when it is written"
         },
     )
     max_num_seqs: int = field(
@@ -350,7 +373,8 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     prefix checkpoints depend on the memory and are decided by the planner (`with_pools`).
 
     dtype auto: the checkpoint's own `torch_dtype` on CUDA, float32 on CPU (bfloat16 matmuls are
-    slow there). state_dtype auto: float32, or float64 for a float64 model.
+    slow there). state_dtype auto: float32, or float64 for a float64 model. kv_cache_dtype auto: the model's dtype
+    (named as it, "fp8" as "fp8_e4m3").
     """
     device = default_device() if cfg.device == "auto" else cfg.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -364,6 +388,10 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         state_dtype = "float64" if dtype_name == "float64" else "float32"
     else:
         state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
+    parse_kv_dtype(cfg.kv_cache_dtype, dtype_name)
+    kv_cache_dtype = (
+        dtype_name if cfg.kv_cache_dtype == "auto" else {"fp8": "fp8_e4m3"}.get(cfg.kv_cache_dtype, cfg.kv_cache_dtype)
+    )
     if cfg.prefix_offload_gib < 0:
         raise DeltaspecError(f"prefix_offload_gib must be 0 (no offload) or more, got {cfg.prefix_offload_gib}.")
     if cfg.prefix_checkpoints < 0:
@@ -389,7 +417,7 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     ):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
-    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype)
+    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 def check_context(cfg: EngineConfig, positions: int) -> None:

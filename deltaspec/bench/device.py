@@ -120,6 +120,7 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         "device": device_name(engine.device),
         "dtype": cfg.dtype,
         "state_dtype": cfg.state_dtype,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         **source,
         "quant": cfg.quant,
         "weight_blocks": block_types(engine.model),  # GGUF types of the weights kept quantized; [] for float

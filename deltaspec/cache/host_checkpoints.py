@@ -52,7 +52,7 @@ class HostCheckpoints:
             tokens,
             [self._host_copy(s[slot]) for s in self.gdn.state],
             [self._host_copy(c[slot]) for c in self.gdn.conv],
-            [self._host_copy(cache.index_select(0, index)) for cache in (*self.kv.k, *self.kv.v)],
+            [self._host_copy(cache.index_select(0, index)) for cache in self.kv.byte_views()],
             self.clock(),
         )
         if entry.nbytes > self.budget:
@@ -69,7 +69,7 @@ class HostCheckpoints:
             return None
         blocks = self.kv.allocator.allocate(count)
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)
-        for cache, saved in zip((*self.kv.k, *self.kv.v), entry.pages):
+        for cache, saved in zip(self.kv.byte_views(), entry.pages):
             cache.index_copy_(0, index, saved.to(cache.device, non_blocking=True))
         for state, conv, saved_state, saved_conv in zip(self.gdn.state, self.gdn.conv, entry.states, entry.convs):
             state[slot].copy_(saved_state, non_blocking=True)

@@ -1,13 +1,15 @@
 """Paged KV cache for the attention layers, and the allocator of its pages.
 
 One pair of tensors per attention layer (the MTP head's layers included), each
-[num_blocks, block_size, Hkv, D]; a sequence owns a list of pages (its block table) and token p
+[num_blocks, block_size, Hkv, D] (D + 4 for a quantized cache: each row's values and its float32 scale,
+`deltaspec.ops.attention`); a sequence owns a list of pages (its block table) and token p
 of the sequence lives at page `table[p // block_size]`, offset `p % block_size`.
 """
 
 import torch
 
 from deltaspec.errors import DeltaspecError
+from deltaspec.ops.attention import kv_row_width
 
 
 class BlockAllocator:
@@ -65,10 +67,15 @@ class PagedKVCache:
         device: torch.device,
     ):
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, dtype))
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks)
+
+    def byte_views(self) -> list[torch.Tensor]:
+        """Every layer's K then V pages, a quantized cache's as uint8 views (CPU torch gathers no float8 by
+        index)."""
+        return [cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache for cache in (*self.k, *self.v)]
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

@@ -27,11 +27,18 @@ class CacheManager:
         log_rows: int = 0,
         checkpoint_slots: int = 0,
         offload_bytes: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.block_size = block_size
         self.num_slots = num_slots
         self.kv = PagedKVCache(
-            num_kv_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype, device
+            num_kv_layers,
+            num_blocks,
+            block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+            kv_dtype or dtype,
+            device,
         )
         self.gdn = GDNStateCache(
             len(config.gdn_layer_ids),

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hf_quant import main_tensor, stored_bytes
+from deltaspec.ops.attention import kv_row_width
 
 GIB = 1 << 30
 RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack, Python
@@ -210,6 +211,7 @@ def plan_memory(
     drafter: DrafterMemory = DrafterMemory(),
     kv_tokens: int = 0,
     materialized_scores: bool = True,
+    kv_dtype: torch.dtype | None = None,
 ) -> MemoryPlan:
     """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
     slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
@@ -217,10 +219,13 @@ def plan_memory(
     each keep their hidden state and logits (and a block drafter's features); `drafter` is the speculative
     drafter's own memory; `kv_tokens` > 0 is
     a KV pool of that many tokens instead of one context per stream; `materialized_scores`: attention runs on the
-    torch reference, which holds one prompt chunk's scores over the whole context (the kernels hold none)."""
+    torch reference, which holds one prompt chunk's scores over the whole context (the kernels hold none);
+    `kv_dtype` is the KV cache's (default `dtype`; a quantized one adds each row's 4-byte scale)."""
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
-    kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * config.head_dim * size
+    kv_dtype = kv_dtype or dtype
+    row_bytes = kv_row_width(config.head_dim, kv_dtype) * kv_dtype.itemsize
+    kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * row_bytes
     state = len(config.gdn_layer_ids) * (
         config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_size
         + (config.linear_conv_kernel_dim - 1) * config.gdn_conv_dim * size

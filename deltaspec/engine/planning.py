@@ -31,6 +31,7 @@ from deltaspec.config import (
     ModelConfig,
     check_context,
     parse_dtype,
+    parse_kv_dtype,
     resolve_engine_config,
     with_pools,
 )
@@ -128,6 +129,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
             drafter=memory,
             kv_tokens=kv_blocks * resolved.block_size,
             materialized_scores=device.type != "cuda" or resolved.kernels == "reference",
+            kv_dtype=parse_kv_dtype(resolved.kv_cache_dtype, dtype),
         )
 
     sizing = PoolSizing(resolved, model_config.max_position_embeddings, plan_at)

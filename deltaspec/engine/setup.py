@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
+from deltaspec.config import EngineConfig, ModelConfig, parse_dtype, parse_kv_dtype
 from deltaspec.engine.planning import Planned
 from deltaspec.engine.scheduler import Scheduler
 from deltaspec.errors import DeltaspecError
@@ -93,6 +93,7 @@ def engine_cache(config: EngineConfig, model_config: ModelConfig, num_kv_layers:
         log_rows=config.log_rows,
         checkpoint_slots=config.prefix_checkpoints,
         offload_bytes=int(config.prefix_offload_gib * 2**30),
+        kv_dtype=parse_kv_dtype(config.kv_cache_dtype, config.dtype),
     )
 
 

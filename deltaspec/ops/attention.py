@@ -7,22 +7,73 @@ of its `context_lens[b]` cached tokens, its pages listed in `block_tables[b]`. R
 attends to cached positions 0 .. context_lens[b] - query_lens[b] + i (causal within the new rows),
 with grouped-query heads
 (query head h reads KV head h // (Hq / Hkv)). Softmax runs in float32 (float64 for float64).
+
+A quantized cache (`--kv-cache-dtype fp8_e4m3` or `int8`) is a float8_e4m3fn or int8 tensor [num_blocks,
+block_size, Hkv, D + 4]: each row (one token's one KV head) is its D values quantized with the row's own scale,
+then that scale's 4 float32 bytes. The scale is computed when the row is written: amax / 448 (e4m3) or amax / 127
+(int8) of the row's values in float32 (1 for an all-zero row); a value is x / scale rounded to nearest (even),
+and reads back as stored * scale. A row's bytes depend on that row alone, so a token's cached K and V are the
+same whichever pass wrote them (decode, verify, prefill chunk).
 """
 
 import torch
 
 from deltaspec.ops.layout import SeqLayout
 
+SCALE_BYTES = 4  # a quantized row's float32 scale, after its values
+QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # the largest stored magnitude per cache dtype
+
+
+def kv_row_width(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Elements of one cache row: D, or D values and the scale's bytes for a quantized cache."""
+    return head_dim + SCALE_BYTES if cache_dtype in QUANT_MAX else head_dim
+
+
+def quantize_kv_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Rows x [..., D] -> [..., D + 4] of `cache_dtype` (values, then the scale's bytes) as the contract says."""
+    rows = x.to(torch.float32)
+    amax = rows.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    scale = torch.where(amax > 0, amax / QUANT_MAX[cache_dtype], torch.ones_like(amax))
+    scaled = rows / scale
+    if cache_dtype == torch.int8:
+        values = scaled.round().clamp(-127, 127).to(torch.int8)
+    else:
+        values = scaled.clamp(-448, 448).to(torch.float8_e4m3fn)
+    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(cache_dtype)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., D + 4] of a quantized cache -> values [..., D] in `dtype` (stored * scale, exact in
+    float32); rows of a float cache are only cast."""
+    if rows.dtype not in QUANT_MAX:
+        return rows.to(dtype)
+    values = rows[..., :-SCALE_BYTES].to(torch.float32)
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.uint8).view(torch.float32)  # [..., 1]
+    return (values * scale).to(dtype)
+
 
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D (+ 4 quantized)]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if cache.dtype in QUANT_MAX:  # copied as bytes (CPU torch copies no float8 by index)
+            rows = quantize_kv_rows(x, cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        else:
+            rows = x.to(cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+
+
+def _pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The rows of `pages` of one layer's cache, flattened to [pages * block_size, Hkv, width] (gathered as
+    bytes for a quantized cache)."""
+    if cache.dtype in QUANT_MAX:
+        return cache.view(torch.uint8)[pages].flatten(0, 1).view(cache.dtype)
+    return cache[pages].flatten(0, 1)
 
 
 def paged_attention(
@@ -40,8 +91,9 @@ def paged_attention(
     start = 0
     for b, (q_len, ctx_len) in enumerate(zip(layout.query_lens, layout.context_lens)):
         pages = block_tables[b, : (ctx_len + block_size - 1) // block_size]
-        keys = k_cache[pages].flatten(0, 1)[:ctx_len].to(q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
-        values = v_cache[pages].flatten(0, 1)[:ctx_len].to(q.dtype).repeat_interleave(group, dim=1)
+        keys = dequantize_kv_rows(_pages(k_cache, pages)[:ctx_len], q.dtype)  # [S, Hkv, D]
+        values = dequantize_kv_rows(_pages(v_cache, pages)[:ctx_len], q.dtype)
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)  # [S, Hq, D]
         rows = q[start : start + q_len]  # [L, Hq, D]
         scores = torch.einsum("lhd,shd->hls", rows, keys) * scale  # [Hq, L, S]
         query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)

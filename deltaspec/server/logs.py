@@ -86,7 +86,11 @@ def startup_summary(engine: Engine, model_name: str) -> list[str]:
     rows = [
         ("model", f"'{model_name}' ({model_origin(engine)})"),
         ("format", weights_format(engine)),
-        ("device", f"{config.device}, dtype {config.dtype}, GDN state dtype {config.state_dtype}"),
+        (
+            "device",
+            f"{config.device}, dtype {config.dtype}, GDN state dtype {config.state_dtype}, KV cache dtype "
+            f"{config.kv_cache_dtype}",
+        ),
         ("weights", memory(plan.weights)),
         ("KV cache", f"{memory(cache.kv.bytes())}, {pages * block} tokens ({pages} pages x {block})"),
         (
