@@ -203,3 +203,46 @@ def test_write_kv_skips_negative_slots(kernel_device):
     triton_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
     torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0)
+
+
+QUANTIZED_CACHES = [torch.float8_e4m3fn, torch.int8]
+
+
+def _interpreter_rounds_e4m3_wrongly(cache_dtype: torch.dtype) -> bool:
+    """Triton's interpreter converts float32 to e4m3 wrongly (-126.57 became -64); compiled kernels round to
+    nearest even as torch does."""
+    return cache_dtype == torch.float8_e4m3fn and triton_interpreted()
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHES)
+@pytest.mark.parametrize(("dtype", "num_kv_heads", "head_dim"), [(torch.float32, 4, 256), (torch.bfloat16, 2, 80)])
+def test_write_kv_quantizes_rows_as_the_reference(kernel_device, cache_dtype, dtype, num_kv_heads, head_dim):
+    """Each row's values and float32 scale, byte for byte (an all-zero row takes scale 1); other rows untouched."""
+    if _interpreter_rounds_e4m3_wrongly(cache_dtype):
+        pytest.skip("Triton's interpreter converts float32 to e4m3 wrongly")
+    generator = torch.Generator().manual_seed(head_dim)
+    block_size, num_blocks, num_tokens = 16, 5, 21
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    k[3] = 0
+    full = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    k_cache = reference.quantize_kv_rows(full, cache_dtype).to(kernel_device)
+    v_cache = reference.quantize_kv_rows(-full, cache_dtype).to(kernel_device)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens].to(kernel_device)
+    expected_k, expected_v = k_cache.cpu(), v_cache.cpu()
+    reference.write_kv(k, v, expected_k, expected_v, slot_mapping.cpu())
+    triton_attention.write_kv(k.to(kernel_device), v.to(kernel_device), k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache.cpu().view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.cpu().view(torch.uint8), expected_v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHES)
+@pytest.mark.parametrize(("query_lens", "context_lens"), [([1, 2, 16, 7], [1, 40, 150, 64]), ([1, 100], [37, 160])])
+def test_attention_reads_quantized_rows(kernel_device, cache_dtype, query_lens, context_lens):
+    """Both regimes over fp8 / int8 caches: the reference's dequantized rows (values times their scales)."""
+    num_heads, num_kv_heads, head_dim = GROUP_SHAPES[1]
+    q, k_cache, v_cache, layout = _paged_inputs(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, kernel_device
+    )
+    k_cache, v_cache = (reference.quantize_kv_rows(c.cpu(), cache_dtype).to(kernel_device) for c in (k_cache, v_cache))
+    _check_attention(q, k_cache, v_cache, layout)

@@ -24,6 +24,10 @@ its share of `context_lens_t[b]` in-kernel (a multiple of BLOCK_N), writes a nor
 log2-sum-exp, and `_combine_splits_kernel` (grid (T, Hq)) merges them. With one split the attention kernel writes
 the output directly.
 
+Quantized caches (fp8 e4m3 or int8 rows [D values, float32 scale], `deltaspec.ops.attention`): `write_kv`
+computes each row's scale and values as the reference does (correctly rounded divisions, ties to even), and the
+attention kernel multiplies each K / V tile by its rows' scales before the dot products.
+
 Everything per sequence (row starts, context lengths, pages) is read from the layout's device tensors; the wrappers
 make no host syncs and no data-dependent allocations. Limits: q in fp16 / bf16 / fp32 (fp32 dots in IEEE
 precision); head_dim any size up to 256 (padded to a power of two in registers; tested 64 to 256); Hq a multiple of
@@ -39,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaspec.ops.attention import QUANT_MAX
 from deltaspec.ops.layout import SeqLayout
 
 VERIFY_MAX_ROWS = 64  # up to this many rows per sequence, a program takes all query heads of a KV head
@@ -72,7 +77,10 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    QUANT_MAX: tl.constexpr,
 ):
+    """Row (token, head) of K and V into its cache slot; with QUANT_MAX > 0 (a quantized cache) the row's values
+    over its scale amax / QUANT_MAX, then the scale's bytes after them."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -82,12 +90,31 @@ def _write_kv_kernel(
     offset = slot % PAGE_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_d < HEAD_DIM) & written
-    k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + head * stride_kh + offs_d * stride_kd, mask=mask)
-    v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + head * stride_vh + offs_d * stride_vd, mask=mask)
-    k_dest = k_cache_ptr + page * stride_kcb + offset * stride_kcs + head * stride_kch + offs_d * stride_kcd
-    v_dest = v_cache_ptr + page * stride_vcb + offset * stride_vcs + head * stride_vch + offs_d * stride_vcd
-    tl.store(k_dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + head * stride_kh + offs_d * stride_kd, mask=mask, other=0.0)
+    v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + head * stride_vh + offs_d * stride_vd, mask=mask, other=0.0)
+    k_row = k_cache_ptr + page * stride_kcb + offset * stride_kcs + head * stride_kch
+    v_row = v_cache_ptr + page * stride_vcb + offset * stride_vcs + head * stride_vch
+    if QUANT_MAX > 0:
+        _write_quantized_row(k_row, k, offs_d * stride_kcd, mask, written, HEAD_DIM * stride_kcd, QUANT_MAX)
+        _write_quantized_row(v_row, v, offs_d * stride_vcd, mask, written, HEAD_DIM * stride_vcd, QUANT_MAX)
+    else:
+        tl.store(k_row + offs_d * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_row + offs_d * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_quantized_row(row_ptr, x, offsets, mask, written, scale_offset, QUANT_MAX: tl.constexpr):
+    """x [BLOCK_D] (0 where masked) as a quantized cache row: x / scale rounded to nearest even (division
+    correctly rounded, as torch divides) at `offsets`, the float32 scale = amax / QUANT_MAX (1 for a zero row) at
+    byte `scale_offset`."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, QUANT_MAX), 1.0)
+    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QUANT_MAX), QUANT_MAX)
+    if QUANT_MAX == 127.0:  # int8: 1.5 * 2**23 added and taken away rounds to an integer, ties to even
+        scaled = (scaled + 12582912.0) - 12582912.0
+    tl.store(row_ptr + offsets, scaled.to(row_ptr.dtype.element_ty), mask=mask)
+    tl.store((row_ptr + scale_offset).to(tl.pointer_type(tl.float32)), scale, mask=written)
 
 
 def write_kv(
@@ -113,6 +140,7 @@ def write_kv(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_cache.shape[1],
+        QUANT_MAX=QUANT_MAX.get(k_cache.dtype, 0.0),
         num_warps=1 if head_dim <= 256 else 2,  # one 16-byte vector of a bf16 row per thread
     )
 
@@ -145,9 +173,11 @@ def _attend_tile(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """One BLOCK_N-wide KV tile folded into the online softmax of the BLOCK_M query rows in `q`. MASKED tiles
-    mask positions >= kv_end and, per row, positions >= allowed_end (causal); unmasked tiles lie wholly inside."""
+    mask positions >= kv_end and, per row, positions >= allowed_end (causal); unmasked tiles lie wholly inside.
+    QUANTIZED rows are read as their values times the float32 scale stored after them."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] KV positions
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
@@ -163,6 +193,9 @@ def _attend_tile(
     v_rows = pages * stride_vcb + in_page * stride_vcs + kv_head * stride_vch
     k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :] * stride_kcd, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_vcd, mask=kv_mask, other=0.0)
+    if QUANTIZED:
+        k = _dequantized(k, k_cache_ptr, k_rows + HEAD_DIM * stride_kcd, offs_n < kv_end)
+        v = _dequantized(v, v_cache_ptr, v_rows + HEAD_DIM * stride_vcd, offs_n < kv_end)
     k = k.to(q.dtype)  # [BLOCK_N, BLOCK_D]
     v = v.to(q.dtype)
 
@@ -180,6 +213,14 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _dequantized(values, cache_ptr, scale_offsets, valid):
+    """Quantized rows' values [BLOCK_N, BLOCK_D] times their float32 scales at byte offsets `scale_offsets`
+    [BLOCK_N] of the cache (rows not `valid` read scale 0)."""
+    scales = tl.load((cache_ptr + scale_offsets).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+    return values.to(tl.float32) * scales[:, None]
 
 
 @triton.jit
@@ -219,6 +260,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     row_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -285,6 +327,7 @@ def _paged_attention_kernel(
             PAGE_SIZE,
             DOT_PRECISION,
             MASKED=False,
+            QUANTIZED=QUANTIZED,
         )
     for start_n in range(full_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -314,6 +357,7 @@ def _paged_attention_kernel(
             PAGE_SIZE,
             DOT_PRECISION,
             MASKED=True,
+            QUANTIZED=QUANTIZED,
         )
 
     seen = l_i > 0
@@ -454,6 +498,7 @@ def paged_attention(
         BLOCK_N=block_n,
         PAGE_SIZE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 q is not rounded to tf32
+        QUANTIZED=k_cache.dtype in QUANT_MAX,
         num_warps=num_warps,
     )
     if num_splits > 1:
