@@ -91,7 +91,7 @@ def test_startup_summary_describes_the_engine_that_was_built():
     assert rows == {
         "model": "'served-name' (embedded default model)",
         "format": "safetensors bfloat16",
-        "device": "cpu, dtype float32, GDN state dtype float32",
+        "device": "cpu, dtype float32, GDN state dtype float32, KV cache dtype float32",
         "weights": memory(engine.plan.weights),
         "KV cache": f"{memory(engine.cache.kv.bytes())}, {pages * 16} tokens ({pages} pages x 16)",
         "GDN states": f"{memory(engine.cache.gdn.bytes())}, 9 slots (2 streams, 6 prefix checkpoints, 1 scratch)",
