@@ -64,6 +64,29 @@ def test_triton_kernels_match_the_references_through_the_whole_model(checkpoints
     torch.testing.assert_close(kernels, reference, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_triton_kernels_match_the_references_over_quantized_kv_and_a_bf16_state(checkpoints, kv_cache_dtype):
+    """The kernels write the reference's KV bytes and read them as it does; a bf16 state is rounded after every
+    row of the recurrent kernel's passes (the 1- and 3-row chunks), once per chunk by the reference's, so the
+    logits agree within that rounding."""
+    path, chunks = str(checkpoints["qwen3_5_r2"]), [70, 1, 3, 56]
+    options = dict(dtype="float32", device="cuda", kv_cache_dtype=kv_cache_dtype)
+    reference = forward_in_chunks(LLM(path, kernels="reference", **options).engine, PROMPT, chunks)
+    kernels = forward_in_chunks(LLM(path, **options).engine, PROMPT, chunks)
+    torch.testing.assert_close(kernels, reference, rtol=0, atol=1e-4)
+    narrow = forward_in_chunks(LLM(path, state_dtype="bfloat16", **options).engine, PROMPT, chunks)
+    torch.testing.assert_close(narrow, reference, rtol=0, atol=5e-2)
+
+
+def test_cuda_graph_speculation_over_an_fp8_kv_cache_is_a_greedy_decode():
+    """Verify passes write and read fp8 rows inside CUDA graphs: every token is the eager model's argmax."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    options = dict(dtype="float32", device="cuda", kv_cache_dtype="fp8_e4m3")
+    spec = LLM(speculative="ngram", draft_tokens=4, **options).generate(CODE_PROMPTS, params)
+    assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
+    assert_greedy_continuations(LLM(enforce_eager=True, **options).engine, spec)
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_r2", "qwen3_5_moe_r2"])
 @pytest.mark.parametrize("num_prompts", [1, 3])
 def test_cuda_graph_decoding_gives_the_eager_tokens(checkpoints, name, num_prompts):
