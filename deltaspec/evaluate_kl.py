@@ -10,7 +10,8 @@ and bits per byte. Work goes window by window: only one window's logits of each 
 The base's logits can be saved (`save_base`) and compared later without running it (`base_logits`). The file
 is safetensors: `token_ids` int64 [tokens] (the scored windows back to back), `logits` [positions, vocab] in the
 dtype the base computed them (row i predicts the i-th token that is not a window's first; exact, so KL from
-the file equals KL from the running base), and string metadata `format`, `model`, `dtype`, `device`, `window`.
+the file equals KL from the running base), and string metadata `format`, `model`, `dtype`, `state_dtype`,
+`device`, `prefill_chunk` (tokens a pass), `window`.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class SavedBase:
         if meta.get("format") != FORMAT or set(self.file.keys()) != {"token_ids", "logits"}:
             raise DeltaspecError(f"{path} is not a base logits file written by `deltaspec kl --save-base`.")
         self.path, self.window = path, int(meta["window"])
-        self.identity = {"path": meta["model"], "dtype": meta["dtype"], "device": meta["device"]}
+        self.identity = {"path": meta["model"], "dtype": meta["dtype"], "state_dtype": meta.get("state_dtype")}
+        self.identity |= {"device": meta["device"], "prefill_chunk": int(meta.get("prefill_chunk", 0)) or None}
         self.token_ids = self.file.get_tensor("token_ids").tolist()
         self.logits = self.file.get_slice("logits")
         self.vocab = self.logits.get_shape()[1]
@@ -145,7 +147,9 @@ def base_logits_writer(
             "format": FORMAT,
             "model": base_id["path"],
             "dtype": base_id["dtype"],
+            "state_dtype": base_id["state_dtype"],
             "device": base_id["device"],
+            "prefill_chunk": str(base_id["prefill_chunk"]),
             "window": str(window),
         },
         "token_ids": {"dtype": "I64", "shape": [ids.numel()], "data_offsets": [0, id_bytes]},
