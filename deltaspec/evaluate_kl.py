@@ -11,7 +11,7 @@ The base's logits can be saved (`save_base`) and compared later without running 
 is safetensors: `token_ids` int64 [tokens] (the scored windows back to back), `logits` [positions, vocab] in the
 dtype the base computed them (row i predicts the i-th token that is not a window's first; exact, so KL from
 the file equals KL from the running base), and string metadata `format`, `model`, `dtype`, `state_dtype`,
-`device`, `prefill_chunk` (tokens a pass), `window`.
+`kv_cache_dtype`, `device`, `prefill_chunk` (tokens a pass), `window`.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def identity(llm: LLM) -> dict:
         "path": str(llm.engine.model_dir),
         "dtype": config.dtype,
         "state_dtype": config.state_dtype,
+        "kv_cache_dtype": config.kv_cache_dtype,
         "device": config.device,
         "prefill_chunk": min(config.prefill_chunk, config.max_num_batched_tokens),
     }
@@ -124,6 +125,7 @@ class SavedBase:
             raise DeltaspecError(f"{path} is not a base logits file written by `deltaspec kl --save-base`.")
         self.path, self.window = path, int(meta["window"])
         self.identity = {"path": meta["model"], "dtype": meta["dtype"], "state_dtype": meta.get("state_dtype")}
+        self.identity["kv_cache_dtype"] = meta.get("kv_cache_dtype")
         self.identity |= {"device": meta["device"], "prefill_chunk": int(meta.get("prefill_chunk", 0)) or None}
         self.token_ids = self.file.get_tensor("token_ids").tolist()
         self.logits = self.file.get_slice("logits")
@@ -148,6 +150,7 @@ def base_logits_writer(
             "model": base_id["path"],
             "dtype": base_id["dtype"],
             "state_dtype": base_id["state_dtype"],
+            "kv_cache_dtype": base_id["kv_cache_dtype"],
             "device": base_id["device"],
             "prefill_chunk": str(base_id["prefill_chunk"]),
             "window": str(window),
@@ -325,21 +328,21 @@ def run_kl(
     text: str,
     base: str | None,
     base_dtype: str | None,
-    base_state_dtype: str,
+    base_caches: dict[str, str],
     base_logits: str | None,
     save_base: str | None,
     window: int,
     max_windows: int | None,
 ) -> dict:
     """The `deltaspec kl` command: load the base (unless its logits are saved; in `base_dtype`, default the model's,
-    with its own GDN state dtype `base_state_dtype`) and the model of `config` (none when `config.model` is None:
-    the base only runs to be saved), then `kl_divergence`."""
+    with its own `base_caches` dtypes: `state_dtype`, `kv_cache_dtype`) and the model of `config` (none when
+    `config.model` is None: the base only runs to be saved), then `kl_divergence`."""
     check_request(config.model is not None, base is not None, base_logits, save_base, window, max_windows)
     if base_logits is not None:
         SavedBase(base_logits)  # a missing or foreign file fails before any model loads
     base_llm = model_llm = None
     if base is not None:
-        changes = dict(model=base, dtype=base_dtype or config.dtype, state_dtype=base_state_dtype)
+        changes = dict(model=base, dtype=base_dtype or config.dtype, **base_caches)
         base_config = scoring_config(config, window, **changes)
         base_llm = LLM(progress=True, **vars(base_config))
     if config.model is not None:

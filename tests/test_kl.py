@@ -164,3 +164,21 @@ def test_bad_requests_are_one_line_errors(capsys, tmp_path):
     assert "--save-base" in kl_error(capsys, *saving_a_file)
     assert "--window" in kl_error(capsys, "--base", TARGET, "--model", DRAFT, "--window", "1", SAMPLE)
     assert "Could not read" in kl_error(capsys, "--base", TARGET, "--model", DRAFT, str(tmp_path / "none.txt"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "bound"),
+    [
+        (["--state-dtype", "bfloat16"], "state_dtype", 1e-5),
+        (["--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", 4e-3),
+        (["--kv-cache-dtype", "int8"], "kv_cache_dtype", 4e-4),
+    ],
+)
+def test_narrower_caches_are_measured_against_the_full_ones(capsys, flags, field, bound):
+    """The base keeps its float32 state and KV (--base-state-dtype / --base-kv-cache-dtype auto) while the model
+    narrows one, scored one token a pass as decoding runs; the bounds are 10x the mean KL measured on these 126
+    positions (bf16 state 9.1e-7, fp8 KV 4.2e-4, int8 KV 4.1e-5)."""
+    result = run_kl(capsys, "--base", TARGET, "--model", TARGET, *flags, "--prefill-chunk", "1", *CPU, *WINDOWS)
+    assert result["base"][field] == "float32" and result["model"][field] == flags[1]
+    assert result["base"]["prefill_chunk"] == result["model"]["prefill_chunk"] == 1
+    assert 0 < result["kl"]["mean"] < bound

@@ -40,7 +40,8 @@ def cmd_kl(args: argparse.Namespace) -> None:
     from deltaspec.evaluate_kl import read_corpus, run_kl
 
     text = read_corpus(args.file)
-    sources = (args.base, args.base_dtype, args.base_state_dtype, args.base_logits, args.save_base)
+    base_caches = {"state_dtype": args.base_state_dtype, "kv_cache_dtype": args.base_kv_cache_dtype}
+    sources = (args.base, args.base_dtype, base_caches, args.base_logits, args.save_base)
     print(json.dumps(run_kl(engine_config(args), text, *sources, args.window, args.max_windows), indent=1))
 
 
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="GDN state dtype of the base (default auto: float32, float64 for a float64 base), so that --state-dtype "
         "bfloat16 measures the narrower state against the full one",
+    )
+    kl.add_argument(
+        "--base-kv-cache-dtype",
+        default="auto",
+        help="KV cache dtype of the base (default auto: its dtype), so that --kv-cache-dtype fp8_e4m3 measures the "
+        "quantized cache against the full one",
     )
     kl.add_argument(
         "--save-base",
