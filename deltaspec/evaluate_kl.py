@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from deltaspec.bench.stats import commit
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
@@ -310,6 +311,7 @@ def kl_divergence(
     if model is not None:
         report["model"] = {**identity(model), **scores(tally.nll_model, tally.positions, nbytes)}
     report.update(window=window, max_windows=max_windows, windows=len(windows), positions=tally.positions)
+    report["commit"] = commit()
     report["bytes"] = nbytes
     return report | (tally.divergence() if model is not None else {})
 
