@@ -28,12 +28,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from deltaspec.bench.stats import commit
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.batch import Scheduled
 from deltaspec.llm import LLM
+from deltaspec.provenance import commit
 from deltaspec.sample.params import SamplingParams
 
 FORMAT = "deltaspec-kl-base-logits/1"

@@ -17,12 +17,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from deltaspec.bench.stats import commit
 from deltaspec.cli import main
 from deltaspec.config import EngineConfig, ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine, RequestDelta, RequestStream
 from deltaspec.engine.engine import Engine
 from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.provenance import commit
 from deltaspec.server.app import bind_socket, build_app, make_server
 from deltaspec.server.reasoning import split_reasoning
 

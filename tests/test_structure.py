@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "deltaspec"
 # Lowest first. A module may import from its own package and from packages before it, never after it.
 LAYERS = (
     "errors",
+    "provenance",
     "config",
     "parallel",
     "ops",

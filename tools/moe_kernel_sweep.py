@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from deltaspec.bench.stats import commit
 from deltaspec.ops import moe as reference
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton import moe
+from deltaspec.provenance import commit
 from tests.test_kernels_quant import random_weight
 
 SHAPES = {"qwen3.5-35b-a3b": (256, 8, 2048, 512), "qwen3-next-80b-a3b": (512, 10, 2048, 512)}

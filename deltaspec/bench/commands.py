@@ -17,8 +17,8 @@ from deltaspec.bench.agents import bench_agents
 from deltaspec.bench.client import Client, served_identity
 from deltaspec.bench.plot import line_chart
 from deltaspec.bench.serve import bench_serve
-from deltaspec.bench.stats import commit
 from deltaspec.errors import DeltaspecError
+from deltaspec.provenance import commit
 
 
 def say(message: str) -> None:

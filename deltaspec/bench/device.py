@@ -15,13 +15,13 @@ from dataclasses import replace
 
 import torch
 
-from deltaspec.bench.stats import commit
 from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence
 from deltaspec.ops.quant.weight import block_types
+from deltaspec.provenance import commit
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.speculator import DraftLength

@@ -1,11 +1,8 @@
-"""Summaries used by every benchmark: percentiles, medians, and the run's identity (device, dtype, commit)."""
+"""Summaries used by every benchmark: percentiles and medians (the run's commit: `deltaspec.provenance`)."""
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-from pathlib import Path
 
 
 def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
@@ -16,24 +13,3 @@ def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
     out = {f"p{p}": ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in points}
     out["mean"] = statistics.fmean(values)
     return out
-
-
-def commit() -> str | None:
-    """The git commit of the deltaspec checkout, when it is one, with "-dirty" when tracked files differ from it
-    (DELTASPEC_COMMIT overrides it, for copies of a checkout whose .git is stale or absent, such as a tree
-    shipped to another machine)."""
-    if os.environ.get("DELTASPEC_COMMIT"):
-        return os.environ["DELTASPEC_COMMIT"]
-    try:
-        return (
-            subprocess.run(
-                ["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                cwd=Path(__file__).parent,
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None

@@ -22,8 +22,8 @@ from safetensors import safe_open
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.hf_quant import main_tensor, stored_bytes
 from deltaspec.ops.attention import kv_row_width
+from deltaspec.ops.quant.checkpoint_layout import main_tensor, stored_bytes
 
 GIB = 1 << 30
 RESERVE = {"cuda": 1 * GIB, "cpu": GIB // 2}  # runtime context, allocator slack, Python
@@ -148,8 +148,8 @@ class MemoryPlan:
 
 def weight_bytes(files: dict[str, Path], dtype: torch.dtype, skip) -> int:
     """Bytes of all loaded tensors, from the safetensors headers (no tensor is read): float ones in `dtype`, a
-    quantized checkpoint's matrices as their blocks (`deltaspec.model.hf_quant.stored_bytes`; their scales and
-    zero points are in those bytes)."""
+    quantized checkpoint's matrices as their blocks (`deltaspec.ops.quant.checkpoint_layout.stored_bytes`; their
+    scales and zero points are in those bytes)."""
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         if not skip(name) and main_tensor(name, files) is None:

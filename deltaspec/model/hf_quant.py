@@ -25,10 +25,10 @@ import torch
 from safetensors import safe_open
 
 from deltaspec.errors import DeltaspecError
-from deltaspec.ops.quant import format_of
-from deltaspec.ops.quant.fp8 import BLOCK, SCALE_SUFFIX, tiles_to_blocks
+from deltaspec.ops.quant.checkpoint_layout import COMPANIONS, main_tensor, weight_name
+from deltaspec.ops.quant.fp8 import BLOCK, tiles_to_blocks
 from deltaspec.ops.quant.fp8 import QTYPE as FP8_QTYPE
-from deltaspec.ops.quant.int4 import GROUP_TYPES, HEADER, compressed_to_blocks, gptq_to_blocks, unpack_zero_points
+from deltaspec.ops.quant.int4 import GROUP_TYPES, compressed_to_blocks, gptq_to_blocks, unpack_zero_points
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.shard import Shard
 
@@ -36,13 +36,6 @@ LOADED = (
     "FP8 block-scaled checkpoints (quant_method fp8, weight_block_size [128, 128]), int4 W4A16 ones "
     "(compressed-tensors pack-quantized or GPTQ, groups of 32 or 128), unquantized ones, GGUF files"
 )
-# a quantized matrix's main tensor suffix -> the suffixes of its companions (the first one marks an FP8 matrix)
-COMPANIONS = {
-    "weight": ("weight" + SCALE_SUFFIX,),
-    "weight_packed": ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
-    "qweight": ("qzeros", "scales", "g_idx"),
-}
-SCALES = {"weight_packed": "weight_scale", "qweight": "scales"}  # an int4 matrix's group scales
 
 
 @dataclass(frozen=True)
@@ -132,42 +125,6 @@ def _gptq(config: dict, model_dir: Path) -> Quantization:
             f"format); deltaspec loads {LOADED}, in the gptq or gptq_v2 format."
         )
     return Quantization("gptq", group=group, zero_offset=1 if checkpoint_format == "gptq" else 0)
-
-
-def main_tensor(name: str, files: dict[str, Path]) -> str | None:
-    """The quantized matrix tensor that checkpoint tensor `name` is a companion of (None if it is none's)."""
-    prefix, _, suffix = name.rpartition(".")
-    for main, companions in COMPANIONS.items():
-        if suffix in companions and f"{prefix}.{main}" in files:
-            return f"{prefix}.{main}"
-    return None
-
-
-def weight_name(name: str) -> str:
-    """The `<p>.weight` a quantized matrix's main tensor `<p>.weight_packed` / `<p>.qweight` stands for."""
-    prefix, _, suffix = name.rpartition(".")
-    return f"{prefix}.weight" if suffix in SCALES else name
-
-
-def stored_bytes(name: str, shape: list[int], dtype: str, files: dict[str, Path]) -> int | None:
-    """The bytes a quantized matrix's main tensor `name` (its safetensors `shape` and `dtype`) takes as blocks,
-    None for any other tensor: FP8 as FP8_B128 (132 bytes per 128 values), int4 as its nibbles plus one
-    4-byte header per group."""
-    count = 1
-    for size in shape:
-        count *= size
-    if dtype == "F8_E4M3":
-        fmt = format_of(FP8_QTYPE)
-        return count * fmt.type_size // fmt.block_size
-    prefix, _, suffix = name.rpartition(".")
-    if suffix not in SCALES or dtype != "I32":
-        return None
-    scales = f"{prefix}.{SCALES[suffix]}"
-    with safe_open(files[scales], framework="pt") as f:
-        groups = 1
-        for size in f.get_slice(scales).get_shape():
-            groups *= size
-    return count * 4 + groups * HEADER
 
 
 def fp8_part(name: str, source, scale_inv: torch.Tensor, target: str, shape: torch.Size, shard: Shard) -> torch.Tensor:

@@ -24,10 +24,11 @@ from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.hf_quant import Blocks, checkpoint_quantization, weight_name
+from deltaspec.model.hf_quant import Blocks, checkpoint_quantization
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.layers import set_weight
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.quant.checkpoint_layout import weight_name
 from deltaspec.parallel.group import SINGLE, TensorParallel
 from deltaspec.parallel.shard import Shard, shard_config
 
