@@ -258,7 +258,11 @@ def test_fp8_checkpoints_on_the_gpu_follow_their_dequantized_weights(fp8, kind):
     """On CUDA in bf16 with CUDA graphs: the FP8 blocks through the block kernels (the GEMV, the tensor-core tiles,
     the expert kernels) give the greedy tokens of the dequantized checkpoint's bf16 model, and logprobs within bf16
     rounding."""
-    quantized, dequantized = fp8[kind]
+    assert_follows_on_the_gpu(*fp8[kind])
+
+
+def assert_follows_on_the_gpu(quantized: Path, dequantized: Path) -> None:
+    """Greedy tokens equal, the chosen tokens' logprobs within bf16 rounding (0.1), in bf16 on CUDA."""
     cuda = dict(device="cuda", dtype="bfloat16")
     got, want = generate(quantized, **cuda)[1], generate(dequantized, **cuda)[1]
     for a, b in zip(got, want, strict=True):
@@ -274,11 +278,4 @@ def test_int4_checkpoints_on_the_gpu_follow_their_dequantized_weights(int4, case
     """On CUDA in bf16 with CUDA graphs: the int4 blocks through the block kernels (the GEMV, the tensor-core
     tiles, the one-pass dequantize, the expert kernels) give the greedy tokens of the dequantized checkpoint's
     bf16 model, and logprobs within bf16 rounding."""
-    quantized, dequantized = int4[case]
-    cuda = dict(device="cuda", dtype="bfloat16")
-    got, want = generate(quantized, **cuda)[1], generate(dequantized, **cuda)[1]
-    for a, b in zip(got, want, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            token = next(iter(theirs))
-            assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=0.1)
+    assert_follows_on_the_gpu(*int4[case])
