@@ -255,21 +255,22 @@ def test_other_quantizations_are_refused_in_one_sentence(fp8, tmp_path, quantiza
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_fp8_checkpoints_on_the_gpu_follow_their_dequantized_weights(fp8, kind):
-    """On CUDA in bf16 with CUDA graphs: the FP8 blocks through the block kernels (the GEMV, the tensor-core tiles,
-    the expert kernels) give the greedy tokens of the dequantized checkpoint's bf16 model, and logprobs within bf16
-    rounding."""
-    assert_follows_on_the_gpu(*fp8[kind])
+    """On CUDA with CUDA graphs: the FP8 blocks through the block kernels (the GEMV, the tensor-core tiles, the
+    expert kernels) give the greedy tokens of the dequantized checkpoint, logprobs within 1e-3. In float32: the
+    MoE fixture's third greedy token is a near-tie (logprobs -5.7041 and -5.7061), which bf16 rounding of the
+    dequantized weights flips (it did on the H200 at 1a50db6, and does on the CPU)."""
+    assert_follows_on_the_gpu(*fp8[kind], dtype="float32", tolerance=1e-3)
 
 
-def assert_follows_on_the_gpu(quantized: Path, dequantized: Path) -> None:
-    """Greedy tokens equal, the chosen tokens' logprobs within bf16 rounding (0.1), in bf16 on CUDA."""
-    cuda = dict(device="cuda", dtype="bfloat16")
+def assert_follows_on_the_gpu(quantized: Path, dequantized: Path, dtype: str, tolerance: float) -> None:
+    """Greedy tokens equal, the chosen tokens' logprobs within `tolerance`, in `dtype` on CUDA."""
+    cuda = dict(device="cuda", dtype=dtype)
     got, want = generate(quantized, **cuda)[1], generate(dequantized, **cuda)[1]
     for a, b in zip(got, want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             token = next(iter(theirs))
-            assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=0.1)
+            assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=tolerance)
 
 
 @pytest.mark.gpu
@@ -278,4 +279,4 @@ def test_int4_checkpoints_on_the_gpu_follow_their_dequantized_weights(int4, case
     """On CUDA in bf16 with CUDA graphs: the int4 blocks through the block kernels (the GEMV, the tensor-core
     tiles, the one-pass dequantize, the expert kernels) give the greedy tokens of the dequantized checkpoint's
     bf16 model, and logprobs within bf16 rounding."""
-    assert_follows_on_the_gpu(*int4[case])
+    assert_follows_on_the_gpu(*int4[case], dtype="bfloat16", tolerance=0.1)
