@@ -288,8 +288,8 @@ class EngineConfig:
         default=None,
         metadata={
             "help": "with --random-weights: keep the weights quantized as a llama.cpp preset (q4_k_m, q5_k_m, q6_k, "
-            "q8_0), one GGUF block type (q4_k, iq4_xs, ...), as a GGUF file would, or fp8 (an FP8 block-scaled "
-            "checkpoint's weights); for benchmarks"
+            "q8_0), one GGUF block type (q4_k, iq4_xs, ...), as a GGUF file would, fp8 (an FP8 block-scaled "
+            "checkpoint's weights) or int4 / i4_g32 / i4_g128 (a W4A16 checkpoint's groups); for benchmarks"
         },
     )
     shape_overrides: tuple[tuple[str, int], ...] = field(

@@ -94,6 +94,24 @@ def test_every_kernel_family_matches_the_reference(kernel, kernel_device, qtype,
     assert_near_the_reference(got, x, weight)
 
 
+@pytest.mark.parametrize("family", ["gemv", "tile"])
+def test_fp8_kernels_take_every_e4m3_byte(kernel, kernel_device, family):
+    """Every finite e4m3 byte (both zeros, the subnormals, 448) in FP8_B128 blocks with scales from 2**-12 to 8:
+    the one-row product's integer decode and the tile's conversion give the float32 product of the exact values."""
+    gen = torch.Generator().manual_seed(5)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes
+    values = finite[torch.randint(0, 254, (24, 1024), generator=gen)]
+    values[0, :254] = finite
+    scales = 2.0 ** torch.randint(-12, 4, (24, 8), generator=gen).float()
+    blocks = torch.cat([scales.view(torch.uint8).view(24, 8, 4), values.view(24, 8, 128)], dim=-1).view(24, -1)
+    weight = QuantizedWeight([("FP8_B128", blocks)], 1024).to(kernel_device)
+    x = torch.randn(1, 1024, generator=gen).to(kernel_device)
+    from deltaspec.ops.triton.quant_matmul import Launch
+
+    got = kernel(x, weight, Launch(family, 8, 2))
+    assert_near_the_reference(got, x, weight)
+
+
 ROUTED = [(qtype, rows) for qtype in ("Q8_0", "Q4_K", "Q6_K", "FP8_B128") for rows in (1, 2, 5, 16, 64)]
 ROUTED += [(qtype, rows) for qtype in INT4_TYPES for rows in (1, 5, 64)]
 
