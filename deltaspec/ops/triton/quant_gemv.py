@@ -442,7 +442,7 @@ def fp8_b128_rows(
     acc = tl.zeros((BLOCK_N, 2, 32), dtype=tl.float32)
     for step in range(first, last):
         block = start[:, None] + step * 66 + half[None, :] * 33  # [BLOCK_N, 2] words
-        scale = tl.load(w32_ptr + block, mask=n_mask[:, None], other=0).to(tl.float32, bitcast=True)
+        scale = fp32_at(w32_ptr, block, n_mask[:, None])  # [BLOCK_N, 2]
         words = tl.load(w32_ptr + block[:, :, None] + 1 + word[None, None, :], mask=n_mask[:, None, None], other=0)
         position = step * 256 + half[:, None] * 128 + word[None, :] * 4  # [2, 32]: value 0 of each word
         x0 = _x_at(x_row, order_ptr, position, HAS_ORDER) * 1.152921504606847e18  # 2**60
