@@ -68,6 +68,7 @@ def identity(llm: LLM) -> dict:
         "dtype": config.dtype,
         "state_dtype": config.state_dtype,
         "kv_cache_dtype": config.kv_cache_dtype,
+        "fp8_activations": config.fp8_activations,
         "device": config.device,
         "prefill_chunk": min(config.prefill_chunk, config.max_num_batched_tokens),
     }
