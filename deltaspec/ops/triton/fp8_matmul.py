@@ -32,6 +32,7 @@ class MatmulLaunch:
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    unroll: int = 1  # 128-column steps per loop iteration, 1 or 2 (2 only where it divides the steps)
 
 
 LAUNCH = MatmulLaunch()
@@ -46,7 +47,7 @@ def quantize_kernel(x_ptr, values_ptr, scales_ptr, M, K, stride_xm, GROUPS: tl.c
     columns = group[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]
     x = tl.load(x_ptr + row * stride_xm + columns, mask=g_mask[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
     scaled = tl.math.div_rn(x, scale[:, None])
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
     tl.store(values_ptr + row * K + columns, scaled.to(tl.float8e4nv), mask=g_mask[:, None])
@@ -67,6 +68,7 @@ def matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
+    UNROLL: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
 ):
     """out [M, N] = the e4m3 activations a [M, steps * 128] (scales [M, steps]) times the FP8_B128 rows [N,
@@ -85,18 +87,32 @@ def matmul_kernel(
     n_read = tl.minimum(n, N - 1).to(tl.int64)
     k = tl.arange(0, 128)
     w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+    w8_ptr = w_ptr.to(tl.pointer_type(tl.float8e4nv))  # loaded as e4m3 straight into the product's shared memory
     a_rows = a_ptr + m_read[:, None] * (steps * 128) + k[None, :]  # [BLOCK_M, 128]
     w_rows = n_read * row_bytes  # [BLOCK_N] bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(steps):
-        a = tl.load(a_rows + step * 128)  # [BLOCK_M, 128] e4m3
-        block = w_rows + step * BLOCK_BYTES  # [BLOCK_N] bytes: the block's scale, then its values
-        w = tl.load(w_ptr + block[:, None] + 4 + k[None, :]).to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, 128]
-        a_scale = tl.load(a_scale_ptr + m_read * steps + step)  # [BLOCK_M]
-        w_scale = tl.load(w32_ptr + block // 4).to(tl.float32, bitcast=True)  # [BLOCK_N]
-        acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+    for first in range(0, steps, UNROLL):
+        product, scale = _step(a_rows, a_scale_ptr, w8_ptr, w32_ptr, w_rows, m_read, k, first, steps, BLOCK_BYTES)
+        if UNROLL == 2:  # a second product issued before the first is scaled
+            second, second_scale = _step(
+                a_rows, a_scale_ptr, w8_ptr, w32_ptr, w_rows, m_read, k, first + 1, steps, BLOCK_BYTES
+            )
+            acc += product * scale + second * second_scale
+        else:
+            acc += product * scale
     mask = (m < M)[:, None] & (n < N)[None, :]
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _step(a_rows, a_scale_ptr, w8_ptr, w32_ptr, w_rows, m_read, k, step, steps, BLOCK_BYTES: tl.constexpr):
+    """128-column step `step`: the e4m3 product [BLOCK_M, BLOCK_N] (float32 sums) and its scales' outer product."""
+    a = tl.load(a_rows + step * 128)  # [BLOCK_M, 128] e4m3
+    block = w_rows + step * BLOCK_BYTES  # [BLOCK_N] bytes: the block's scale, then its values
+    w = tl.load(w8_ptr + block[:, None] + 4 + k[None, :])  # [BLOCK_N, 128] e4m3
+    a_scale = tl.load(a_scale_ptr + m_read * steps + step)  # [BLOCK_M]
+    w_scale = tl.load(w32_ptr + block // 4).to(tl.float32, bitcast=True)  # [BLOCK_N]
+    return tl.dot(a, tl.trans(w)), a_scale[:, None] * w_scale[None, :]
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +132,7 @@ def fp8_activation_linear(x: torch.Tensor, weight: QuantizedWeight, launch: Matm
     flat = weight.ordered_input(x).reshape(rows, x.shape[-1]).contiguous()
     values, scales = quantize_activations(flat)
     out = torch.empty(rows, weight.shape[0], device=x.device, dtype=x.dtype)
+    steps = x.shape[-1] // BLOCK
     column = 0
     for qtype, data in weight.segments:
         if qtype != QTYPE:
@@ -129,12 +146,13 @@ def fp8_activation_linear(x: torch.Tensor, weight: QuantizedWeight, launch: Matm
             out[:, column : column + n],
             rows,
             n,
-            x.shape[-1] // BLOCK,
+            steps,
             data.shape[1],
             out.stride(0),
             BLOCK_M=launch.block_m,
             BLOCK_N=launch.block_n,
             GROUP_M=launch.group_m,
+            UNROLL=launch.unroll if steps % launch.unroll == 0 else 1,
             BLOCK_BYTES=BLOCK_BYTES,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
