@@ -210,33 +210,45 @@ def chi_square(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
     return float(((k1 * a - k2 * b) ** 2 / (a + b)).sum())
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft", "mtp"])
-def test_speculative_sampling_matches_plain_sampling_in_distribution(tmp_path, speculative):
+DISTRIBUTION_PROMPT, DISTRIBUTION_SAMPLES = [1, 2, 3, 1, 2, 3, 1, 2], 3000
+DISTRIBUTION_OPTIONS = dict(max_num_seqs=256, max_model_len=32)
+
+
+@pytest.fixture(scope="module")
+def six_token_models(tmp_path_factory):
+    """(a six-token-vocabulary target with MTP weights, a small draft model of its vocabulary, the target's plain
+    samples: 3000 seeded runs of six tokens), shared by the drafters' distribution tests."""
     from tests.tiny_models import add_mtp_weights
 
-    path = write_checkpoint(tmp_path / "tiny_vocab", "qwen3_5", seed=11, vocab_size=6)
+    root = tmp_path_factory.mktemp("six-token-vocabulary")
+    path = write_checkpoint(root / "tiny_vocab", "qwen3_5", seed=11, vocab_size=6)
     add_mtp_weights(path, seed=13)
     draft = write_checkpoint(
-        tmp_path / "tiny_vocab_draft",
+        root / "tiny_vocab_draft",
         "qwen3_5",
         seed=12,
         vocab_size=6,
         num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"],
     )
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    n = 3000
+    n = DISTRIBUTION_SAMPLES
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    options = dict(max_num_seqs=256, max_model_len=32)
-    _, plain = run(path, [prompt] * n, params, **options)
+    _, plain = run(path, [DISTRIBUTION_PROMPT] * n, params, **DISTRIBUTION_OPTIONS)
+    return path, draft, plain
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft", "mtp"])
+def test_speculative_sampling_matches_plain_sampling_in_distribution(six_token_models, speculative):
+    path, draft, plain = six_token_models
+    n = DISTRIBUTION_SAMPLES
     _, spec = run(
         path,
-        [prompt] * n,
+        [DISTRIBUTION_PROMPT] * n,
         [SamplingParams(max_tokens=6, temperature=1.0, seed=10_000 + s, ignore_eos=True) for s in range(n)],
         speculative=speculative,
         draft_tokens=3,
         draft_model=str(draft),
-        **options,
+        **DISTRIBUTION_OPTIONS,
     )
     rounds = sum(o.metrics.get("spec_rounds", 0) for o in spec)
     accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in spec)

@@ -128,26 +128,36 @@ def test_regex_choice_grammar_and_json_object_hold(block_dir):
     assert all(isinstance(json.loads(o.outputs[0].text), dict) for o in objects)
 
 
+CHOICES = ["ab ab ab", "ab cd", "cd cd cd", "ef", "ab ef ab"]
+CHOICE_PROMPT, CHOICE_SAMPLES = "words = ['ab', 'cd', 'ef']\nx = ", 1500
+
+
+@pytest.fixture(scope="module")
+def plain_choices():
+    """The default model's constrained choices without drafts: 1500 seeded samples (shared by the drafters)."""
+    spec = StructuredOutputsParams(choice=CHOICES)
+    return LLM(device="cpu", max_num_seqs=256).generate(
+        [CHOICE_PROMPT] * CHOICE_SAMPLES,
+        [
+            SamplingParams(max_tokens=12, temperature=1.0, seed=s, structured_outputs=spec)
+            for s in range(CHOICE_SAMPLES)
+        ],
+    )
+
+
 @pytest.mark.parametrize("speculative", ["ngram", "draft", "block"])
-def test_constrained_speculative_sampling_keeps_the_constrained_distribution(speculative, block_dir):
+def test_constrained_speculative_sampling_keeps_the_constrained_distribution(speculative, block_dir, plain_choices):
     """Rejection sampling against the masked target distribution is lossless: the choice made under a constraint
     has the same law with and without drafts (two-sample chi-square, p = 0.001)."""
-    choices = ["ab ab ab", "ab cd", "cd cd cd", "ef", "ab ef ab"]
-    spec = StructuredOutputsParams(choice=choices)
-    n = 1500
-    prompt = "words = ['ab', 'cd', 'ef']\nx = "
-    plain = LLM(device="cpu", max_num_seqs=256).generate(
-        [prompt] * n,
-        [SamplingParams(max_tokens=12, temperature=1.0, seed=s, structured_outputs=spec) for s in range(n)],
-    )
+    spec, n = StructuredOutputsParams(choice=CHOICES), CHOICE_SAMPLES
     drafted = engine(speculative, block_dir, max_num_seqs=256).generate(
-        [prompt] * n,
+        [CHOICE_PROMPT] * n,
         [SamplingParams(max_tokens=12, temperature=1.0, seed=10_000 + s, structured_outputs=spec) for s in range(n)],
     )
     assert sum(o.metrics.get("spec_accepted_tokens", 0) for o in drafted) > n // 50  # drafts shaped many samples
     count = [
-        torch.bincount(torch.tensor([choices.index(o.outputs[0].text) for o in outs]), minlength=5)
-        for outs in (plain, drafted)
+        torch.bincount(torch.tensor([CHOICES.index(o.outputs[0].text) for o in outs]), minlength=5)
+        for outs in (plain_choices, drafted)
     ]
     assert chi_square(*count) < 18.5  # 4 degrees of freedom
 
