@@ -158,15 +158,6 @@ class EngineConfig:
             "own scale computed when it is written"
         },
     )
-    fp8_activations: bool = field(
-        default=False,
-        metadata={
-            "help": "FP8 checkpoints: products of more than 64 rows (prompt chunks) quantize their activations to "
-            "e4m3, one scale per token and 128 columns, and run on FP8 tensor cores (W8A8, as vLLM and "
-            "transformers do); fewer rows (decode, verify) keep exact activations. CUDA needs compute capability "
-            "8.9+"
-        },
-    )
     max_num_seqs: int = field(
         default=0,
         metadata={

@@ -68,7 +68,6 @@ def identity(llm: LLM) -> dict:
         "dtype": config.dtype,
         "state_dtype": config.state_dtype,
         "kv_cache_dtype": config.kv_cache_dtype,
-        "fp8_activations": config.fp8_activations,
         "device": config.device,
         "prefill_chunk": min(config.prefill_chunk, config.max_num_batched_tokens),
     }
@@ -128,7 +127,6 @@ class SavedBase:
         self.path, self.window = path, int(meta["window"])
         self.identity = {"path": meta["model"], "dtype": meta["dtype"], "state_dtype": meta.get("state_dtype")}
         self.identity["kv_cache_dtype"] = meta.get("kv_cache_dtype")
-        self.identity["fp8_activations"] = meta.get("fp8_activations", "false") == "true"
         self.identity |= {"device": meta["device"], "prefill_chunk": int(meta.get("prefill_chunk", 0)) or None}
         self.token_ids = self.file.get_tensor("token_ids").tolist()
         self.logits = self.file.get_slice("logits")
@@ -154,7 +152,6 @@ def base_logits_writer(
             "dtype": base_id["dtype"],
             "state_dtype": base_id["state_dtype"],
             "kv_cache_dtype": base_id["kv_cache_dtype"],
-            "fp8_activations": str(base_id["fp8_activations"]).lower(),
             "device": base_id["device"],
             "prefill_chunk": str(base_id["prefill_chunk"]),
             "window": str(window),

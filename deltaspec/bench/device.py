@@ -123,7 +123,6 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         "kv_cache_dtype": cfg.kv_cache_dtype,
         **source,
         "quant": cfg.quant,
-        "fp8_activations": cfg.fp8_activations,  # FP8 weights' products of > 64 rows with e4m3 activations
         "weight_blocks": block_types(engine.model),  # GGUF types of the weights kept quantized; [] for float
         "tensor_parallel_size": cfg.tensor_parallel_size,  # ranks (GPUs); bytes and rooflines are one rank's
         "expert_parallel": cfg.enable_expert_parallel,  # routed experts split whole among the ranks

@@ -11,9 +11,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from deltaspec.errors import DeltaspecError
 from deltaspec.ops import activation, attention, conv, gdn, moe, norms, rope
-from deltaspec.ops.quant.fp8_activations import fp8_activation_linear, takes_fp8_activations
 from deltaspec.ops.quant.weight import quantized_linear
 
 
@@ -21,7 +19,6 @@ from deltaspec.ops.quant.weight import quantized_linear
 class OpTable:
     linear: Callable
     quantized_linear: Callable  # x @ weight.T for a QuantizedWeight
-    fp8_activation_linear: Callable  # x @ weight.T of FP8 blocks with x quantized to e4m3 (W8A8)
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
@@ -41,7 +38,6 @@ class OpTable:
 REFERENCE = OpTable(
     linear=F.linear,
     quantized_linear=quantized_linear,
-    fp8_activation_linear=fp8_activation_linear,
     rms_norm=norms.rms_norm,
     add_rms_norm=norms.add_rms_norm,
     gated_rms_norm=norms.gated_rms_norm,
@@ -68,29 +64,12 @@ def register(device_type: str, op_name: str, fn: Callable) -> None:
     _BACKENDS.setdefault(device_type, {})[op_name] = fn
 
 
-def ops_for(device: torch.device | str, reference_only: bool = False, fp8_activations: bool = False) -> OpTable:
+def ops_for(device: torch.device | str, reference_only: bool = False) -> OpTable:
     """The op table for `device`: registered kernels where present, torch references elsewhere.
-    On CUDA the Triton kernels register themselves the first time they are asked for. With `fp8_activations`,
-    quantized products of FP8 weights with more than 64 rows quantize their activations
-    (`deltaspec.ops.quant.fp8_activations`)."""
-    ops = REFERENCE
-    device = torch.device(device)
-    if not reference_only:
-        if device.type == "cuda":
-            import deltaspec.ops.triton.backend  # noqa: F401  (registers the kernels)
-        ops = replace(REFERENCE, **_BACKENDS.get(device.type, {}))
-    return _with_fp8_activations(ops, device, reference_only) if fp8_activations else ops
-
-
-def _with_fp8_activations(ops: OpTable, device: torch.device, reference_only: bool) -> OpTable:
-    if device.type == "cuda" and not reference_only and torch.cuda.get_device_capability(device) < (8, 9):
-        raise DeltaspecError(
-            f"--fp8-activations needs FP8 tensor cores (compute capability 8.9 or more: Ada, Hopper), which "
-            f"{torch.cuda.get_device_name(device)} lacks; leave it off to multiply FP8 weights with exact activations."
-        )
-    exact, fp8 = ops.quantized_linear, ops.fp8_activation_linear
-
-    def product(x: torch.Tensor, weight) -> torch.Tensor:
-        return fp8(x, weight) if takes_fp8_activations(weight, x.numel() // x.shape[-1]) else exact(x, weight)
-
-    return replace(ops, quantized_linear=product)
+    On CUDA the Triton kernels register themselves the first time they are asked for."""
+    if reference_only:
+        return REFERENCE
+    kind = torch.device(device).type
+    if kind == "cuda":
+        import deltaspec.ops.triton.backend  # noqa: F401  (registers the kernels)
+    return replace(REFERENCE, **_BACKENDS.get(kind, {}))

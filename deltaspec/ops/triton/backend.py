@@ -7,18 +7,7 @@ builds a `deltaspec.ops.gemm_routing.GemmRouter` once the model is loaded and in
 """
 
 from deltaspec.ops.dispatch import register
-from deltaspec.ops.triton import (
-    activation,
-    attention,
-    conv,
-    fp8_matmul,
-    gdn,
-    gdn_gates,
-    moe,
-    norms,
-    quant_matmul,
-    rope,
-)
+from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, moe, norms, quant_matmul, rope
 
 KERNELS = {
     "rms_norm": norms.rms_norm,
@@ -32,7 +21,6 @@ KERNELS = {
     "write_kv": attention.write_kv,
     "paged_attention": attention.paged_attention,
     "quantized_linear": quant_matmul.quantized_linear,
-    "fp8_activation_linear": fp8_matmul.fp8_activation_linear,
     "moe_route": moe.route,
     "moe_router": moe.router,
     "moe_experts": moe.expert_products,
