@@ -118,12 +118,12 @@ def test_follow_ups_resume_exactly_over_a_quantized_kv_cache(offload_gib):
 
 
 def test_the_plan_counts_quantized_kv_rows(checkpoints):
-    """A token's K and V take 1 byte a value and a 4-byte scale per KV head instead of 4 bytes a value."""
+    """A token's K and V take 1 byte a value and a 16-byte tail (the scale) per KV head instead of 4 bytes a value."""
     path = str(checkpoints["qwen3_5_r2"])
     wide = LLM(path, dtype="float32", device="cpu").engine
     narrow = LLM(path, dtype="float32", device="cpu", kv_cache_dtype="int8").engine
     config = wide.model.config
     rows = wide.model.num_kv_layers * 2 * config.num_key_value_heads
     assert wide.plan.kv_per_token == rows * config.head_dim * 4
-    assert narrow.plan.kv_per_token == rows * (config.head_dim + 4)
+    assert narrow.plan.kv_per_token == rows * (config.head_dim + 16)
     assert narrow.cache.kv.bytes() == narrow.plan.kv_per_token * narrow.plan.pool_tokens

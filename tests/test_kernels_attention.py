@@ -217,7 +217,8 @@ def _interpreter_rounds_e4m3_wrongly(cache_dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHES)
 @pytest.mark.parametrize(("dtype", "num_kv_heads", "head_dim"), [(torch.float32, 4, 256), (torch.bfloat16, 2, 80)])
 def test_write_kv_quantizes_rows_as_the_reference(kernel_device, cache_dtype, dtype, num_kv_heads, head_dim):
-    """Each row's values and float32 scale, byte for byte (an all-zero row takes scale 1); other rows untouched."""
+    """Each row's values, float32 scale and zero padding, byte for byte (an all-zero row takes scale 1); other rows
+    untouched."""
     if _interpreter_rounds_e4m3_wrongly(cache_dtype):
         pytest.skip("Triton's interpreter converts float32 to e4m3 wrongly")
     generator = torch.Generator().manual_seed(head_dim)
@@ -228,8 +229,10 @@ def test_write_kv_quantizes_rows_as_the_reference(kernel_device, cache_dtype, dt
     full = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
     k_cache = reference.quantize_kv_rows(full, cache_dtype).to(kernel_device)
     v_cache = reference.quantize_kv_rows(-full, cache_dtype).to(kernel_device)
+    for cache in (k_cache, v_cache):  # stale tails: a written row's scale and zero padding must replace them
+        cache.view(torch.uint8)[..., head_dim:] = 0xAB
     slot_mapping = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens].to(kernel_device)
-    expected_k, expected_v = k_cache.cpu(), v_cache.cpu()
+    expected_k, expected_v = k_cache.cpu().clone(), v_cache.cpu().clone()
     reference.write_kv(k, v, expected_k, expected_v, slot_mapping.cpu())
     triton_attention.write_kv(k.to(kernel_device), v.to(kernel_device), k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache.cpu().view(torch.uint8), expected_k.view(torch.uint8))

@@ -1,7 +1,7 @@
 """Paged KV cache for the attention layers, and the allocator of its pages.
 
 One pair of tensors per attention layer (the MTP head's layers included), each
-[num_blocks, block_size, Hkv, D] (D + 4 for a quantized cache: each row's values and its float32 scale,
+[num_blocks, block_size, Hkv, D] (D + 16 for a quantized cache: each row's values and a tail with its float32 scale,
 `deltaspec.ops.attention`); a sequence owns a list of pages (its block table) and token p
 of the sequence lives at page `table[p // block_size]`, offset `p % block_size`.
 """

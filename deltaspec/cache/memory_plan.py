@@ -220,7 +220,7 @@ def plan_memory(
     drafter's own memory; `kv_tokens` > 0 is
     a KV pool of that many tokens instead of one context per stream; `materialized_scores`: attention runs on the
     torch reference, which holds one prompt chunk's scores over the whole context (the kernels hold none);
-    `kv_dtype` is the KV cache's (default `dtype`; a quantized one adds each row's 4-byte scale)."""
+    `kv_dtype` is the KV cache's (default `dtype`; a quantized one adds each row's 16-byte tail holding its scale)."""
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
     kv_dtype = kv_dtype or dtype

@@ -9,28 +9,29 @@ with grouped-query heads
 (query head h reads KV head h // (Hq / Hkv)). Softmax runs in float32 (float64 for float64).
 
 A quantized cache (`--kv-cache-dtype fp8_e4m3` or `int8`) is a float8_e4m3fn or int8 tensor [num_blocks,
-block_size, Hkv, D + 4]: each row (one token's one KV head) is its D values quantized with the row's own scale,
-then that scale's 4 float32 bytes. The scale is computed when the row is written: amax / 448 (e4m3) or amax / 127
-(int8) of the row's values in float32 (1 for an all-zero row); a value is x / scale rounded to nearest (even),
-and reads back as stored * scale. A row's bytes depend on that row alone, so a token's cached K and V are the
-same whichever pass wrote them (decode, verify, prefill chunk).
+block_size, Hkv, D + 16]: each row (one token's one KV head) is its D values quantized with the row's own
+scale, then that scale's 4 float32 bytes and 12 zero bytes, so that a row of D + 16 bytes (D a multiple of 16)
+starts on a 16-byte boundary and kernels read it in 16-byte vectors. The scale is computed when the row is
+written: amax / 448 (e4m3) or amax / 127 (int8) of the row's values in float32 (1 for an all-zero row); a value
+is x / scale rounded to nearest (even), and reads back as stored * scale. A row's bytes depend on that row alone,
+so a token's cached K and V are the same whichever pass wrote them (decode, verify, prefill chunk).
 """
 
 import torch
 
 from deltaspec.ops.layout import SeqLayout
 
-SCALE_BYTES = 4  # a quantized row's float32 scale, after its values
+ROW_TAIL_BYTES = 16  # after a quantized row's values: its float32 scale, then zero bytes up to 16
 QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # the largest stored magnitude per cache dtype
 
 
 def kv_row_width(head_dim: int, cache_dtype: torch.dtype) -> int:
-    """Elements of one cache row: D, or D values and the scale's bytes for a quantized cache."""
-    return head_dim + SCALE_BYTES if cache_dtype in QUANT_MAX else head_dim
+    """Elements of one cache row: D, or D values and the 16-byte tail holding the scale for a quantized cache."""
+    return head_dim + ROW_TAIL_BYTES if cache_dtype in QUANT_MAX else head_dim
 
 
 def quantize_kv_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Rows x [..., D] -> [..., D + 4] of `cache_dtype` (values, then the scale's bytes) as the contract says."""
+    """Rows x [..., D] -> [..., D + 16] of `cache_dtype` (values, the scale's bytes, zeros) as the contract says."""
     rows = x.to(torch.float32)
     amax = rows.abs().amax(dim=-1, keepdim=True)  # [..., 1]
     scale = torch.where(amax > 0, amax / QUANT_MAX[cache_dtype], torch.ones_like(amax))
@@ -39,23 +40,25 @@ def quantize_kv_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         values = scaled.round().clamp(-127, 127).to(torch.int8)
     else:
         values = scaled.clamp(-448, 448).to(torch.float8_e4m3fn)
-    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(cache_dtype)
+    padding = torch.zeros(*scale.shape[:-1], ROW_TAIL_BYTES - 4, dtype=torch.uint8, device=x.device)
+    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8), padding], dim=-1).view(cache_dtype)
 
 
 def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows [..., D + 4] of a quantized cache -> values [..., D] in `dtype` (stored * scale, exact in
+    """Cache rows [..., D + 16] of a quantized cache -> values [..., D] in `dtype` (stored * scale, exact in
     float32); rows of a float cache are only cast."""
     if rows.dtype not in QUANT_MAX:
         return rows.to(dtype)
-    values = rows[..., :-SCALE_BYTES].to(torch.float32)
-    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.uint8).view(torch.float32)  # [..., 1]
+    head_dim = rows.shape[-1] - ROW_TAIL_BYTES
+    values = rows[..., :head_dim].to(torch.float32)
+    scale = rows[..., head_dim : head_dim + 4].contiguous().view(torch.uint8).view(torch.float32)  # [..., 1]
     return (values * scale).to(dtype)
 
 
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D (+ 4 quantized)]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D (+ 16 quantized)]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:

@@ -80,7 +80,7 @@ def _write_kv_kernel(
     QUANT_MAX: tl.constexpr,
 ):
     """Row (token, head) of K and V into its cache slot; with QUANT_MAX > 0 (a quantized cache) the row's values
-    over its scale amax / QUANT_MAX, then the scale's bytes after them."""
+    over its scale amax / QUANT_MAX, then the tail holding the scale's bytes after them."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -105,8 +105,8 @@ def _write_kv_kernel(
 @triton.jit
 def _write_quantized_row(row_ptr, x, offsets, mask, written, scale_offset, QUANT_MAX: tl.constexpr):
     """x [BLOCK_D] (0 where masked) as a quantized cache row: x / scale rounded to nearest even (division
-    correctly rounded, as torch divides) at `offsets`, the float32 scale = amax / QUANT_MAX (1 for a zero row) at
-    byte `scale_offset`."""
+    correctly rounded, as torch divides) at `offsets`, then the row's 16-byte tail at byte `scale_offset`: the
+    float32 scale = amax / QUANT_MAX (1 for a zero row) and three zero words."""
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), 0)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, QUANT_MAX), 1.0)
@@ -114,7 +114,9 @@ def _write_quantized_row(row_ptr, x, offsets, mask, written, scale_offset, QUANT
     if QUANT_MAX == 127.0:  # int8: 1.5 * 2**23 added and taken away rounds to an integer, ties to even
         scaled = (scaled + 12582912.0) - 12582912.0
     tl.store(row_ptr + offsets, scaled.to(row_ptr.dtype.element_ty), mask=mask)
-    tl.store((row_ptr + scale_offset).to(tl.pointer_type(tl.float32)), scale, mask=written)
+    tail = tl.arange(0, 4)  # float32 words of the tail
+    tail_words = tl.where(tail == 0, scale, 0.0)
+    tl.store((row_ptr + scale_offset).to(tl.pointer_type(tl.float32)) + tail, tail_words, mask=written)
 
 
 def write_kv(
