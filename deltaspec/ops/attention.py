@@ -18,10 +18,12 @@ so a token's cached K and V are the same whichever pass wrote them (decode, veri
 """
 
 import torch
+import torch.nn.functional as F
 
 from deltaspec.ops.layout import SeqLayout
 
-ROW_TAIL_BYTES = 16  # after a quantized row's values: its float32 scale, then zero bytes up to 16
+SCALE_BYTES = 4  # a quantized row's float32 scale, first in its tail
+ROW_TAIL_BYTES = 16  # after a quantized row's values: its scale, then zero bytes up to 16
 QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # the largest stored magnitude per cache dtype
 
 
@@ -40,8 +42,8 @@ def quantize_kv_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         values = scaled.round().clamp(-127, 127).to(torch.int8)
     else:
         values = scaled.clamp(-448, 448).to(torch.float8_e4m3fn)
-    padding = torch.zeros(*scale.shape[:-1], ROW_TAIL_BYTES - 4, dtype=torch.uint8, device=x.device)
-    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8), padding], dim=-1).view(cache_dtype)
+    row = torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1)  # [..., D + 4]
+    return F.pad(row, (0, ROW_TAIL_BYTES - SCALE_BYTES)).view(cache_dtype)
 
 
 def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -51,7 +53,7 @@ def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return rows.to(dtype)
     head_dim = rows.shape[-1] - ROW_TAIL_BYTES
     values = rows[..., :head_dim].to(torch.float32)
-    scale = rows[..., head_dim : head_dim + 4].contiguous().view(torch.uint8).view(torch.float32)  # [..., 1]
+    scale = rows[..., head_dim : head_dim + SCALE_BYTES].contiguous().view(torch.uint8).view(torch.float32)  # [..., 1]
     return (values * scale).to(dtype)
 
 
