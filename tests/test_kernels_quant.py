@@ -112,6 +112,28 @@ def test_fp8_kernels_take_every_e4m3_byte(kernel, kernel_device, family):
     assert_near_the_reference(got, x, weight)
 
 
+@pytest.mark.parametrize(("qtype", "family"), [("Q4_K", "gemv"), ("I4_G128", "gemv"), ("FP8_B128", "tile")])
+def test_shares_are_added_in_order_by_the_last_to_finish(kernel, kernel_device, qtype, family):
+    """Three shares of one super-block each: the output is, bit for bit, ((p0 + p1) + p2) in float32, p_s being the
+    one-share product of x with its columns outside share s zeroed (exact zeros add nothing), whichever share
+    finished last; the per-tile arrival counts are back to 0 after each launch, so a second launch (sharing them)
+    gives the same bits."""
+    from deltaspec.ops.triton import quant_matmul
+
+    weight = QuantizedWeight([(qtype, random_weight(qtype, 40, 768, seed=3))], 768).to(kernel_device)
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(4)).to(kernel_device)
+    rows = 1 if family == "gemv" else 3
+    total = torch.zeros(rows, 40, device=kernel_device)
+    for share in range(3):
+        masked = torch.zeros_like(x[:rows])
+        masked[:, share * 256 : (share + 1) * 256] = x[:rows, share * 256 : (share + 1) * 256]
+        total += kernel(masked, weight, quant_matmul.Launch(family, 16, 1))
+    for _ in range(2):
+        assert torch.equal(kernel(x[:rows], weight, quant_matmul.Launch(family, 16, 3)), total)
+        tiles = quant_matmul._arrivals(x.device, 4)  # cdiv(40, 16) * rows, rounded up
+        assert not tiles.any()
+
+
 ROUTED = [(qtype, rows) for qtype in ("Q8_0", "Q4_K", "Q6_K", "FP8_B128") for rows in (1, 2, 5, 16, 64)]
 ROUTED += [(qtype, rows) for qtype in INT4_TYPES for rows in (1, 5, 64)]
 

@@ -12,7 +12,8 @@ within a few float32 roundings of the float64 product). Q8_0's signed bytes beco
 (`byte_as_biased_float`), from which one subtraction gives q. Input programs `grid(2)` take the rows of x one by
 one, so a few rows re-read the weight from L2. Program `grid(1)` takes super-blocks
 [s * steps_per_split, (s + 1) * steps_per_split) (the last share may be shorter); with several shares the
-partial sums go to a float32 workspace [shares, M, N] that `finish_kernel` reduces in a fixed order.
+partial sums go to a float32 workspace [shares, M, N], and the last program of an output tile to finish adds
+them in a fixed order (`store_or_add_shares`), so the result never depends on which share finished first.
 Each kernel's product of BLOCK_N rows with one activation row is a function (`q4_k_rows`, `q6_k_rows`,
 `q8_0_rows`) that the mixture-of-experts decode kernels call on one expert's rows. FP8_B128 blocks (an FP8
 checkpoint's) turn each e4m3 byte into a float32 with two or three integer ops (`e4m3_scaled`; the hardware
@@ -102,22 +103,41 @@ def _x_at(x_row, order_ptr, positions, HAS_ORDER: tl.constexpr):
 
 @triton.jit
 def _program_share(N, steps, steps_per_split, BLOCK_N: tl.constexpr):
-    """This program's share of a GEMV launch: its weight rows [BLOCK_N] (grid(0)) and their mask, its input
-    share (grid(1)) as the super-blocks [first, last), and its row m of x (grid(2))."""
+    """This program's share of a GEMV launch: its weight rows [BLOCK_N] (grid(0)) and their mask, its row m of x
+    (grid(2)), and its input share (grid(1)) as the super-blocks [first, last)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    first = split * steps_per_split
-    return rows, rows < N, split, tl.program_id(2), first, tl.minimum(first + steps_per_split, steps)
+    first = tl.program_id(1) * steps_per_split
+    return rows, rows < N, tl.program_id(2), first, tl.minimum(first + steps_per_split, steps)
 
 
 @triton.jit
-def _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om):
-    """Row m of this program's result: straight into the output (in its dtype) when one share covers the whole
-    input, else into the float32 workspace [shares, M, N] that `finish_kernel` sums."""
-    if tl.num_programs(1) == 1:
-        tl.store(out_ptr + m * stride_om + rows, value.to(out_ptr.dtype.element_ty), mask=n_mask)
+def store_or_add_shares(part_ptr, arrivals_ptr, out_ptr, value, part_at, out_at, mask, tile, M, N):
+    """A program's float32 result `value` (any shape; `part_at` its offsets in an [M, N] matrix, `out_at` in the
+    output, `mask` which are real): straight into the output (in its dtype) when one share covers the whole
+    input. Else into share grid(1)'s slice of the float32 workspace [shares, M, N]; the program then counts
+    itself in arrivals[tile], and the last of the tile's shares to arrive sums the workspace over the shares in
+    order s = 0, 1, ... (as a separate reduction kernel would), stores the output and sets the count back to 0
+    for the next launch."""
+    shares = tl.num_programs(1)
+    if shares == 1:
+        tl.store(out_ptr + out_at, value.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + (split * M + m) * N + rows, value, mask=n_mask)
+        tl.store(part_ptr + tl.program_id(1) * M * N + part_at, value, mask=mask)
+        tl.debug_barrier()  # every thread's partial sums stored before the arrival (the atomic releases them)
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
+        if arrived == shares - 1:
+            total = tl.zeros(value.shape, dtype=tl.float32)
+            for s in range(shares):
+                total += tl.load(part_ptr + s * M * N + part_at, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(arrivals_ptr + tile, 0)
+
+
+@triton.jit
+def _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om):
+    """Row m of this program's result [BLOCK_N] (`store_or_add_shares`; its tile is (m, grid(0)))."""
+    tile = m * tl.num_programs(0) + tl.program_id(0)
+    store_or_add_shares(part_ptr, arrivals_ptr, out_ptr, value, m * N + rows, m * stride_om + rows, n_mask, tile, M, N)
 
 
 @triton.jit
@@ -126,6 +146,7 @@ def q4_k_gemv_kernel(
     order_ptr,
     w32_ptr,
     part_ptr,
+    arrivals_ptr,
     out_ptr,
     M,
     N,
@@ -143,13 +164,13 @@ def q4_k_gemv_kernel(
     super-block. Word 4 + c * 8 + i, byte k, holds value c * 64 + i * 4 + k (low nibble, sub-block 2c) and
     c * 64 + 32 + i * 4 + k (high nibble, sub-block 2c + 1). Nibbles q become bytes q << 3 and f = 0.5 + q / 32,
     so a sub-block's sum of q * x is 32 * (F - X / 2)."""
-    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
+    rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     x_row = x_ptr + m * stride_xm
     value = q4_k_rows(
         x_row, order_ptr, w32_ptr, row_start, n_mask, first, last, half_exponent, HAS_ORDER, BLOCK_N, PRMT
     )
-    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+    _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
 
 @triton.jit
@@ -222,6 +243,7 @@ def q6_k_gemv_kernel(
     w_ptr,
     w16_ptr,
     part_ptr,
+    arrivals_ptr,
     out_ptr,
     M,
     N,
@@ -240,7 +262,7 @@ def q6_k_gemv_kernel(
     position l < 32, value h * 128 + q * 32 + l is ql[h * 64 + (q % 2) * 32 + l] nibble q // 2 with
     bits 2q..2q+1 of qh[h * 32 + l] on top, minus 32, times scale h * 8 + q * 2 + l // 16. The 6-bit values v
     become bytes v << 1 and f = 0.5 + v / 128, so a scale group's sum of (v - 32) * x is 128 * (F - 0.75 * X)."""
-    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
+    rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
     value = q6_k_rows(
         x_ptr + m * stride_xm,
@@ -256,7 +278,7 @@ def q6_k_gemv_kernel(
         BLOCK_N,
         PRMT,
     )
-    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+    _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
 
 @triton.jit
@@ -323,6 +345,7 @@ def q8_0_gemv_kernel(
     order_ptr,
     w16_ptr,
     part_ptr,
+    arrivals_ptr,
     out_ptr,
     M,
     N,
@@ -339,13 +362,13 @@ def q8_0_gemv_kernel(
     """Q8_0: 34-byte blocks of an fp16 d and 32 int8 quants, read as 16-bit words, eight blocks (256 values)
     per step. Byte b of word 1 + w of a block is value w * 2 + b. Quants q become bytes q + 128, each the float
     2**23 + q + 128 (`byte_as_biased_float`), from which one subtraction gives q exactly."""
-    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
+    rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_halves  # [BLOCK_N] 16-bit words
     x_row = x_ptr + m * stride_xm
     value = q8_0_rows(
         x_row, order_ptr, w16_ptr, row_start, n_mask, first, last, biased_exponent, HAS_ORDER, BLOCK_N, PRMT
     )
-    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+    _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
 
 @triton.jit
@@ -396,6 +419,7 @@ def fp8_b128_gemv_kernel(
     order_ptr,
     w_ptr,
     part_ptr,
+    arrivals_ptr,
     out_ptr,
     M,
     N,
@@ -406,13 +430,14 @@ def fp8_b128_gemv_kernel(
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """FP8_B128: 132-byte blocks of a float32 scale and 128 e4m3 values, two blocks (256 values) per step."""
-    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
+    rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     x_row = x_ptr + m * stride_xm
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
-    value = fp8_b128_rows(x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER, BLOCK_N)
-    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+    value = fp8_b128_rows(x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER, BLOCK_N, PREFETCH)
+    _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
 
 @triton.jit
@@ -427,7 +452,16 @@ def e4m3_scaled(word, k: tl.constexpr):
 
 @triton.jit
 def fp8_b128_rows(
-    x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr
+    x_row,
+    order_ptr,
+    w_ptr,
+    row_start,
+    n_mask,
+    first,
+    last,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """[BLOCK_N] float32: the FP8_B128 rows starting at bytes `row_start` [BLOCK_N] times the activations at x_row,
     over steps (two blocks) [first, last). The values are read as 32-bit words (a block's are 4-byte aligned),
@@ -440,10 +474,22 @@ def fp8_b128_rows(
     word = tl.arange(0, 32)
     start = row_start // 4  # [BLOCK_N] words
     acc = tl.zeros((BLOCK_N, 2, 32), dtype=tl.float32)
+    block = start[:, None] + first * 66 + half[None, :] * 33  # [BLOCK_N, 2] words
+    held = n_mask & (first < last)
+    scale = fp32_at(w32_ptr, block, held[:, None])  # [BLOCK_N, 2]
+    words = tl.load(w32_ptr + block[:, :, None] + 1 + word[None, None, :], mask=held[:, None, None], other=0)
     for step in range(first, last):
-        block = start[:, None] + step * 66 + half[None, :] * 33  # [BLOCK_N, 2] words
-        scale = fp32_at(w32_ptr, block, n_mask[:, None])  # [BLOCK_N, 2]
-        words = tl.load(w32_ptr + block[:, :, None] + 1 + word[None, None, :], mask=n_mask[:, None, None], other=0)
+        if PREFETCH:  # the next step's blocks are read while this one's are multiplied
+            ahead = start[:, None] + (step + 1) * 66 + half[None, :] * 33
+            more = n_mask & (step + 1 < last)
+            next_scale = fp32_at(w32_ptr, ahead, more[:, None])
+            next_words = tl.load(
+                w32_ptr + ahead[:, :, None] + 1 + word[None, None, :], mask=more[:, None, None], other=0
+            )
+        else:
+            block = start[:, None] + step * 66 + half[None, :] * 33
+            scale = fp32_at(w32_ptr, block, n_mask[:, None])
+            words = tl.load(w32_ptr + block[:, :, None] + 1 + word[None, None, :], mask=n_mask[:, None, None], other=0)
         position = step * 256 + half[:, None] * 128 + word[None, :] * 4  # [2, 32]: value 0 of each word
         x0 = _x_at(x_row, order_ptr, position, HAS_ORDER) * 1.152921504606847e18  # 2**60
         x1 = _x_at(x_row, order_ptr, position + 1, HAS_ORDER) * 1.152921504606847e18
@@ -456,6 +502,8 @@ def fp8_b128_rows(
             + e4m3_scaled(words, 3) * x3[None]
         )  # [BLOCK_N, 2, 32]
         acc += products * (scale * 1.152921504606847e18)[:, :, None]
+        if PREFETCH:
+            scale, words = next_scale, next_words
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
@@ -473,6 +521,7 @@ def i4_gemv_kernel(
     order_ptr,
     w32_ptr,
     part_ptr,
+    arrivals_ptr,
     out_ptr,
     M,
     N,
@@ -486,18 +535,31 @@ def i4_gemv_kernel(
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRMT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """I4_G32 / I4_G128 (GROUP 32 or 128): blocks of a header word (scale bits, zero point z', scale type) and
     GROUP / 8 nibble words, 256 / GROUP blocks per step. Nibble k of nibble word i holds value 8i + k. Nibbles q'
     become bytes q' << 3 and f = 0.5 + q' / 32 (even values from the word shifted left 3, odd ones shifted right
     1), so a word's sum of (q' - z') * x is 32 * (F - (0.5 + z' / 32) * X)."""
-    rows, n_mask, split, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
+    rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     x_row = x_ptr + m * stride_xm
     value = i4_rows(
-        x_row, order_ptr, w32_ptr, row_start, n_mask, first, last, half_exponent, GROUP, HAS_ORDER, BLOCK_N, PRMT
+        x_row,
+        order_ptr,
+        w32_ptr,
+        row_start,
+        n_mask,
+        first,
+        last,
+        half_exponent,
+        GROUP,
+        HAS_ORDER,
+        BLOCK_N,
+        PRMT,
+        PREFETCH,
     )
-    _store_row(part_ptr, out_ptr, value, rows, n_mask, split, m, M, N, stride_om)
+    _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
 
 @triton.jit
@@ -514,6 +576,7 @@ def i4_rows(
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRMT: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """[BLOCK_N] float32: the int4 rows of GROUP-value blocks starting at words `row_start` [BLOCK_N] times the
     activations at x_row, over steps (256 values) [first, last) (the layout and algebra of `i4_gemv_kernel`).
@@ -525,10 +588,20 @@ def i4_rows(
     word = group[:, None] * (WORDS + 1) + 1 + tl.arange(0, WORDS)[None, :]  # [BLOCKS, WORDS]: block b, word i
     column = group[:, None] * GROUP + tl.arange(0, WORDS)[None, :] * 8  # [BLOCKS, WORDS]: value of nibble 0
     acc = tl.zeros((BLOCK_N, BLOCKS, WORDS), dtype=tl.float32)
+    block = row_start + first * (BLOCKS * (WORDS + 1))  # [BLOCK_N] words
+    held = n_mask & (first < last)
+    quants = tl.load(w32_ptr + block[:, None, None] + word[None, :, :], mask=held[:, None, None], other=0)
+    header = tl.load(w32_ptr + block[:, None] + group[None, :] * (WORDS + 1), mask=held[:, None], other=0)
     for step in range(first, last):
-        block = row_start + step * (BLOCKS * (WORDS + 1))  # [BLOCK_N] words
-        quants = tl.load(w32_ptr + block[:, None, None] + word[None, :, :], mask=n_mask[:, None, None], other=0)
-        header = tl.load(w32_ptr + block[:, None] + group[None, :] * (WORDS + 1), mask=n_mask[:, None], other=0)
+        if PREFETCH:  # the next step's blocks are read while this one's are multiplied
+            ahead = row_start + (step + 1) * (BLOCKS * (WORDS + 1))
+            more = n_mask & (step + 1 < last)
+            next_quants = tl.load(w32_ptr + ahead[:, None, None] + word[None, :, :], mask=more[:, None, None], other=0)
+            next_header = tl.load(w32_ptr + ahead[:, None] + group[None, :] * (WORDS + 1), mask=more[:, None], other=0)
+        else:
+            block = row_start + step * (BLOCKS * (WORDS + 1))
+            quants = tl.load(w32_ptr + block[:, None, None] + word[None, :, :], mask=n_mask[:, None, None], other=0)
+            header = tl.load(w32_ptr + block[:, None] + group[None, :] * (WORDS + 1), mask=n_mask[:, None], other=0)
         even = (quants << 3) & 0x78787878  # [BLOCK_N, BLOCKS, WORDS]: byte k is q' << 3 of value 8i + 2k
         odd = (quants >> 1) & 0x78787878  # value 8i + 2k + 1
         f = tl.zeros((BLOCK_N, BLOCKS, WORDS), dtype=tl.float32)
@@ -543,16 +616,6 @@ def i4_rows(
         scale = int4_scale(header) * 32.0  # [BLOCK_N, BLOCKS]
         offset = 0.5 + as_float((header >> 16) & 0xFF) * 0.03125  # 0.5 + z' / 32, exact
         acc += scale[:, :, None] * (f - offset[:, :, None] * xs[None, :, :])
+        if PREFETCH:
+            quants, header = next_quants, next_header
     return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
-def finish_kernel(part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum over s of part[s, m, n], in order s = 0, 1, ..., cast to the output's dtype."""
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < M * N
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        total += tl.load(part_ptr + s * M * N + offsets, mask=mask, other=0.0)
-    out = out_ptr + (offsets // N) * stride_om + offsets % N
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)

@@ -7,7 +7,8 @@ tensor-core tile kernels below for more rows, which dequantize a tile of weight 
 `deltaspec.ops.quant.dequant` does (float32, rounded to the activations' dtype) and multiply it by x (rows
 padded to 16): Q4_K one 64-value chunk at a time, the other types one 256-value super-block at a time. Each
 splits the input dimension into shares; with one share a program writes its output directly, with more the
-float32 partial sums are added in a fixed order (`finish_kernel`), so results never depend on scheduling.
+last program of an output tile to finish adds the float32 partial sums in a fixed order
+(`quant_gemv.store_or_add_shares`), so results never depend on scheduling.
 `LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
 takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
 made of), FP8_B128 (an FP8 checkpoint's weights) and I4_G32 and I4_G128 (a W4A16 checkpoint's int4 groups); other
@@ -16,6 +17,7 @@ types, and products of more rows, dequantize the matrix in one pass (`quant_dequ
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -43,6 +45,7 @@ def _tile_kernel(
     w_ptr,
     order_ptr,
     part_ptr,
+    arrivals_ptr,
     out_ptr,
     M,
     N,
@@ -71,7 +74,7 @@ def _tile_kernel(
     for step in range(first, tl.minimum(first + steps_per_split, steps)):
         w = _tile(w_ptr, rows, row_bytes, step, n_mask, QTYPE, BLOCK_N)  # [BLOCK_N, 256] fp32
         acc += _times_x(x_ptr, order_ptr, m, m_mask, stride_xm, step * 256 + k, w, HAS_ORDER, IEEE)
-    _store_tile(part_ptr, out_ptr, acc, m, rows, m_mask, n_mask, split, M, N, stride_om)
+    _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, m, rows, m_mask, n_mask, M, N, stride_om)
 
 
 @triton.jit
@@ -80,6 +83,7 @@ def _q4_k_tile_kernel(
     order_ptr,
     w32_ptr,
     part_ptr,
+    arrivals_ptr,
     out_ptr,
     M,
     N,
@@ -130,7 +134,7 @@ def _q4_k_tile_kernel(
                 columns = step * 256 + c * 64 + lane
                 acc += _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns, low, HAS_ORDER, IEEE)
                 acc += _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns + 32, high, HAS_ORDER, IEEE)
-    _store_tile(part_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, split, M, N, stride_om)
+    _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, M, N, stride_om)
 
 
 @triton.jit
@@ -145,14 +149,12 @@ def _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns, w, HAS_ORDER: tl.
 
 
 @triton.jit
-def _store_tile(part_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, split, M, N, stride_om):
-    """A program's [BLOCK_M, BLOCK_N] result: into the output (its dtype) when one share covers the whole input,
-    else into the float32 workspace [shares, M, N]."""
+def _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, M, N, stride_om):
+    """A program's [BLOCK_M, BLOCK_N] result (`quant_gemv.store_or_add_shares`; its tile is grid(0))."""
     mask = m_mask[:, None] & n_mask[None, :]
-    if tl.num_programs(1) == 1:
-        tl.store(out_ptr + xm[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + split * M * N + xm[:, None] * N + rows[None, :], acc, mask=mask)
+    part_at = xm[:, None] * N + rows[None, :]
+    out_at = xm[:, None] * stride_om + rows[None, :]
+    quant_gemv.store_or_add_shares(part_ptr, arrivals_ptr, out_ptr, acc, part_at, out_at, mask, tl.program_id(0), M, N)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ class Launch:
     split_k: int
     num_warps: int = 4
     paired: bool = True
+    prefetch: bool = False
 
 
 # block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken
@@ -183,7 +186,14 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
     "I4_G32": ((1, Launch("gemv", 32, 4, 2)), (MAX_ROWS, Launch("tile", 32, 4))),
     "I4_G128": ((1, Launch("gemv", 64, 8)), (MAX_ROWS, Launch("tile", 64, 2))),
 }
-FINISH_BLOCK = 1024
+
+
+@functools.cache
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """[tiles] int32 zeros: per output tile, how many of its shares have finished (`store_or_add_shares`; the last
+    sets it back to 0 for the next launch). Allocated at the first product of that many tiles, an eager one (graph
+    capture warms up first); products on a device run one after another, as the engine's do, so they share it."""
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 def launch_for(qtype: str, rows: int) -> Launch:
@@ -204,65 +214,51 @@ def _segment_matmul(
     gathered = order is not None
     order = x if order is None else order
     grid = (triton.cdiv(n, launch.block_n), shares)
+    tiles = grid[0] * m if launch.family == "gemv" else grid[0]
+    arrivals = _arrivals(x.device, triton.next_power_of_2(tiles))
+    results = (parts, arrivals, out, m, n)  # where the kernels put their sums, and the output's shape
     tail = (x.stride(0), out.stride(0), steps, per_share)
     common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps}
     if launch.family == "gemv":
         gemv_grid = (*grid, m)
         if qtype == "Q4_K":
             quant_gemv.q4_k_gemv_kernel[gemv_grid](
-                x, order, data.view(torch.int32), parts, out, m, n, n_bytes // 4, *tail, HALF, PRMT=PRMT, **common
+                x, order, data.view(torch.int32), *results, n_bytes // 4, *tail, HALF, PRMT=PRMT, **common
             )
         elif qtype == "Q6_K":
             quant_gemv.q6_k_gemv_kernel[gemv_grid](
-                x, order, data, data.view(torch.int16), parts, out, m, n, n_bytes, *tail, HALF, PRMT=PRMT, **common
+                x, order, data, data.view(torch.int16), *results, n_bytes, *tail, HALF, PRMT=PRMT, **common
             )
         elif qtype == "FP8_B128":
-            quant_gemv.fp8_b128_gemv_kernel[gemv_grid](x, order, data, parts, out, m, n, n_bytes, *tail, **common)
+            quant_gemv.fp8_b128_gemv_kernel[gemv_grid](
+                x, order, data, *results, n_bytes, *tail, PREFETCH=launch.prefetch, **common
+            )
         elif qtype in I4_GROUPS:
             quant_gemv.i4_gemv_kernel[gemv_grid](
                 x,
                 order,
                 data.view(torch.int32),
-                parts,
-                out,
-                m,
-                n,
+                *results,
                 n_bytes // 4,
                 *tail,
                 HALF,
                 GROUP=I4_GROUPS[qtype],
                 PRMT=PRMT,
+                PREFETCH=launch.prefetch,
                 **common,
             )
         else:
             quant_gemv.q8_0_gemv_kernel[gemv_grid](
-                x, order, data.view(torch.int16), parts, out, m, n, n_bytes // 2, *tail, BIASED, PRMT=PRMT, **common
+                x, order, data.view(torch.int16), *results, n_bytes // 2, *tail, BIASED, PRMT=PRMT, **common
             )
     else:
         tile = {"BLOCK_M": max(16, triton.next_power_of_2(m)), "IEEE": x.dtype == torch.float32 or INTERPRETED}
         if qtype == "Q4_K":
             _q4_k_tile_kernel[grid](
-                x,
-                order,
-                data.view(torch.int32),
-                parts,
-                out,
-                m,
-                n,
-                n_bytes // 4,
-                *tail,
-                PAIRED=launch.paired,
-                **tile,
-                **common,
+                x, order, data.view(torch.int32), *results, n_bytes // 4, *tail, PAIRED=launch.paired, **tile, **common
             )
         else:
-            _tile_kernel[grid](
-                x, data, order, parts, out, m, n, n_bytes, *tail, QTYPE=KERNEL_TYPES[qtype], **tile, **common
-            )
-    if shares > 1:
-        quant_gemv.finish_kernel[(triton.cdiv(m * n, FINISH_BLOCK),)](
-            parts, out, m, n, out.stride(0), SPLIT_K=shares, BLOCK=FINISH_BLOCK
-        )
+            _tile_kernel[grid](x, data, order, *results, n_bytes, *tail, QTYPE=KERNEL_TYPES[qtype], **tile, **common)
 
 
 def kernel_handles(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bool:
