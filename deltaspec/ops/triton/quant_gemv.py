@@ -430,13 +430,12 @@ def fp8_b128_gemv_kernel(
     steps_per_split,
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """FP8_B128: 132-byte blocks of a float32 scale and 128 e4m3 values, two blocks (256 values) per step."""
     rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     x_row = x_ptr + m * stride_xm
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
-    value = fp8_b128_rows(x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER, BLOCK_N, PREFETCH)
+    value = fp8_b128_rows(x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER, BLOCK_N)
     _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
 
@@ -452,16 +451,7 @@ def e4m3_scaled(word, k: tl.constexpr):
 
 @triton.jit
 def fp8_b128_rows(
-    x_row,
-    order_ptr,
-    w_ptr,
-    row_start,
-    n_mask,
-    first,
-    last,
-    HAS_ORDER: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    x_row, order_ptr, w_ptr, row_start, n_mask, first, last, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """[BLOCK_N] float32: the FP8_B128 rows starting at bytes `row_start` [BLOCK_N] times the activations at x_row,
     over steps (two blocks) [first, last). The values are read as 32-bit words (a block's are 4-byte aligned),
@@ -474,22 +464,10 @@ def fp8_b128_rows(
     word = tl.arange(0, 32)
     start = row_start // 4  # [BLOCK_N] words
     acc = tl.zeros((BLOCK_N, 2, 32), dtype=tl.float32)
-    block = start[:, None] + first * 66 + half[None, :] * 33  # [BLOCK_N, 2] words
-    held = n_mask & (first < last)
-    scale = fp32_at(w32_ptr, block, held[:, None])  # [BLOCK_N, 2]
-    words = tl.load(w32_ptr + block[:, :, None] + 1 + word[None, None, :], mask=held[:, None, None], other=0)
     for step in range(first, last):
-        if PREFETCH:  # the next step's blocks are read while this one's are multiplied
-            ahead = start[:, None] + (step + 1) * 66 + half[None, :] * 33
-            more = n_mask & (step + 1 < last)
-            next_scale = fp32_at(w32_ptr, ahead, more[:, None])
-            next_words = tl.load(
-                w32_ptr + ahead[:, :, None] + 1 + word[None, None, :], mask=more[:, None, None], other=0
-            )
-        else:
-            block = start[:, None] + step * 66 + half[None, :] * 33
-            scale = fp32_at(w32_ptr, block, n_mask[:, None])
-            words = tl.load(w32_ptr + block[:, :, None] + 1 + word[None, None, :], mask=n_mask[:, None, None], other=0)
+        block = start[:, None] + step * 66 + half[None, :] * 33  # [BLOCK_N, 2] words
+        scale = fp32_at(w32_ptr, block, n_mask[:, None])  # [BLOCK_N, 2]
+        words = tl.load(w32_ptr + block[:, :, None] + 1 + word[None, None, :], mask=n_mask[:, None, None], other=0)
         position = step * 256 + half[:, None] * 128 + word[None, :] * 4  # [2, 32]: value 0 of each word
         x0 = _x_at(x_row, order_ptr, position, HAS_ORDER) * 1.152921504606847e18  # 2**60
         x1 = _x_at(x_row, order_ptr, position + 1, HAS_ORDER) * 1.152921504606847e18
@@ -502,8 +480,6 @@ def fp8_b128_rows(
             + e4m3_scaled(words, 3) * x3[None]
         )  # [BLOCK_N, 2, 32]
         acc += products * (scale * 1.152921504606847e18)[:, :, None]
-        if PREFETCH:
-            scale, words = next_scale, next_words
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
@@ -535,7 +511,6 @@ def i4_gemv_kernel(
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRMT: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """I4_G32 / I4_G128 (GROUP 32 or 128): blocks of a header word (scale bits, zero point z', scale type) and
     GROUP / 8 nibble words, 256 / GROUP blocks per step. Nibble k of nibble word i holds value 8i + k. Nibbles q'
@@ -557,7 +532,6 @@ def i4_gemv_kernel(
         HAS_ORDER,
         BLOCK_N,
         PRMT,
-        PREFETCH,
     )
     _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
@@ -576,7 +550,6 @@ def i4_rows(
     HAS_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRMT: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """[BLOCK_N] float32: the int4 rows of GROUP-value blocks starting at words `row_start` [BLOCK_N] times the
     activations at x_row, over steps (256 values) [first, last) (the layout and algebra of `i4_gemv_kernel`).
@@ -588,20 +561,10 @@ def i4_rows(
     word = group[:, None] * (WORDS + 1) + 1 + tl.arange(0, WORDS)[None, :]  # [BLOCKS, WORDS]: block b, word i
     column = group[:, None] * GROUP + tl.arange(0, WORDS)[None, :] * 8  # [BLOCKS, WORDS]: value of nibble 0
     acc = tl.zeros((BLOCK_N, BLOCKS, WORDS), dtype=tl.float32)
-    block = row_start + first * (BLOCKS * (WORDS + 1))  # [BLOCK_N] words
-    held = n_mask & (first < last)
-    quants = tl.load(w32_ptr + block[:, None, None] + word[None, :, :], mask=held[:, None, None], other=0)
-    header = tl.load(w32_ptr + block[:, None] + group[None, :] * (WORDS + 1), mask=held[:, None], other=0)
     for step in range(first, last):
-        if PREFETCH:  # the next step's blocks are read while this one's are multiplied
-            ahead = row_start + (step + 1) * (BLOCKS * (WORDS + 1))
-            more = n_mask & (step + 1 < last)
-            next_quants = tl.load(w32_ptr + ahead[:, None, None] + word[None, :, :], mask=more[:, None, None], other=0)
-            next_header = tl.load(w32_ptr + ahead[:, None] + group[None, :] * (WORDS + 1), mask=more[:, None], other=0)
-        else:
-            block = row_start + step * (BLOCKS * (WORDS + 1))
-            quants = tl.load(w32_ptr + block[:, None, None] + word[None, :, :], mask=n_mask[:, None, None], other=0)
-            header = tl.load(w32_ptr + block[:, None] + group[None, :] * (WORDS + 1), mask=n_mask[:, None], other=0)
+        block = row_start + step * (BLOCKS * (WORDS + 1))  # [BLOCK_N] words
+        quants = tl.load(w32_ptr + block[:, None, None] + word[None, :, :], mask=n_mask[:, None, None], other=0)
+        header = tl.load(w32_ptr + block[:, None] + group[None, :] * (WORDS + 1), mask=n_mask[:, None], other=0)
         even = (quants << 3) & 0x78787878  # [BLOCK_N, BLOCKS, WORDS]: byte k is q' << 3 of value 8i + 2k
         odd = (quants >> 1) & 0x78787878  # value 8i + 2k + 1
         f = tl.zeros((BLOCK_N, BLOCKS, WORDS), dtype=tl.float32)
@@ -616,6 +579,4 @@ def i4_rows(
         scale = int4_scale(header) * 32.0  # [BLOCK_N, BLOCKS]
         offset = 0.5 + as_float((header >> 16) & 0xFF) * 0.03125  # 0.5 + z' / 32, exact
         acc += scale[:, :, None] * (f - offset[:, :, None] * xs[None, :, :])
-        if PREFETCH:
-            quants, header = next_quants, next_header
     return tl.sum(tl.sum(acc, axis=2), axis=1)

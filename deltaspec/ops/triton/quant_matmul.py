@@ -168,7 +168,6 @@ class Launch:
     split_k: int
     num_warps: int = 4
     paired: bool = True
-    prefetch: bool = False
 
 
 # block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken
@@ -230,9 +229,7 @@ def _segment_matmul(
                 x, order, data, data.view(torch.int16), *results, n_bytes, *tail, HALF, PRMT=PRMT, **common
             )
         elif qtype == "FP8_B128":
-            quant_gemv.fp8_b128_gemv_kernel[gemv_grid](
-                x, order, data, *results, n_bytes, *tail, PREFETCH=launch.prefetch, **common
-            )
+            quant_gemv.fp8_b128_gemv_kernel[gemv_grid](x, order, data, *results, n_bytes, *tail, **common)
         elif qtype in I4_GROUPS:
             quant_gemv.i4_gemv_kernel[gemv_grid](
                 x,
@@ -244,7 +241,6 @@ def _segment_matmul(
                 HALF,
                 GROUP=I4_GROUPS[qtype],
                 PRMT=PRMT,
-                PREFETCH=launch.prefetch,
                 **common,
             )
         else:
