@@ -26,9 +26,7 @@ the output directly.
 
 Quantized caches (fp8 e4m3 or int8 rows [D values, float32 scale], `deltaspec.ops.attention`): `write_kv`
 computes each row's scale and values as the reference does (correctly rounded divisions, ties to even), and the
-attention kernel takes the stored values into its dot products as they are (e4m3 and int8 values are exact in
-bf16) and multiplies each key row's scores and each value row's softmax weights by that row's scale: one multiply
-per score instead of two per value, the reference's product with float32 instead of bf16-rounded rows.
+attention kernel multiplies each K / V tile by its rows' scales before the dot products.
 
 Everything per sequence (row starts, context lengths, pages) is read from the layout's device tensors; the wrappers
 make no host syncs and no data-dependent allocations. Limits: q in fp16 / bf16 / fp32 (fp32 dots in IEEE
@@ -181,9 +179,7 @@ def _attend_tile(
 ):
     """One BLOCK_N-wide KV tile folded into the online softmax of the BLOCK_M query rows in `q`. MASKED tiles
     mask positions >= kv_end and, per row, positions >= allowed_end (causal); unmasked tiles lie wholly inside.
-    QUANTIZED rows are read as their stored values (exact in q's dtype); the float32 scale stored after each row
-    multiplies that row's scores and, for V, its softmax weights, which is the product with the dequantized rows
-    (values times scale) rounded differently."""
+    QUANTIZED rows are read as their values times the float32 scale stored after them."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] KV positions
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
@@ -199,16 +195,13 @@ def _attend_tile(
     v_rows = pages * stride_vcb + in_page * stride_vcs + kv_head * stride_vch
     k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :] * stride_kcd, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_vcd, mask=kv_mask, other=0.0)
-    if k.dtype == tl.int8:  # int8 values through float32 (exact)
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    k = k.to(q.dtype)  # [BLOCK_N, BLOCK_D] (a quantized cache's stored values, exact in q's dtype)
+    if QUANTIZED:
+        k = _dequantized(k, k_cache_ptr, k_rows + HEAD_DIM * stride_kcd, offs_n < kv_end)
+        v = _dequantized(v, v_cache_ptr, v_rows + HEAD_DIM * stride_vcd, offs_n < kv_end)
+    k = k.to(q.dtype)  # [BLOCK_N, BLOCK_D]
     v = v.to(q.dtype)
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-    if QUANTIZED:  # a row's scale multiplies its scores (K) and its softmax weights (V) instead of its D values
-        v_scales = _row_scales(v_cache_ptr, v_rows + HEAD_DIM * stride_vcd, offs_n < kv_end)
-        scores *= _row_scales(k_cache_ptr, k_rows + HEAD_DIM * stride_kcd, offs_n < kv_end)[None, :]
     if MASKED:
         allowed = offs_n[None, :] < allowed_end[:, None]
         scores = tl.where(allowed, scores, float("-inf"))
@@ -220,18 +213,16 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(scores - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if QUANTIZED:
-        acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), v, input_precision=DOT_PRECISION)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _row_scales(cache_ptr, scale_offsets, valid):
-    """[BLOCK_N] float32: quantized rows' scales at byte offsets `scale_offsets` of the cache (0 for rows not
-    `valid`)."""
-    return tl.load((cache_ptr + scale_offsets).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+def _dequantized(values, cache_ptr, scale_offsets, valid):
+    """Quantized rows' values [BLOCK_N, BLOCK_D] times their float32 scales at byte offsets `scale_offsets`
+    [BLOCK_N] of the cache (rows not `valid` read scale 0)."""
+    scales = tl.load((cache_ptr + scale_offsets).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+    return values.to(tl.float32) * scales[:, None]
 
 
 @triton.jit
