@@ -520,18 +520,7 @@ def i4_gemv_kernel(
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     x_row = x_ptr + m * stride_xm
     value = i4_rows(
-        x_row,
-        order_ptr,
-        w32_ptr,
-        row_start,
-        n_mask,
-        first,
-        last,
-        half_exponent,
-        GROUP,
-        HAS_ORDER,
-        BLOCK_N,
-        PRMT,
+        x_row, order_ptr, w32_ptr, row_start, n_mask, first, last, half_exponent, GROUP, HAS_ORDER, BLOCK_N, PRMT
     )
     _store_row(part_ptr, arrivals_ptr, out_ptr, value, rows, n_mask, m, M, N, stride_om)
 
