@@ -28,6 +28,7 @@ COMMON = {
     "x_ptr": "*bf16",
     "order_ptr": "*bf16",
     "part_ptr": "*fp32",
+    "arrivals_ptr": "*i32",
     "out_ptr": "*bf16",
     "M": "i32",
     "N": "i32",
