@@ -130,7 +130,7 @@ def test_shares_are_added_in_order_by_the_last_to_finish(kernel, kernel_device, 
         total += kernel(masked, weight, quant_matmul.Launch(family, 16, 1))
     for _ in range(2):
         assert torch.equal(kernel(x[:rows], weight, quant_matmul.Launch(family, 16, 3)), total)
-        tiles = quant_matmul._arrivals(x.device, 4)  # cdiv(40, 16) * rows, rounded up
+        tiles = quant_matmul.arrival_counts(x.device, 4)  # cdiv(40, 16) * rows, rounded up
         assert not tiles.any()
 
 

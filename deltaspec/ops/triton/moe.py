@@ -31,7 +31,6 @@ grouping leaves them out and the sums skip them.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -241,14 +240,6 @@ def _router_kernel(
         _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, first, held, TOP_K, K_PAD, NORMALIZE, BLOCK_E, True)
 
 
-@functools.cache
-def _arrivals(device: torch.device, rows: int) -> torch.Tensor:
-    """[rows] int32 zeros: `_router_kernel`'s per-row count of finished programs, which the last one sets back to
-    0 for the next pass (allocated at the first pass of that many rows, an eager one: graph capture warms up
-    first). Passes on a device run one after another, as the engine's do."""
-    return torch.zeros(rows, dtype=torch.int32, device=device)
-
-
 def router(
     x: torch.Tensor,
     weight: torch.Tensor | QuantizedWeight,
@@ -282,7 +273,7 @@ def router(
         logits,
         weights,
         experts,
-        _arrivals(x.device, rows),
+        quant_matmul.arrival_counts(x.device, rows),
         num_experts,
         first_expert,
         num_experts if held_experts is None else held_experts,

@@ -188,11 +188,12 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
 
 
 @functools.cache
-def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
-    """[tiles] int32 zeros: per output tile, how many of its shares have finished (`store_or_add_shares`; the last
-    sets it back to 0 for the next launch). Allocated at the first product of that many tiles, an eager one (graph
-    capture warms up first); products on a device run one after another, as the engine's do, so they share it."""
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
+def arrival_counts(device: torch.device, count: int) -> torch.Tensor:
+    """[count] int32 zeros: per output tile (or router row), how many of its programs have finished; the last to
+    arrive sets its count back to 0 for the next launch (`quant_gemv.store_or_add_shares`, the MoE router).
+    Allocated at the first launch of that many tiles, an eager one (graph capture warms up first); launches on a
+    device run one after another, as the engine's do, so they share it."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
 
 
 def launch_for(qtype: str, rows: int) -> Launch:
@@ -214,7 +215,7 @@ def _segment_matmul(
     order = x if order is None else order
     grid = (triton.cdiv(n, launch.block_n), shares)
     tiles = grid[0] * m if launch.family == "gemv" else grid[0]
-    arrivals = _arrivals(x.device, triton.next_power_of_2(tiles))
+    arrivals = arrival_counts(x.device, triton.next_power_of_2(tiles))
     results = (parts, arrivals, out, m, n)  # where the kernels put their sums, and the output's shape
     tail = (x.stride(0), out.stride(0), steps, per_share)
     common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps}
