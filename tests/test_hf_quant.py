@@ -183,20 +183,79 @@ def test_the_plan_counts_int4_blocks(int4, case):
     assert planned == held
 
 
-def test_act_order_int4_groups_are_refused(int4, tmp_path):
-    """A GPTQ matrix whose g_idx permutes its groups (desc_act) cannot be kept as runs of consecutive columns."""
+@pytest.fixture(scope="module")
+def act_order(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """{kind: (GPTQ checkpoint quantized in activation order, its dequantized float32 copy)}."""
+    root = tmp_path_factory.mktemp("act-order")
+    made = {}
+    for kind, dims in (("qwen3_5", INT4_DIMS), ("qwen3_5_moe", INT4_MOE_DIMS)):
+        source = write_checkpoint(root / kind, kind, seed=6, **dims)
+        made[kind] = write_int4_checkpoints(source, root, "gptq", 32, False, act_order=True)
+    return made
+
+
+def test_act_order_gptq_gives_the_logits_of_its_dequantized_weights(act_order):
+    """Each matrix's columns are stored sorted by group and read their input in that order; fused projections
+    share it (the float ones joining them take it too)."""
+    quantized, dequantized = act_order["qwen3_5"]
+    llm, got = generate(quantized)
+    layer = llm.engine.model.model.layers[0]
+    assert layer.mlp.down_proj.weight.input_order is not None
+    assert_same(got, generate(dequantized)[1])
+
+
+def test_act_order_fused_blocks_take_the_order(act_order):
+    """Outside float64 fused projections stay blocks: an ordered int4 part and a float part stacked (the float
+    one's columns taken in the int4 part's order) give the products of the dense matrices."""
+    from safetensors.torch import load_file
+
+    from deltaspec.model.layers import FusedLinear, Linear, set_weight
+    from deltaspec.ops.dispatch import ops_for
+    from deltaspec.ops.quant.int4 import gptq_to_blocks, stored_order
+
+    quantized, dequantized = act_order["qwen3_5"]
+    tensors, floats = load_file(quantized / "model.safetensors"), load_file(dequantized / "model.safetensors")
+    prefix = next(n for n in tensors if n.endswith("mlp.gate_proj.qweight")).removesuffix(".qweight")
+    order = stored_order(tensors[f"{prefix}.g_idx"], 32, prefix)
+    assert order is not None
+    blocks = gptq_to_blocks(
+        tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"], 32, 1, order
+    )
+    ops = ops_for("cpu")
+    gate, up = Linear(256, 256, ops), Linear(256, 256, ops)
+    set_weight(gate, "weight", QuantizedWeight([("I4_G32", blocks)], 256, order))
+    set_weight(up, "weight", torch.randn(256, 256, generator=torch.Generator().manual_seed(1)))
+    fused = FusedLinear({"gate": gate, "up": up}, ops)
+    assert isinstance(fused.weight, QuantizedWeight) and torch.equal(fused.weight.input_order, order)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    got_gate, got_up = fused(x)
+    torch.testing.assert_close(got_gate, x @ floats[f"{prefix}.weight"].t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_up, x @ up.weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_act_order_groups_of_another_size_are_refused(act_order, tmp_path):
+    """g_idx must give every group G columns."""
     from safetensors.torch import load_file, save_file
 
-    quantized, _ = int4[INT4_CASES[2]]
-    path = tmp_path / "act-order"
+    quantized, _ = act_order["qwen3_5"]
+    path = tmp_path / "uneven-groups"
     path.mkdir()
     (path / "config.json").write_text((quantized / "config.json").read_text())
     tensors = load_file(quantized / "model.safetensors")
     name = next(n for n in tensors if n.endswith(".g_idx"))
-    tensors[name] = tensors[name].flip(0).contiguous()
+    tensors[name][tensors[name] == 1] = 0
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(DeltaspecError, match="activation order"):
+    with pytest.raises(DeltaspecError, match="do not give every group 32 input columns"):
         LLM(str(path), **OPTIONS)
+
+
+def test_act_order_experts_and_input_splits_are_refused(act_order):
+    """A layer's experts are one stack read in one order, and a rank's input columns do not make whole groups:
+    both refused in a sentence."""
+    with pytest.raises(DeltaspecError, match="expert quantized in activation order"):
+        LLM(str(act_order["qwen3_5_moe"][0]), **OPTIONS)
+    with pytest.raises(DeltaspecError, match="cannot be split by input columns"):
+        generate(act_order["qwen3_5"][0], tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(
@@ -272,3 +331,10 @@ def test_int4_checkpoints_on_the_gpu_follow_their_dequantized_weights(int4, case
     tiles, the one-pass dequantize, the expert kernels) give the greedy tokens of the dequantized checkpoint's
     bf16 model, and logprobs within bf16 rounding."""
     assert_follows_on_the_gpu(*int4[case], dtype="bfloat16", tolerance=0.1)
+
+
+@pytest.mark.gpu
+def test_act_order_int4_on_the_gpu_follows_its_dequantized_weights(act_order):
+    """On CUDA in bf16 with CUDA graphs: the act-order blocks through the block kernels, each gathering its input
+    in the stored order, give the greedy tokens of the dequantized checkpoint's bf16 model."""
+    assert_follows_on_the_gpu(*act_order["qwen3_5"], dtype="bfloat16", tolerance=0.1)

@@ -7,6 +7,7 @@ tokenizer when asked, so tests can compare deltaspec against the reference imple
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -268,15 +269,19 @@ INT4_DIMS = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_val
 INT4_MOE_DIMS = INT4_DIMS | dict(moe_intermediate_size=256, shared_expert_intermediate_size=256)
 
 
-def write_int4_checkpoints(source: Path, root: Path, layout: str, group: int, symmetric: bool) -> tuple[Path, Path]:
+def write_int4_checkpoints(
+    source: Path, root: Path, layout: str, group: int, symmetric: bool, act_order: bool = False
+) -> tuple[Path, Path]:
     """An int4 W4A16 copy of float checkpoint `source` under `root` in `layout` ("compressed-tensors": written by
     the compressed-tensors library's own quantizer and pack-quantized compressor; "gptq" / "gptq_v2": AutoGPTQ's
     layout, zero points stored minus one in the original format), every matrix but those of FP8_KEPT in groups
     of `group` input columns, in bf16 (compressed-tensors) or fp16 (GPTQ) scales; and a float32 copy of it whose
-    matrices are the int4 weights dequantized exactly, s * (q - z). Returns (quantized, dequantized)."""
+    matrices are the int4 weights dequantized exactly, s * (q - z). `act_order` (GPTQ layouts): each matrix's
+    groups taken in a random order of its input columns, as GPTQ's `desc_act` does, recorded in `g_idx`.
+    Returns (quantized, dequantized)."""
     from safetensors.torch import load_file, save_file
 
-    quantized = root / f"{source.name}-{layout}-{group}-{'sym' if symmetric else 'asym'}"
+    quantized = root / f"{source.name}-{layout}-{group}-{'sym' if symmetric else 'asym'}{'-actorder' * act_order}"
     dequantized = quantized.with_name(quantized.name + "-dequantized")
     _copy_all_but_weights(source, quantized)
     _copy_all_but_weights(source, dequantized)
@@ -287,23 +292,24 @@ def write_int4_checkpoints(source: Path, root: Path, layout: str, group: int, sy
         (directory / "model.safetensors.index.json").unlink(missing_ok=True)
     for name, tensor in tensors.items():
         if tensor.dim() == 2 and name.endswith(".weight") and not any(kept in name for kept in FP8_KEPT):
-            stored, floats[name] = write(tensor, group, symmetric, layout)
+            order_seed = _input_seed(name) if act_order else None
+            stored, floats[name] = write(tensor, group, symmetric, layout, order_seed)
             packed.update({f"{name.removesuffix('.weight')}.{suffix}": value for suffix, value in stored.items()})
         else:
             packed[name] = tensor.to(torch.bfloat16)
             floats[name] = packed[name].float()
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = _int4_config(layout, group, symmetric)
+    config["quantization_config"] = _int4_config(layout, group, symmetric, act_order)
     (quantized / "config.json").write_text(json.dumps(config, indent=2))
     save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
     save_file(floats, dequantized / "model.safetensors", metadata={"format": "pt"})
     return quantized, dequantized
 
 
-def _int4_config(layout: str, group: int, symmetric: bool) -> dict:
+def _int4_config(layout: str, group: int, symmetric: bool, act_order: bool) -> dict:
     if layout != "compressed-tensors":
         return dict(
-            quant_method="gptq", bits=4, group_size=group, desc_act=False, sym=symmetric, checkpoint_format=layout
+            quant_method="gptq", bits=4, group_size=group, desc_act=act_order, sym=symmetric, checkpoint_format=layout
         )
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
@@ -313,8 +319,17 @@ def _int4_config(layout: str, group: int, symmetric: bool) -> dict:
     return json.loads(config.model_dump_json())
 
 
-def _compressed_int4(weight: torch.Tensor, group: int, symmetric: bool, layout: str):
-    """The library's tensors of one matrix and its exact float32 dequantization."""
+def _input_seed(name: str) -> int:
+    """One seed per input that matrices read (the projections of one input share it, as their GPTQ order)."""
+    prefix, _, proj = name.removesuffix(".weight").rpartition(".")
+    shared = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+    shared |= {"in_proj_qkv": "gdn", "in_proj_z": "gdn", "in_proj_b": "gdn", "in_proj_a": "gdn"}
+    return zlib.crc32(f"{prefix}.{shared.get(proj, proj)}".encode())
+
+
+def _compressed_int4(weight: torch.Tensor, group: int, symmetric: bool, layout: str, order_seed: int | None):
+    """The library's tensors of one matrix and its exact float32 dequantization (static groups only)."""
+    assert order_seed is None, "the act-order fixtures are GPTQ's"
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import preset_name_to_scheme
@@ -332,25 +347,36 @@ def _compressed_int4(weight: torch.Tensor, group: int, symmetric: bool, layout: 
     return stored, ((q - zero) * scale.float()[..., None]).flatten(-2)
 
 
-def _gptq_int4(weight: torch.Tensor, group: int, symmetric: bool, layout: str):
+def _gptq_int4(weight: torch.Tensor, group: int, symmetric: bool, layout: str, order_seed: int | None):
     """AutoGPTQ's `qweight`, `qzeros`, `scales` and `g_idx` of one matrix (min-max scales, as its quantizer
-    starts from) and its exact float32 dequantization."""
+    starts from) and its exact float32 dequantization. In activation order (an `order_seed`), group i holds the
+    columns order[i * G : (i + 1) * G] of a random permutation `order` of the seed (AutoGPTQ's sorts the
+    input's Hessian diagonal, so projections of one input share it), g_idx[order[j]] = j // G; qweight keeps
+    the columns where they are."""
     rows, columns = weight.shape
-    groups = weight.float().unflatten(-1, (-1, group))  # [out, in / G, G]
+    order = torch.arange(columns)
+    if order_seed is not None:
+        order = torch.randperm(columns, generator=torch.Generator().manual_seed(order_seed))
+    g_idx = torch.empty(columns, dtype=torch.int32)
+    g_idx[order] = torch.arange(columns, dtype=torch.int32) // group
+    groups = weight.float()[:, order].unflatten(-1, (-1, group))  # [out, in / G, G]: group i's columns
     low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
     if symmetric:
         high = torch.maximum(-low, high)
         low = -high
     scale = ((high - low) / 15).clamp(min=1e-8).half()  # [out, in / G]
     zero = torch.full_like(scale, 8, dtype=torch.int32) if symmetric else torch.round(-low / scale.float()).int()
-    q = (torch.round(groups / scale.float()[..., None]) + zero[..., None]).clamp(0, 15).int().flatten(-2)  # [out, in]
+    grouped = (torch.round(groups / scale.float()[..., None]) + zero[..., None]).clamp(0, 15).int()
     stored_zero = zero - (1 if layout == "gptq" else 0)  # the original format's off-by-one
+    q, dequantized = torch.empty(rows, columns, dtype=torch.int32), torch.empty(rows, columns)
+    q[:, order] = grouped.flatten(-2)  # [out, in], columns where they are
+    dequantized[:, order] = (grouped - zero[..., None]).float().mul(scale.float()[..., None]).flatten(-2)
     return {
         "qweight": _pack_nibbles(q.t(), dim=0),  # [in / 8, out]
         "qzeros": _pack_nibbles(stored_zero.t(), dim=1),  # [in / G, out / 8]
         "scales": scale.t().contiguous(),  # [in / G, out]
-        "g_idx": torch.arange(columns, dtype=torch.int32) // group,
-    }, (q.unflatten(-1, (-1, group)) - zero[..., None]).float().mul(scale.float()[..., None]).flatten(-2)
+        "g_idx": g_idx,
+    }, dequantized
 
 
 def _pack_nibbles(values: torch.Tensor, dim: int) -> torch.Tensor:

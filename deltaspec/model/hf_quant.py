@@ -10,7 +10,9 @@ Loaded:
   `weight_scale`, `weight_shape` and, asymmetric, `weight_zero_point`;
 - `quant_method: gptq`, 4 bits, groups of 32 or 128, in the `gptq` or `gptq_v2` checkpoint format:
   `<p>.qweight` with `qzeros`, `scales` and `g_idx`;
-both int4 kinds become `I4_G32` / `I4_G128` blocks (`deltaspec.ops.quant.int4`). Tensors without a
+both int4 kinds become `I4_G32` / `I4_G128` blocks (`deltaspec.ops.quant.int4`); a matrix quantized in
+activation order (its `g_idx` / `weight_g_idx` not column // G) keeps its columns sorted by group and reads its
+input in that order (`int4.stored_order`). Tensors without a
 quantized layout (embeddings, norms, routers, whatever the checkpoint kept in bf16) load as float weights.
 Every other method or variant is refused in one sentence naming it.
 """
@@ -28,7 +30,13 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.ops.quant.checkpoint_layout import COMPANIONS, main_tensor, weight_name
 from deltaspec.ops.quant.fp8 import BLOCK, tiles_to_blocks
 from deltaspec.ops.quant.fp8 import QTYPE as FP8_QTYPE
-from deltaspec.ops.quant.int4 import GROUP_TYPES, compressed_to_blocks, gptq_to_blocks, unpack_zero_points
+from deltaspec.ops.quant.int4 import (
+    GROUP_TYPES,
+    compressed_to_blocks,
+    gptq_to_blocks,
+    stored_order,
+    unpack_zero_points,
+)
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.shard import Shard
 
@@ -102,11 +110,10 @@ def _compressed_tensors(config: dict, model_dir: Path) -> Quantization:
             or weights.get("strategy") != "group"
             or weights.get("group_size") not in GROUP_TYPES
             or scheme.get("input_activations")
-            or weights.get("actorder") in ("group", "dynamic", True)
         ):
             raise DeltaspecError(
                 f"{model_dir} is a compressed-tensors checkpoint of {described} (group size "
-                f"{weights.get('group_size')}, actorder {weights.get('actorder')}); deltaspec loads {LOADED}."
+                f"{weights.get('group_size')}); deltaspec loads {LOADED}."
             )
         schemes.append(weights["group_size"])
     if len(set(schemes)) != 1:
@@ -155,13 +162,19 @@ def _check_column_split(name: str, start: int, stop: int, block: int, shard: Sha
         )
 
 
-def int4_part(name: str, blocks: torch.Tensor, group: int, target: str, shape: torch.Size, shard: Shard):
+def int4_part(name: str, blocks: torch.Tensor, group: int, target: str, shape: torch.Size, shard: Shard, ordered: bool):
     """`shard`'s rows, or whole groups of input columns, of the int4 matrix `name` (full `shape` [out, in]) whose
-    blocks are `blocks` [out, in / G * (4 + G / 2)]."""
+    blocks are `blocks` [out, in / G * (4 + G / 2)]; `ordered`: its columns are stored in activation order, where
+    a rank's input columns do not make whole groups."""
     pieces = shard.pieces(target, shape)
     if pieces is None:
         return blocks
     dim, spans = pieces
+    if ordered and dim == 1:
+        raise DeltaspecError(
+            f"{name} is quantized in activation order: its groups mix input columns that {shard.size} ranks would "
+            "each hold a part of, so it cannot be split by input columns; run it on one GPU."
+        )
     per_group = blocks.shape[-1] // (shape[-1] // group)
     parts = []
     for start, stop in spans:
@@ -190,7 +203,8 @@ class Blocks:
     ):
         self.files, self.quantization, self.shard = files, quantization, shard
         self.params, self.shapes, self.device = params, shapes, device
-        self.plain: dict[str, tuple[str, torch.Tensor]] = {}  # parameter -> (block type, blocks [rows, bytes])
+        self.plain: dict[str, tuple[str, torch.Tensor, torch.Tensor | None]] = {}  # parameter -> (block type,
+        # blocks [rows, bytes], the input feature of each stored column or None)
         self.stacks: dict[str, tuple[str, torch.Tensor]] = {}  # fused expert parameter -> [held experts, rows, bytes]
 
     def skipped(self, name: str) -> bool:
@@ -213,27 +227,19 @@ class Blocks:
     def _has(self, name: str, suffix: str) -> bool:
         return f"{name.rpartition('.')[0]}.{suffix}" in self.files
 
-    def _part(self, name: str, source, target: str, shape: torch.Size) -> tuple[str, torch.Tensor]:
-        """(block type, `shard`'s part of matrix `name` as blocks); `target` names it for the shard."""
+    def _part(self, name: str, source, target: str, shape: torch.Size) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+        """(block type, `shard`'s part of matrix `name` as blocks, the input feature of each stored column or None);
+        `target` names it for the shard."""
         q = self.quantization
         if q.method == "fp8":
             scale_inv = self._companion(name, COMPANIONS["weight"][0])
-            return FP8_QTYPE, fp8_part(name, source, scale_inv, target, shape, self.shard)
+            return FP8_QTYPE, fp8_part(name, source, scale_inv, target, shape, self.shard), None
         if q.method == "compressed-tensors":
-            blocks = self._compressed(name, source[:], shape)
+            blocks, order = self._compressed(name, source[:], shape)
         else:
-            blocks = self._gptq(name, source[:], shape)
-        return GROUP_TYPES[q.group], int4_part(name, blocks, q.group, target, shape, self.shard)
-
-    def _check_groups(self, name: str, g_idx: torch.Tensor | None, columns: int) -> None:
-        """Refuse an act-order matrix: its groups are not runs of consecutive input columns."""
-        if g_idx is not None and not torch.equal(
-            g_idx.to(torch.int64), torch.arange(columns, dtype=torch.int64) // self.quantization.group
-        ):
-            raise DeltaspecError(
-                f"{name} is quantized with activation order (its g_idx permutes the groups); deltaspec loads int4 "
-                "checkpoints whose groups are consecutive input columns (desc_act false, or static groups)."
-            )
+            blocks, order = self._gptq(name, source[:], shape)
+        part = int4_part(name, blocks, q.group, target, shape, self.shard, order is not None)
+        return GROUP_TYPES[q.group], part, order
 
     def _shape_error(self, name: str, stored, shape: torch.Size) -> DeltaspecError:
         return DeltaspecError(
@@ -242,17 +248,19 @@ class Blocks:
             "belong together."
         )
 
-    def _compressed(self, name: str, packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    def _compressed(
+        self, name: str, packed: torch.Tensor, shape: torch.Size
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows, columns = shape
         scale = self._companion(name, "weight_scale")
         if packed.shape != (rows, columns // 8) or scale is None or scale.shape != (rows, columns // self.group):
             raise self._shape_error(name, packed.shape, shape)
-        self._check_groups(name, self._companion(name, "weight_g_idx"), columns)
+        order = stored_order(self._companion(name, "weight_g_idx"), self.group, name)
         zero_point = self._companion(name, "weight_zero_point")
         zero = None if zero_point is None else unpack_zero_points(zero_point, rows)
-        return compressed_to_blocks(packed, scale, zero, self.group)
+        return compressed_to_blocks(packed, scale, zero, self.group, order), order
 
-    def _gptq(self, name: str, qweight: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    def _gptq(self, name: str, qweight: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows, columns = shape
         scales, qzeros = self._companion(name, "scales"), self._companion(name, "qzeros")
         if (
@@ -262,8 +270,8 @@ class Blocks:
             or qzeros is None
         ):
             raise self._shape_error(name, qweight.shape, shape)
-        self._check_groups(name, self._companion(name, "g_idx"), columns)
-        return gptq_to_blocks(qweight, qzeros, scales, self.group, self.quantization.zero_offset)
+        order = stored_order(self._companion(name, "g_idx"), self.group, name)
+        return gptq_to_blocks(qweight, qzeros, scales, self.group, self.quantization.zero_offset, order), order
 
     @property
     def group(self) -> int:
@@ -290,7 +298,12 @@ class Blocks:
         if local is None:  # expert parallelism: another rank's
             return True
         one = torch.Size((full[1] // 2, full[2]) if proj != "down_proj" else full[1:])  # one expert's, unsharded
-        qtype, data = self._part(name, source, weight_name(name), one)
+        qtype, data, order = self._part(name, source, weight_name(name), one)
+        if order is not None:
+            raise DeltaspecError(
+                f"{name} is an expert quantized in activation order; deltaspec multiplies a layer's experts as one "
+                "stack read in one input order, so it loads experts whose groups are consecutive input columns."
+            )
         if fused not in self.stacks:
             self.stacks[fused] = qtype, torch.empty((*held[:2], data.shape[-1]), dtype=torch.uint8, device=self.device)
         half = held[1] // 2
@@ -301,7 +314,14 @@ class Blocks:
 
     def weights(self) -> dict[str, QuantizedWeight]:
         """Every quantized matrix read, as blocks on the device, by parameter name."""
-        return {
-            target: QuantizedWeight([(qtype, data.to(self.device))], self.params[target].shape[-1])
-            for target, (qtype, data) in (*self.plain.items(), *self.stacks.items())
+        weights = {
+            target: QuantizedWeight(
+                [(qtype, data.to(self.device))],
+                self.params[target].shape[-1],
+                None if order is None else order.to(self.device),
+            )
+            for target, (qtype, data, order) in self.plain.items()
         }
+        for target, (qtype, data) in self.stacks.items():
+            weights[target] = QuantizedWeight([(qtype, data.to(self.device))], self.params[target].shape[-1])
+        return weights

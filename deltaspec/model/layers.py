@@ -12,7 +12,7 @@ from torch import nn
 from deltaspec.config import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.moe import SharedExpert, expected_distinct_experts
-from deltaspec.ops.quant.weight import FLOAT_TYPES, QuantizedWeight
+from deltaspec.ops.quant.weight import FLOAT_TYPES, QuantizedWeight, shared_order
 
 
 def project(ops: OpTable, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
@@ -69,11 +69,14 @@ class FusedLinear(Linear):
             if len(floats) == len(weights):
                 set_weight(self, "weight", torch.cat(weights))
             elif all(w.dtype in FLOAT_TYPES for w in floats):  # float parts join the blocks as float segments
-                as_blocks = [w if isinstance(w, QuantizedWeight) else QuantizedWeight.from_float(w) for w in weights]
+                order = shared_order([w for w in weights if isinstance(w, QuantizedWeight)])
+                as_blocks = [
+                    w if isinstance(w, QuantizedWeight) else QuantizedWeight.from_float(w, order) for w in weights
+                ]
                 set_weight(self, "weight", QuantizedWeight.cat(as_blocks))
             else:  # float64 parts (reference runs): the blocks dequantized to them, exactly, give the same products
                 dtype = floats[0].dtype
-                whole = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
+                whole = [w.dense(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
                 set_weight(self, "weight", torch.cat(whole))
             if self.bias is not None:
                 self.bias = nn.Parameter(torch.cat([p.bias for p in parts.values()]), requires_grad=False)

@@ -11,6 +11,12 @@ stored zero + 1 in its original `gptq` format, as stored in `gptq_v2`), so every
 in float32 (s carries at most 11 significant bits, q' - z' at most 5). Rows, fusions, shards and expert stacks
 of GGUF weights hold these blocks unchanged.
 
+A matrix quantized in activation order (GPTQ's `desc_act`, compressed-tensors' `actorder: group`) assigns its
+groups in another order of the input columns, which its group indices `g_idx` [in] record: column c belongs
+to group g_idx[c]. deltaspec stores such a matrix's columns sorted by group (`stored_order`), so that every
+group is again a run of G stored columns, and multiplies stored column j by input feature order[j] (the
+weight's `input_order`), as vLLM's kernels sort by `g_idx`.
+
 `compressed_to_blocks` and `gptq_to_blocks` convert a checkpoint's tensors; `quantize_int4` writes the blocks
 from a float matrix (random weights, test fixtures) as a symmetric W4A16 quantizer does (s = amax / 7.5 in
 bfloat16, q = round(w / s) clamped to [-8, 7]).
@@ -51,15 +57,48 @@ def _pack(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group:
     return torch.cat([header, values], dim=-1).flatten(-2)
 
 
+def stored_order(g_idx: torch.Tensor | None, group: int, name: str) -> torch.Tensor | None:
+    """The input feature of each stored column (int64 [in]) of a matrix whose column c belongs to group
+    g_idx[c]: None when each group is G consecutive columns (or there is no g_idx), else the columns sorted by
+    group. Refused when a group does not have G columns."""
+    if g_idx is None:
+        return None
+    groups = g_idx.to(torch.int64)
+    consecutive = torch.arange(groups.numel()) // group
+    if torch.equal(groups, consecutive):
+        return None
+    order = torch.argsort(groups, stable=True)
+    if not torch.equal(groups[order], consecutive):
+        raise DeltaspecError(
+            f"The group indices (g_idx) of {name} do not give every group {group} input columns; the checkpoint "
+            "is damaged or not of int4 groups of that size."
+        )
+    return order
+
+
+def _nibble_bytes(values: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """4-bit values int32 [out, in] (columns taken in `order` if given) -> bytes uint8 [out, in / 2], value 2i
+    in the low nibble of byte i."""
+    if order is not None:
+        values = values[:, order]
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).to(torch.uint8)
+
+
 def compressed_to_blocks(
-    packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group: int
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group: int,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """compressed-tensors `pack-quantized` int4 tensors of one matrix [out, in] -> blocks: `weight_packed` int32
     [out, in / 8] (q + 8 in nibbles, packed along the input), `weight_scale` [out, in / G] and, asymmetric,
     the zero points z in [-8, 7] already unpacked to integers [out, in / G] (the checkpoint packs them along
-    the output dimension: `unpack_zero_points`)."""
+    the output dimension: `unpack_zero_points`); the columns stored in `order` (`stored_order`) if given."""
     zero = torch.full(scale.shape, SYMMETRIC_ZERO) if zero_point is None else zero_point.to(torch.int32) + 8
-    return _pack(packed.contiguous().view(torch.uint8), scale, zero, group)
+    if order is None:
+        return _pack(packed.contiguous().view(torch.uint8), scale, zero, group)
+    return _pack(_nibble_bytes(_nibbles_of(packed.contiguous()), order), scale, zero, group)
 
 
 def unpack_zero_points(packed: torch.Tensor, rows: int) -> torch.Tensor:
@@ -81,14 +120,15 @@ def gptq_to_blocks(
     scales: torch.Tensor,
     group: int,
     zero_offset: int,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GPTQ int4 tensors of one matrix [out, in] -> blocks: `qweight` int32 [in / 8, out] (input 8w + j of each
     output column in bits 4j of word w), `qzeros` int32 [in / G, out / 8] (output 8w + j in bits 4j), `scales`
-    [in / G, out]; the zero point is the stored one plus `zero_offset` (1 in the original `gptq` format)."""
+    [in / G, out]; the zero point is the stored one plus `zero_offset` (1 in the original `gptq` format); the
+    columns stored in `order` (`stored_order`) if given."""
     values = _nibbles_of(qweight.t().contiguous())  # [out, in]: q in 0..15
-    nibbles = (values[..., 0::2] | (values[..., 1::2] << 4)).to(torch.uint8)  # [out, in / 2]
     zero = _nibbles_of(qzeros)[:, : scales.shape[1]].t() + zero_offset  # [out, in / G]
-    return _pack(nibbles, scales.t(), zero, group)
+    return _pack(_nibble_bytes(values, order), scales.t(), zero, group)
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
@@ -101,9 +141,12 @@ def quantize_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
     amax = groups.abs().amax(dim=-1)  # [rows, groups]
     scale = torch.where(amax > 0, amax / 7.5, torch.ones_like(amax)).to(torch.bfloat16)
     q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int32) + 8  # [rows, groups, group]
-    flat = q.view(rows, columns)
-    nibbles = (flat[:, 0::2] | (flat[:, 1::2] << 4)).to(torch.uint8)
-    return _pack(nibbles, scale, torch.full_like(amax, SYMMETRIC_ZERO, dtype=torch.int32), group)
+    return _pack(
+        _nibble_bytes(q.view(rows, columns), None),
+        scale,
+        torch.full_like(amax, SYMMETRIC_ZERO, dtype=torch.int32),
+        group,
+    )
 
 
 def quantize_i4_g32(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:

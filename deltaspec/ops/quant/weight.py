@@ -50,13 +50,16 @@ class QuantizedWeight(nn.Module):
         self.register_buffer("input_order", input_order, persistent=False)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> QuantizedWeight:
-        """A float matrix as one segment of its own type (F32, F16 or BF16), bytes unchanged."""
+    def from_float(cls, weight: torch.Tensor, input_order: torch.Tensor | None = None) -> QuantizedWeight:
+        """A float matrix as one segment of its own type (F32, F16 or BF16), bytes unchanged, or with its columns
+        stored in `input_order` (to join blocks that read their input so)."""
         qtype = FLOAT_TYPES.get(weight.dtype)
         if qtype is None:
             raise DeltaspecError(f"A {weight.dtype} weight cannot join a quantized one; use float32, float16 or bf16.")
+        if input_order is not None:
+            weight = weight.index_select(-1, input_order)
         rows = weight.contiguous().view(torch.uint8)  # [..., out, in * itemsize]
-        return cls([(qtype, rows)], weight.shape[-1])
+        return cls([(qtype, rows)], weight.shape[-1], input_order)
 
     @property
     def segments(self) -> list[tuple[str, torch.Tensor]]:
@@ -81,6 +84,14 @@ class QuantizedWeight(nn.Module):
         parts = [dequantize(data, qtype) for qtype, data in self.segments]
         return torch.cat(parts, dim=-2).to(dtype)
 
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The matrix [..., out, in] with its columns in input order: `dequantize`'s stored columns put back where
+        `input_order` took them."""
+        stored = self.dequantize(dtype)
+        if self.input_order is None:
+            return stored
+        return stored.index_select(-1, torch.argsort(self.input_order))
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [N] of a single-segment matrix, dequantized: [N, in] (an embedding lookup)."""
         (qtype, data), *rest = self.segments
@@ -99,16 +110,18 @@ class QuantizedWeight(nn.Module):
 
     @classmethod
     def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """The rows of `parts` stacked ([sum(out), in]); adjacent segments of one type are merged."""
-        if len({p.in_features for p in parts}) != 1 or any(p.input_order is not None for p in parts):
-            raise ValueError("stacked weights must read the same input in its own order")
+        """The rows of `parts` stacked ([sum(out), in]); adjacent segments of one type are merged. The parts read
+        their input in one order (`shared_order`)."""
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("stacked weights must read inputs of one size")
+        order = shared_order(parts)
         merged: list[tuple[str, torch.Tensor]] = []
         for qtype, data in (segment for part in parts for segment in part.segments):
             if merged and merged[-1][0] == qtype:
                 merged[-1] = (qtype, torch.cat([merged[-1][1], data], dim=-2))
             else:
                 merged.append((qtype, data))
-        return cls(merged, parts[0].in_features)
+        return cls(merged, parts[0].in_features, order)
 
     def split(self, sizes: list[int]) -> list[QuantizedWeight]:
         """The inverse of `cat`: consecutive row ranges of `sizes` rows (a range may span segments)."""
@@ -128,6 +141,18 @@ class QuantizedWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={tuple(self.shape)}, types={'+'.join(self.qtypes)}, bytes={self.nbytes}"
+
+
+def shared_order(parts: list[QuantizedWeight]) -> torch.Tensor | None:
+    """The input order all `parts` read their input in (None: as it comes), refused where they differ."""
+    orders = [p.input_order for p in parts]
+    first = orders[0]
+    if any((o is None) != (first is None) or (o is not None and not torch.equal(o, first)) for o in orders):
+        raise DeltaspecError(
+            "Projections of one input that deltaspec multiplies as one weight are quantized in different activation "
+            "orders; it loads checkpoints whose projections of one input share their order (GPTQ gives them one)."
+        )
+    return first
 
 
 def block_types(model: nn.Module) -> list[str]:
