@@ -5,11 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaspec.ops.triton import pdl
+
 BLOCK_COLS = 1024  # output columns per program
 
 
 @triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, stride_in, stride_out, BLOCK: tl.constexpr):
+    pdl.wait_for_previous()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
@@ -28,6 +31,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows_out = out.view(-1, inter)  # [rows, I]
     grid = (rows_in.shape[0], triton.cdiv(inter, BLOCK_COLS))
     _silu_mul_kernel[grid](
-        rows_in, rows_out, inter, rows_in.stride(0), rows_out.stride(0), BLOCK=BLOCK_COLS, num_warps=4
+        rows_in, rows_out, inter, rows_in.stride(0), rows_out.stride(0), BLOCK=BLOCK_COLS, num_warps=4, **pdl.LAUNCH
     )
     return out

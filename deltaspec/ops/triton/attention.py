@@ -45,6 +45,7 @@ import triton.language as tl
 
 from deltaspec.ops.attention import QUANT_MAX
 from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.triton import pdl
 
 VERIFY_MAX_ROWS = 64  # up to this many rows per sequence, a program takes all query heads of a KV head
 MAX_KV_SPLITS = 64
@@ -81,6 +82,7 @@ def _write_kv_kernel(
 ):
     """Row (token, head) of K and V into its cache slot; with QUANT_MAX > 0 (a quantized cache) the row's values
     over its scale amax / QUANT_MAX, then the tail holding the scale's bytes after them."""
+    pdl.wait_for_previous()
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -144,6 +146,7 @@ def write_kv(
         PAGE_SIZE=k_cache.shape[1],
         QUANT_MAX=QUANT_MAX.get(k_cache.dtype, 0.0),
         num_warps=1 if head_dim <= 256 else 2,  # one 16-byte vector of a bf16 row per thread
+        **pdl.LAUNCH,
     )
 
 
@@ -264,6 +267,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     row_block = tl.program_id(0)
     seq = tl.program_id(1)
     head_block = tl.program_id(2) // NUM_SPLITS
@@ -390,6 +394,7 @@ def _combine_splits_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """Merge the NUM_SPLITS partial outputs of one (row, head): weights exp2(lse_s - max lse)."""
+    pdl.wait_for_previous()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part_row = (token * NUM_HEADS + head) * NUM_SPLITS
@@ -502,6 +507,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 q is not rounded to tf32
         QUANTIZED=k_cache.dtype in QUANT_MAX,
         num_warps=num_warps,
+        **pdl.LAUNCH,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -514,5 +520,6 @@ def paged_attention(
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
+            **pdl.LAUNCH,
         )
     return out

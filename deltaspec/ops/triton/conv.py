@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.triton import pdl
 
 MAX_ROW_BLOCK = 32
 TILE_ELEMENTS = 1024  # rows x channels per program
@@ -129,6 +130,7 @@ def _conv_kernel(
     BC: tl.constexpr,
     HAS_LOG: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     row_block = tl.program_id(0)
     seq = tl.program_id(1)
     first_row = tl.load(query_start_ptr + seq).to(tl.int64)
@@ -279,5 +281,6 @@ def causal_conv1d(
         BT=row_block,
         BC=channel_block,
         HAS_LOG=has_log,
+        **pdl.LAUNCH,
     )
     return out

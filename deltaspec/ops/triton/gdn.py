@@ -24,6 +24,7 @@ import triton.language as tl
 
 from deltaspec.ops.gdn import GDNLog
 from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.triton import pdl
 
 PREFILL_MIN_QUERY_LEN = 64  # a pass whose max_query_len exceeds this is prefill: never captured
 MAX_KEY_DIM = 256
@@ -90,6 +91,7 @@ def _recurrent_kernel(
     HAS_LOG: tl.constexpr,
     ROUND_ROWS: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // HEAD_RATIO
@@ -205,6 +207,7 @@ def _log_rows_kernel(
 ):
     """Row `i` of speculative sequence `seq`, value head `head`: its v, g, beta (and, for the first value
     head of a group, its key head's k) go to log[slot, i]."""
+    pdl.wait_for_previous()
     log_row = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -349,6 +352,7 @@ def gated_delta_rule(
         ROUND_ROWS=state.dtype != torch.float32,
         num_warps=RECURRENT_WARPS,
         num_stages=RECURRENT_STAGES,
+        **pdl.LAUNCH,
     )
     if has_log:
         log_rows = min(layout.max_query_len, log.k.shape[1])
@@ -373,5 +377,6 @@ def gated_delta_rule(
             DV=value_dim,
             BK=key_block,
             BV=triton.next_power_of_2(value_dim),
+            **pdl.LAUNCH,
         )
     return out

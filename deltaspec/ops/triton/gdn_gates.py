@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaspec.ops.triton import pdl
+
 L2_EPS = tl.constexpr(1e-6)
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's softplus returns x itself above this
 
@@ -57,6 +59,7 @@ def _gates_kernel(
     BHV: tl.constexpr,
     SCALE: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     row = tl.program_id(0).to(tl.int64)
     key_heads = tl.arange(0, BHK)
     dims = tl.arange(0, BDK)
@@ -120,5 +123,6 @@ def gdn_gates(
             BDK=triton.next_power_of_2(key_dim),
             BHV=triton.next_power_of_2(num_value_heads),
             SCALE=key_dim**-0.5,
+            **pdl.LAUNCH,
         )
     return q_out, k_out, g, beta

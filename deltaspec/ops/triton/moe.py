@@ -42,7 +42,7 @@ import triton.language as tl
 
 from deltaspec.ops import moe as reference
 from deltaspec.ops.quant.weight import QuantizedWeight
-from deltaspec.ops.triton import activation, quant_gemv, quant_matmul
+from deltaspec.ops.triton import activation, pdl, quant_gemv, quant_matmul
 from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, _q4_k_half_chunk, _tile
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bf16 dot operands raw
@@ -168,6 +168,7 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
 ):
     """`_top_k_of_row` of row `program_id`."""
+    pdl.wait_for_previous()
     row = tl.program_id(0)
     logits_row = logits_ptr + row.to(tl.int64) * stride_l
     _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, first, held, TOP_K, K_PAD, NORMALIZE, BLOCK_E, False)
@@ -196,6 +197,7 @@ def route(
             NORMALIZE=normalize,
             BLOCK_E=triton.next_power_of_2(num_experts),
             num_warps=1 if num_experts <= 1024 else 4,  # one warp reduces with shuffles alone
+            **pdl.LAUNCH,
         )
     return weights, experts
 
@@ -226,6 +228,7 @@ def _router_kernel(
     """logits[row, cols] = x[row] @ w[cols].T rounded to the logits' dtype, for BLOCK_N of the OUT columns; the
     last program of a row to finish (counted in arrivals[row], which it sets back to 0 for the next pass) then
     routes the row (`_top_k_of_row` of its first E logits)."""
+    pdl.wait_for_previous()
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < OUT
@@ -289,6 +292,7 @@ def router(
         BLOCK_K=block_k,
         K_TILES=triton.cdiv(hidden, block_k),
         num_warps=num_warps,
+        **pdl.LAUNCH,
     )
     return logits, weights, experts
 
@@ -321,6 +325,7 @@ def _align_kernel(
     carried forward from the first block of every used expert. `scratch` [2, E_PAD] int32 lets the program
     gather per-expert starts by the sorted pairs' experts; the number of used experts below `counted` is added to
     reads[0]."""
+    pdl.wait_for_previous()
     pair = tl.arange(0, P_PAD)
     expert = tl.load(experts_ptr + pair, mask=pair < num_pairs, other=E)  # [P_PAD], E past the pairs
     expert = tl.where(expert < 0, E, expert)  # pairs of no held expert (-1) are left out like those
@@ -385,6 +390,7 @@ def group_by_expert(
         FILL=1024,
         BLOCK_M=block_m,
         num_warps=8,
+        **pdl.LAUNCH,
     )
     return reference.Grouping(pairs, block_experts, block_m)
 
@@ -535,6 +541,7 @@ def _gate_up_kernel(
     expert (QTYPE -1: float weights [E, 2I, H] with strides; else GGUF blocks, stride_we bytes per expert and
     stride_wn bytes per row). num_pairs counts the routed pairs and, with SHARED_W, one pair per token for the
     shared expert (expert E, its weights [2I, H] at shared_w_ptr with the same row stride)."""
+    pdl.wait_for_previous()
     expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M, UNGROUPED)
     if expert < 0:
         return
@@ -593,6 +600,7 @@ def _down_kernel(
 ):
     """out[pair, cols] = down_e(inter[pair])[cols] * weight[pair], each rounded to the output dtype; the shared
     expert's pairs (SHARED_W, as `_gate_up_kernel`'s) unscaled."""
+    pdl.wait_for_previous()
     expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M, UNGROUPED)
     if expert < 0:
         return
@@ -645,6 +653,7 @@ def _sum_kernel(
     with SHARED, plus sigmoid(logit[token]) * shared[token], rounded as the reference's dtype ops round. With
     COUNT (ungrouped blocks: no grouping kernel counted them) program (0, 0) adds the distinct experts among
     the pass's pairs to reads[0]."""
+    pdl.wait_for_previous()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -749,6 +758,7 @@ def _pair_gate_up_kernel(
 ):
     """out[pair, cols] = silu(gate) * up of pair `program_id(0)`'s token through its expert, for output columns
     `cols`: a GEMV per pair, no grouping (QTYPE, strides and the shared expert's pairs as `_gate_up_kernel`'s)."""
+    pdl.wait_for_previous()
     pair = tl.program_id(0)
     expert = tl.load(experts_ptr + pair, mask=pair < routed_pairs, other=E)
     if expert < 0:  # another rank's expert
@@ -801,6 +811,7 @@ def _pair_down_sum_kernel(
     down kernel and the sum kernel of the grouped path in one. The shared expert's product is shared[token]
     or, with SHARED_W, its down weights (at shared_w_ptr) times inter[routed_pairs + token]. Program (0, 0)
     adds the number of distinct routed experts among the pass's pairs to reads[0]."""
+    pdl.wait_for_previous()
     token = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < H
@@ -1033,6 +1044,7 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
         K_TILES=triton.cdiv(hidden, tile.block_k),
         **ops.weight_args(down=False),
         **launch,
+        **pdl.LAUNCH,
     )
     shared_out = ops.shared_out if ops.shared_out is not None else ops.out  # a placeholder when unused
     shared_logit = ops.shared_logit if ops.shared_logit is not None else ops.weights
@@ -1057,6 +1069,7 @@ def _pair_products(ops: _Operands, tile: PairTile) -> None:
         K_TILES=triton.cdiv(inter_size, tile.block_k),
         **ops.weight_args(down=True),
         **launch,
+        **pdl.LAUNCH,
     )
 
 
@@ -1091,6 +1104,7 @@ def _grouped_products(ops: _Operands, tile: Tile) -> None:
         **table,
         **ops.weight_args(down=False),
         **launch,
+        **pdl.LAUNCH,
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=ops.x.dtype, device=ops.x.device)  # [pairs, H]
     _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
@@ -1104,6 +1118,7 @@ def _grouped_products(ops: _Operands, tile: Tile) -> None:
         **table,
         **ops.weight_args(down=True),
         **launch,
+        **pdl.LAUNCH,
     )
     shared_out = per_pair[routed_pairs:] if ops.shared_weights is not None else ops.shared_out
     shared_out = shared_out if shared_out is not None else ops.out  # a placeholder when there is none
@@ -1124,4 +1139,5 @@ def _grouped_products(ops: _Operands, tile: Tile) -> None:
         COUNT=tile.ungrouped,
         P_PAD=_pairs_pad(routed_pairs) if tile.ungrouped else 16,
         BLOCK=SUM_BLOCK,
+        **pdl.LAUNCH,
     )

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaspec.ops.triton import pdl
+
 TILE_ELEMENTS = 4096  # elements per program when rows are short (head norms): several rows per program
 
 
@@ -17,6 +19,7 @@ TILE_ELEMENTS = 4096  # elements per program when rows are short (head norms): s
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr, n_rows, dim, stride_x, stride_out, eps, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
 ):
+    pdl.wait_for_previous()
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)  # [BLOCK_ROWS, BLOCK_D]
@@ -44,6 +47,7 @@ def _add_rms_norm_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)  # [BLOCK_ROWS, BLOCK_D]
@@ -76,6 +80,7 @@ def _gated_rms_norm_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)  # [BLOCK_ROWS, BLOCK_D]
@@ -125,6 +130,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        **pdl.LAUNCH,
     )
     return out
 
@@ -156,6 +162,7 @@ def add_rms_norm(
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        **pdl.LAUNCH,
     )
     return out, total
 
@@ -184,5 +191,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        **pdl.LAUNCH,
     )
     return out

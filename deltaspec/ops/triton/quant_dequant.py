@@ -16,7 +16,7 @@ import triton.language as tl
 
 from deltaspec.ops.quant import format_of
 from deltaspec.ops.quant.dequant import dequantize as reference_dequantize
-from deltaspec.ops.triton import quant_gemv
+from deltaspec.ops.triton import pdl, quant_gemv
 
 KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2, "FP8_B128": 3, "I4_G32": 4, "I4_G128": 5}  # QTYPE of the tile code
 STEP = 256  # values per super-block (eight Q8_0 blocks)
@@ -120,6 +120,7 @@ def _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, j: tl.constexpr, BLOCK_N: tl.c
 @triton.jit
 def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, stride_on, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[rows, step * 256 : (step + 1) * 256] for program (rows, step); QTYPE as in `quant_matmul`."""
+    pdl.wait_for_previous()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     step = tl.program_id(1)
     n_mask = rows < N
@@ -166,5 +167,7 @@ def dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype, out: torch.Te
     if not kernel_dequantizes(qtype, data):
         return out.copy_(reference_dequantize(data, qtype))
     grid = (triton.cdiv(rows, BLOCK_N), columns // STEP)
-    _dequantize_kernel[grid](data, out, rows, row_bytes, out.stride(0), QTYPE=KERNEL_TYPES[qtype], BLOCK_N=BLOCK_N)
+    _dequantize_kernel[grid](
+        data, out, rows, row_bytes, out.stride(0), QTYPE=KERNEL_TYPES[qtype], BLOCK_N=BLOCK_N, **pdl.LAUNCH
+    )
     return out

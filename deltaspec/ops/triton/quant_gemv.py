@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaspec.ops.triton import pdl
+
 HALF_EXPONENT = 0x3F000000  # the top byte of a float32 in [0.5, 1), with the exponent's low bit 0
 BIASED_EXPONENT = 0x4B000000  # the top byte of a float32 in [2**23, 2**24)
 
@@ -164,6 +166,7 @@ def q4_k_gemv_kernel(
     super-block. Word 4 + c * 8 + i, byte k, holds value c * 64 + i * 4 + k (low nibble, sub-block 2c) and
     c * 64 + 32 + i * 4 + k (high nibble, sub-block 2c + 1). Nibbles q become bytes q << 3 and f = 0.5 + q / 32,
     so a sub-block's sum of q * x is 32 * (F - X / 2)."""
+    pdl.wait_for_previous()
     rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     x_row = x_ptr + m * stride_xm
@@ -262,6 +265,7 @@ def q6_k_gemv_kernel(
     position l < 32, value h * 128 + q * 32 + l is ql[h * 64 + (q % 2) * 32 + l] nibble q // 2 with
     bits 2q..2q+1 of qh[h * 32 + l] on top, minus 32, times scale h * 8 + q * 2 + l // 16. The 6-bit values v
     become bytes v << 1 and f = 0.5 + v / 128, so a scale group's sum of (v - 32) * x is 128 * (F - 0.75 * X)."""
+    pdl.wait_for_previous()
     rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
     value = q6_k_rows(
@@ -362,6 +366,7 @@ def q8_0_gemv_kernel(
     """Q8_0: 34-byte blocks of an fp16 d and 32 int8 quants, read as 16-bit words, eight blocks (256 values)
     per step. Byte b of word 1 + w of a block is value w * 2 + b. Quants q become bytes q + 128, each the float
     2**23 + q + 128 (`byte_as_biased_float`), from which one subtraction gives q exactly."""
+    pdl.wait_for_previous()
     rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_halves  # [BLOCK_N] 16-bit words
     x_row = x_ptr + m * stride_xm
@@ -432,6 +437,7 @@ def fp8_b128_gemv_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """FP8_B128: 132-byte blocks of a float32 scale and 128 e4m3 values, two blocks (256 values) per step."""
+    pdl.wait_for_previous()
     rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     x_row = x_ptr + m * stride_xm
     row_start = rows.to(tl.int64) * row_bytes  # [BLOCK_N] bytes
@@ -516,6 +522,7 @@ def i4_gemv_kernel(
     GROUP / 8 nibble words, 256 / GROUP blocks per step. Nibble k of nibble word i holds value 8i + k. Nibbles q'
     become bytes q' << 3 and f = 0.5 + q' / 32 (even values from the word shifted left 3, odd ones shifted right
     1), so a word's sum of (q' - z') * x is 32 * (F - (0.5 + z' / 32) * X)."""
+    pdl.wait_for_previous()
     rows, n_mask, m, first, last = _program_share(N, steps, steps_per_split, BLOCK_N)
     row_start = rows.to(tl.int64) * row_words  # [BLOCK_N] words
     x_row = x_ptr + m * stride_xm

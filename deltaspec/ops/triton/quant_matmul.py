@@ -28,7 +28,7 @@ import triton.language as tl
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
-from deltaspec.ops.triton import quant_dequant, quant_gemv
+from deltaspec.ops.triton import pdl, quant_dequant, quant_gemv
 from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, STEP, _q4_k_half_chunk, _tile
 
 # Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
@@ -62,6 +62,7 @@ def _tile_kernel(
 ):
     """Q8_0, Q6_K, FP8_B128 or int4 groups on tensor cores: each super-block's [BLOCK_N, 256] tile dequantized,
     then one product."""
+    pdl.wait_for_previous()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,6 +102,7 @@ def _q4_k_tile_kernel(
     """Q4_K on tensor cores, one 64-value chunk (two sub-blocks) at a time: the chunk's 8 nibble words per row
     are dequantized in registers and multiplied by x, either as one K = 64 product with the two sub-blocks'
     values interleaved (PAIRED; x is gathered in the same order) or as two K = 32 products."""
+    pdl.wait_for_previous()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -218,7 +220,7 @@ def _segment_matmul(
     arrivals = arrival_counts(x.device, triton.next_power_of_2(tiles))
     results = (parts, arrivals, out, m, n)  # where the kernels put their sums, and the output's shape
     tail = (x.stride(0), out.stride(0), steps, per_share)
-    common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps}
+    common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps, **pdl.LAUNCH}
     if launch.family == "gemv":
         gemv_grid = (*grid, m)
         if qtype == "Q4_K":

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaspec.ops.triton import pdl
+
 
 @triton.jit
 def _norm_rope_kernel(
@@ -27,6 +29,7 @@ def _norm_rope_kernel(
     eps,
     BLOCK_D: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     token, head = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     inside = cols < dim
@@ -69,5 +72,6 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
             out.stride(1),
             eps,
             BLOCK_D=triton.next_power_of_2(dim),
+            **pdl.LAUNCH,
         )
     return out

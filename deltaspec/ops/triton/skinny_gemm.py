@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaspec.ops.triton import pdl
+
 MAX_ROWS = 64
 REDUCE_BLOCK = 1024  # elements per program of the split-K reduction
 
@@ -87,6 +89,7 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
 ):
+    pdl.wait_for_previous()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -123,6 +126,7 @@ def _skinny_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    pdl.wait_for_previous()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = offs < numel
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -162,9 +166,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = 
         USE_DOT=config.use_dot,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl.LAUNCH,
     )
     if config.split_k > 1:
         _split_k_reduce_kernel[(triton.cdiv(rows * n, REDUCE_BLOCK),)](
-            target, out, rows * n, SPLIT_K=config.split_k, BLOCK=REDUCE_BLOCK, num_warps=4
+            target, out, rows * n, SPLIT_K=config.split_k, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl.LAUNCH
         )
     return out
