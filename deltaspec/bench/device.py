@@ -128,6 +128,16 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         "expert_parallel": cfg.enable_expert_parallel,  # routed experts split whole among the ranks
         "speculative": cfg.speculative,
         "draft_tokens": cfg.draft_tokens if cfg.speculative != "none" else None,
+        "dependent_launch": dependent_launch(engine.device),  # Triton kernels with programmatic dependent launch
         "commit": commit(),
         **extra,
     }
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the engine's Triton kernels launch with programmatic dependent launch (`ops.triton.pdl`)."""
+    if torch.device(device).type != "cuda":
+        return False
+    from deltaspec.ops.triton import pdl
+
+    return bool(pdl.ENABLED)
