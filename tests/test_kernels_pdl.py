@@ -1,6 +1,12 @@
-"""Programmatic dependent launch (`deltaspec.ops.triton.pdl`): a chain of kernels that each read what the one
-before wrote gives, bit for bit, what the same chain gives with the device synchronized after every kernel
-(where no kernel can start early), run eagerly and replayed from a CUDA graph."""
+"""Programmatic dependent launch (`deltaspec.ops.triton.pdl`, `DELTASPEC_PDL=1`): a chain of kernels that each
+read what the one before wrote gives, bit for bit, what the same chain gives with the device synchronized after
+every kernel (where no kernel can start early), run eagerly and replayed from a CUDA graph. The chain runs in a
+process of its own, since the switch is read when the kernels are first compiled."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,11 +35,11 @@ def _chain(x, residual, weights, norm_weight, synchronize: bool):
     return x, residual
 
 
-def test_dependent_kernels_see_their_inputs():
+def check_dependent_chain() -> None:
+    """The chain's outputs, eager and replayed, equal the synchronized chain's (in this process's launch mode)."""
     from deltaspec.ops.triton import pdl
 
-    if not pdl.ENABLED:
-        pytest.skip("programmatic dependent launch needs a CUDA device of compute capability 9.0 or later")
+    assert pdl.ENABLED, "programmatic dependent launch was not turned on"
     weights = [
         QuantizedWeight([("FP8_B128", random_weight("FP8_B128", HIDDEN, HIDDEN, seed))], HIDDEN).cuda()
         for seed in range(LAYERS)
@@ -55,3 +61,16 @@ def test_dependent_kernels_see_their_inputs():
             assert torch.equal(got, want)
     for got, want in zip(eager, expected):
         assert torch.equal(got, want)
+
+
+def test_dependent_kernels_see_their_inputs():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs a CUDA device of compute capability 9.0 or later")
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {
+        "DELTASPEC_PDL": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    code = "from tests.test_kernels_pdl import check_dependent_chain; check_dependent_chain()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,16 +1,16 @@
 """Programmatic dependent launch (Hopper's `griddepcontrol`) for the chain of small kernels a decode step is.
 
-Every Triton kernel of the engine starts with `wait_for_previous`, and every launch passes `LAUNCH`. With both,
-on CUDA devices of compute capability 9.0 and later, a kernel's programs may be scheduled onto the SMs that
+Every Triton kernel of the engine starts with `wait_for_previous`, and every launch passes `LAUNCH`. With
+`DELTASPEC_PDL=1`, on CUDA devices of compute capability 9.0 and later, a kernel's programs may be scheduled onto the SMs that
 its predecessor's finished programs free, while that predecessor's last programs still run: each program first
 lets the next kernel launch (`griddepcontrol.launch_dependents`), then waits until the previous kernel has
 finished and its writes are visible (`griddepcontrol.wait`) before it reads or writes anything. Since every
 kernel waits so, a kernel also sees the writes of all kernels before its predecessor; kernels launched
-without it (torch's, cuBLAS's) keep the stream's ordinary order, in CUDA graphs too. Elsewhere (the interpreter,
-older GPUs, `DELTASPEC_PDL=0`) both are nothing. On an H200 it made batch-1 decode of the 27B shape 6 % faster
-in int4 and 1.6 % in FP8 (the bf16 model's, whose larger products take cuBLAS too, within noise); asking for the
-one-row products' weight rows to be brought into L2 before the wait made int4 decode 11 % and FP8 32 % slower
-and was not kept.
+without it (torch's, cuBLAS's) keep the stream's ordinary order, in CUDA graphs too. Otherwise (the default,
+the interpreter, older GPUs) both are nothing. It is off by default because on an H200 it sped batch-1 decode
+of the 27B shape up in int4 (+2.6 % and +5.9 % on two machines) and FP8 (+1.8 %, +1.6 %) but slowed the bf16
+model's (-6.2 %, -0.9 %), whose one-row products mix cuBLAS and Triton; asking for the one-row products'
+weight rows to be brought into L2 before the wait made int4 decode 11 % and FP8 32 % slower and was not kept.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import triton.language as tl
 
 
 def _supported() -> bool:
-    """Whether kernels here launch with programmatic dependent launch."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DELTASPEC_PDL") == "0":
+    """Whether kernels here launch with programmatic dependent launch (asked for, and possible)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DELTASPEC_PDL") != "1":
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
