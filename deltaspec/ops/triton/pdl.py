@@ -1,10 +1,11 @@
 """Programmatic dependent launch (Hopper's `griddepcontrol`) for the chain of small kernels a decode step is.
 
 Every Triton kernel of the engine starts with `wait_for_previous`, and every launch passes `LAUNCH`. With
-`DELTASPEC_PDL=1`, on CUDA devices of compute capability 9.0 and later, a kernel's programs may be scheduled onto the SMs that
-its predecessor's finished programs free, while that predecessor's last programs still run: each program first
-lets the next kernel launch (`griddepcontrol.launch_dependents`), then waits until the previous kernel has
-finished and its writes are visible (`griddepcontrol.wait`) before it reads or writes anything. Since every
+`DELTASPEC_PDL=1`, on CUDA devices of compute capability 9.0 and later, a kernel's programs may be scheduled
+onto the SMs that its predecessor's finished programs free, while that predecessor's last programs still run:
+each program first lets the next kernel launch (`griddepcontrol.launch_dependents`), then waits until the
+previous kernel has finished and its writes are visible (`griddepcontrol.wait`) before it reads or writes
+anything. Since every
 kernel waits so, a kernel also sees the writes of all kernels before its predecessor; kernels launched
 without it (torch's, cuBLAS's) keep the stream's ordinary order, in CUDA graphs too. Otherwise (the default,
 the interpreter, older GPUs) both are nothing. It is off by default because on an H200 it sped batch-1 decode
