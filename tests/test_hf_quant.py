@@ -4,7 +4,8 @@ bit for bit as transformers does. int4 W4A16 ones (compressed-tensors pack-quant
 GPTQ in AutoGPTQ's layout; groups of 32 and 128, symmetric and asymmetric): kept as I4 blocks. Each gives the
 logits of its dequantized checkpoint within 1e-9 in float64, dense and MoE, one process or tensor / expert
 parallel; greedy speculative decoding exact (on FP8 blocks; int4 ones take the same paths); the plan counts the
-blocks; other quantization methods and variants refused in one sentence."""
+blocks; act-order GPTQ (columns stored sorted by group, input gathered so); other quantization methods and
+variants refused in one sentence."""
 
 from __future__ import annotations
 
