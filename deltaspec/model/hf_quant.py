@@ -203,8 +203,8 @@ class Blocks:
     ):
         self.files, self.quantization, self.shard = files, quantization, shard
         self.params, self.shapes, self.device = params, shapes, device
-        self.plain: dict[str, tuple[str, torch.Tensor, torch.Tensor | None]] = {}  # parameter -> (block type,
-        # blocks [rows, bytes], the input feature of each stored column or None)
+        # parameter -> (block type, blocks [rows, bytes], the input feature of each stored column or None)
+        self.plain: dict[str, tuple[str, torch.Tensor, torch.Tensor | None]] = {}
         self.stacks: dict[str, tuple[str, torch.Tensor]] = {}  # fused expert parameter -> [held experts, rows, bytes]
 
     def skipped(self, name: str) -> bool:
