@@ -158,6 +158,14 @@ class EngineConfig:
             "own scale computed when it is written"
         },
     )
+    fp8_activations: str = field(
+        default="none",
+        metadata={
+            "help": "FP8 weights' activations: none (kept in the model's dtype, W8A16) or dynamic (in products of "
+            "more than 64 rows, i.e. prefill, quantized to e4m3 per token and 128 features as the checkpoints' "
+            "activation_scheme dynamic, vLLM and transformers do, for Hopper's FP8 tensor cores)"
+        },
+    )
     max_num_seqs: int = field(
         default=0,
         metadata={
@@ -396,6 +404,8 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         raise DeltaspecError(f"prefix_offload_gib must be 0 (no offload) or more, got {cfg.prefix_offload_gib}.")
     if cfg.prefix_checkpoints < 0:
         raise DeltaspecError(f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.prefix_checkpoints}.")
+    if cfg.fp8_activations not in ("none", "dynamic"):
+        raise DeltaspecError(f"Unknown --fp8-activations {cfg.fp8_activations!r}; use none or dynamic.")
     if cfg.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
     if not 0 <= cfg.gpu_memory_utilization <= 1:

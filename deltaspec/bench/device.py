@@ -124,6 +124,7 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         **source,
         "quant": cfg.quant,
         "weight_blocks": block_types(engine.model),  # GGUF types of the weights kept quantized; [] for float
+        "fp8_activations": cfg.fp8_activations,  # dynamic: FP8 products of over 64 rows quantize activations
         "tensor_parallel_size": cfg.tensor_parallel_size,  # ranks (GPUs); bytes and rooflines are one rank's
         "expert_parallel": cfg.enable_expert_parallel,  # routed experts split whole among the ranks
         "speculative": cfg.speculative,

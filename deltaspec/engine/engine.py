@@ -79,7 +79,8 @@ class Engine:
             self._build(planned, progress, drafter, draft_policy)
 
     def _build(self, planned, progress: bool, drafter: Drafter | None, draft_policy: DraftLength | None) -> None:
-        ops = self.ops = ops_for(self.device, reference_only=self.config.kernels == "reference")
+        reference_only = self.config.kernels == "reference"
+        ops = self.ops = ops_for(self.device, reference_only, self.config.fp8_activations)
         self.model = engine_model(planned, ops, progress, self.group.tp)
         self.tokenizer = engine_tokenizer(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset

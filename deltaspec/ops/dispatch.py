@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaspec.ops import activation, attention, conv, gdn, moe, norms, rope
+from deltaspec.ops.quant.w8a8 import fp8_dynamic_linear
 from deltaspec.ops.quant.weight import quantized_linear
 
 
@@ -19,6 +20,7 @@ from deltaspec.ops.quant.weight import quantized_linear
 class OpTable:
     linear: Callable
     quantized_linear: Callable  # x @ weight.T for a QuantizedWeight
+    fp8_dynamic_linear: Callable  # quantized_linear, FP8 segments of wide products with e4m3 activations (W8A8)
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
@@ -38,6 +40,7 @@ class OpTable:
 REFERENCE = OpTable(
     linear=F.linear,
     quantized_linear=quantized_linear,
+    fp8_dynamic_linear=fp8_dynamic_linear,
     rms_norm=norms.rms_norm,
     add_rms_norm=norms.add_rms_norm,
     gated_rms_norm=norms.gated_rms_norm,
@@ -64,12 +67,16 @@ def register(device_type: str, op_name: str, fn: Callable) -> None:
     _BACKENDS.setdefault(device_type, {})[op_name] = fn
 
 
-def ops_for(device: torch.device | str, reference_only: bool = False) -> OpTable:
+def ops_for(device: torch.device | str, reference_only: bool = False, fp8_activations: str = "none") -> OpTable:
     """The op table for `device`: registered kernels where present, torch references elsewhere.
-    On CUDA the Triton kernels register themselves the first time they are asked for."""
-    if reference_only:
-        return REFERENCE
-    kind = torch.device(device).type
-    if kind == "cuda":
-        import deltaspec.ops.triton.backend  # noqa: F401  (registers the kernels)
-    return replace(REFERENCE, **_BACKENDS.get(kind, {}))
+    On CUDA the Triton kernels register themselves the first time they are asked for. With `fp8_activations`
+    "dynamic" a model's quantized products are `fp8_dynamic_linear`s (`--fp8-activations`)."""
+    table = REFERENCE
+    if not reference_only:
+        kind = torch.device(device).type
+        if kind == "cuda":
+            import deltaspec.ops.triton.backend  # noqa: F401  (registers the kernels)
+        table = replace(REFERENCE, **_BACKENDS.get(kind, {}))
+    if fp8_activations == "dynamic":
+        table = replace(table, quantized_linear=table.fp8_dynamic_linear)
+    return table

@@ -7,7 +7,7 @@ builds a `deltaspec.ops.gemm_routing.GemmRouter` once the model is loaded and in
 """
 
 from deltaspec.ops.dispatch import register
-from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, moe, norms, quant_matmul, rope
+from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, moe, norms, quant_matmul, rope, w8a8
 
 KERNELS = {
     "rms_norm": norms.rms_norm,
@@ -21,6 +21,7 @@ KERNELS = {
     "write_kv": attention.write_kv,
     "paged_attention": attention.paged_attention,
     "quantized_linear": quant_matmul.quantized_linear,
+    "fp8_dynamic_linear": w8a8.fp8_dynamic_linear,
     "moe_route": moe.route,
     "moe_router": moe.router,
     "moe_experts": moe.expert_products,

@@ -1,0 +1,69 @@
+"""Dynamic FP8 activations for FP8 weights (`--fp8-activations dynamic`): the W8A8 product of prefill passes.
+
+An FP8 checkpoint's `activation_scheme: dynamic` means its activations are to be quantized as they come: each
+token's every 128 input features get one float32 scale, amax / 448, and are rounded to e4m3 (vLLM's block-FP8 path
+and transformers' `FP8Linear` do so), so a product runs on FP8 tensor cores. deltaspec keeps activations in
+their float dtype unless asked (W8A16: every row exact to the weights), and when asked quantizes them only for the
+FP8_B128 segments of products of more than `DECODE_ROWS` rows: prefill chunks and wide batched passes. Decode and
+verify passes of up to 64 rows keep exact activations, so greedy speculation stays as exact as without.
+
+This module is the reference, the spec of the CUDA path (`deltaspec.ops.triton.w8a8`, Triton quantization and
+cuBLAS's block-scaled FP8 product): activations quantized in float32, and each FP8 segment's product the sum of
+(activation value x its scale) x (weight value x its block scale) accumulated in float32 (float64 for float64
+activations), rounded once to the activations' dtype. Other segments (float parts, other block types) multiply
+the unquantized activations as `quantized_linear` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaspec.ops.quant.dequant import dequantize
+from deltaspec.ops.quant.fp8 import BLOCK, E4M3_MAX, QTYPE
+from deltaspec.ops.quant.weight import QuantizedWeight, quantized_linear
+
+DECODE_ROWS = 64  # products of at most this many rows keep their activations unquantized
+
+
+def takes_dynamic(weight: QuantizedWeight, rows: int) -> bool:
+    """Whether a product of `rows` rows by `weight` quantizes its activations: a 2-D weight with an FP8 segment,
+    more than `DECODE_ROWS` rows."""
+    return rows > DECODE_ROWS and len(weight.shape) == 2 and QTYPE in weight.qtypes
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float (K a multiple of 128) -> (values [M, K] float8_e4m3fn, scales [M, K / 128] float32): each
+    row's every 128 values scaled by their amax / 448 (1 for an all-zero run) and rounded to nearest e4m3, all in
+    float32 arithmetic."""
+    m, k = x.shape
+    runs = x.to(torch.float32).view(m, k // BLOCK, BLOCK)
+    amax = runs.abs().amax(dim=-1)  # [M, K/128]
+    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    values = (runs / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return values.view(m, k), scales
+
+
+def dequantize_activations(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_activations`, in `dtype`: values [M, K] times their run's scale [M, K / 128]."""
+    m, k = values.shape
+    runs = values.to(dtype).view(m, k // BLOCK, BLOCK) * scales.to(dtype)[..., None]
+    return runs.view(m, k)
+
+
+def fp8_dynamic_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """`x @ weight.T` ([..., in] -> [..., out]) with the activations of FP8 segments quantized per token and 128
+    features when the product has more than `DECODE_ROWS` rows (`takes_dynamic`); otherwise `quantized_linear`."""
+    rows = x.numel() // x.shape[-1]
+    if not takes_dynamic(weight, rows):
+        return quantized_linear(x, weight)
+    flat = weight.ordered_input(x).reshape(rows, x.shape[-1])
+    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    activations = dequantize_activations(*quantize_activations(flat), accumulate)
+    parts = []
+    for qtype, data in weight.segments:
+        if qtype == QTYPE:
+            parts.append(F.linear(activations, dequantize(data, qtype).to(accumulate)).to(x.dtype))
+        else:
+            parts.append(F.linear(flat, dequantize(data, qtype).to(x.dtype)))
+    return torch.cat(parts, dim=-1).view(*x.shape[:-1], weight.shape[0])
