@@ -39,7 +39,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     runs = x.to(torch.float32).view(m, k // BLOCK, BLOCK)
     amax = runs.abs().amax(dim=-1)  # [M, K/128]
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # divided by a tensor: CUDA torch multiplies by the reciprocal of a scalar divisor, which is not always the quotient
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     values = (runs / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return values.view(m, k), scales
 

@@ -5,10 +5,10 @@ Per product: one Triton kernel quantizes the activations (per token and 128 feat
 correctly rounded as torch's, so values and scales are the reference's bytes), one splits each FP8_B128 segment's
 132-byte blocks into its e4m3 values [rows, in] and float32 block scales [rows, in / 128] (1 byte a weight value
 written, half what the W8A16 path's dequantization writes), and cuBLAS multiplies them with block scaling
-(`torch.nn.functional.scaled_mm`, 1 x 128 scales on both sides: a block's scale is its row's, as FP8_B128 keeps
-it, so fused and sharded weights whose rows do not start on 128-row tiles multiply alike). Products of up to
-64 rows, and devices without that product (before Hopper, torch before 2.10) go the reference's way:
-`quant_matmul.quantized_linear`, and the reference's W8A8 arithmetic respectively.
+(`torch.nn.functional.scaled_mm`, 1 x 128 scales on both sides, each [rows, in / 128]: a block's scale is its
+row's, as FP8_B128 keeps it, so fused and sharded weights whose rows do not start on 128-row tiles multiply alike).
+Products of up to 64 rows, and devices without that product (before Hopper, torch before 2.10) go the reference's
+way: `quant_matmul.quantized_linear`, and the reference's W8A8 arithmetic respectively.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def fp8_dynamic_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
                 w_values.t(),
                 scales,
                 F.ScalingType.BlockWise1x128,
-                w_scales.t(),
+                w_scales,
                 F.ScalingType.BlockWise1x128,
                 output_dtype=x.dtype,
             )
