@@ -5,10 +5,10 @@ Per product: one Triton kernel quantizes the activations (per token and 128 feat
 correctly rounded as torch's, so values and scales are the reference's bytes), one splits each FP8_B128 segment's
 132-byte blocks into its e4m3 values [rows, in] and float32 block scales [rows, in / 128] (1 byte a weight value
 written, half what the W8A16 path's dequantization writes), and cuBLAS multiplies them with block scaling
-(`torch.nn.functional.scaled_mm`, 1 x 128 scales on both sides, each [rows, in / 128]: a block's scale is its
-row's, as FP8_B128 keeps it, so fused and sharded weights whose rows do not start on 128-row tiles multiply alike).
-Products of up to 64 rows, and devices without that product (before Hopper, torch before 2.10) go the reference's
-way: `quant_matmul.quantized_linear`, and the reference's W8A8 arithmetic respectively.
+(`torch.nn.functional.scaled_mm`, 1 x 128 scales on both sides, [rows, in / 128] stored row-fastest: a block's
+scale is its row's, as FP8_B128 keeps it, so fused and sharded weights whose rows do not start on 128-row tiles
+multiply alike). Products of up to 64 rows, and devices without that product (before Hopper, torch before 2.10) go
+the reference's way: `quant_matmul.quantized_linear`, and the reference's W8A8 arithmetic respectively.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def _quantize_kernel(x_ptr, values_ptr, scales_ptr, M, runs_per_row, stride_xm, 
 
 
 @triton.jit
-def _split_kernel(words_ptr, values_ptr, scales_ptr, runs_per_row, RUNS: tl.constexpr):
+def _split_kernel(words_ptr, values_ptr, scales_ptr, rows, runs_per_row, RUNS: tl.constexpr):
     """Row r's blocks b0 .. b0 + RUNS (33 words each: the scale, then 32 words of values) -> its value words
-    [rows, runs * 32] and scales [rows, runs]."""
+    [rows, runs * 32] and scales (written at [run, r])."""
     pdl.wait_for_previous()
     row = tl.program_id(0).to(tl.int64)
     run = tl.program_id(1) * RUNS + tl.arange(0, RUNS)  # [RUNS]
@@ -68,7 +68,7 @@ def _split_kernel(words_ptr, values_ptr, scales_ptr, runs_per_row, RUNS: tl.cons
     word = tl.arange(0, 32)[None, :]
     values = tl.load(block[:, None] + 1 + word, mask=mask[:, None])
     tl.store(values_ptr + row * runs_per_row * 32 + run[:, None] * 32 + word, values, mask=mask[:, None])
-    tl.store(scales_ptr + row * runs_per_row + run, tl.load(block, mask=mask), mask=mask)
+    tl.store(scales_ptr + run.to(tl.int64) * rows + row, tl.load(block, mask=mask), mask=mask)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,17 +86,17 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def split_blocks(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One FP8_B128 segment's blocks [rows, in / 128 * 132] -> (values [rows, in] e4m3, scales [rows, in / 128]
-    float32), the reference being `data.view(rows, -1, 132)` split after its 4 scale bytes."""
+    float32 stored row-fastest, the layout cuBLAS reads), the reference being `data.view(rows, -1, 132)` split
+    after its 4 scale bytes."""
     rows, row_bytes = data.shape
     runs = row_bytes // BLOCK_BYTES
     values = torch.empty(rows, runs * BLOCK, device=data.device, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(rows, runs, device=data.device, dtype=torch.float32)
+    scales = torch.empty(runs, rows, device=data.device, dtype=torch.float32)  # [in/128, rows]
     if rows:
         grid = (rows, triton.cdiv(runs, RUNS))
-        _split_kernel[grid](
-            data.view(torch.int32), values.view(torch.int32), scales.view(torch.int32), runs, RUNS=RUNS, **pdl.LAUNCH
-        )
-    return values, scales
+        words = (data.view(torch.int32), values.view(torch.int32), scales.view(torch.int32))
+        _split_kernel[grid](*words, rows, runs, RUNS=RUNS, **pdl.LAUNCH)
+    return values, scales.t()
 
 
 def tensor_cores(x: torch.Tensor) -> bool:
