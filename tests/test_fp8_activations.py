@@ -135,6 +135,11 @@ def test_the_quantization_kernel_writes_the_reference_bytes(triton_w8a8, kernel_
     want_values, want_scales = reference.quantize_activations(x)
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
     assert torch.equal(scales, want_scales) and scales.stride() == (1, shape[0])  # token-fastest, as cuBLAS reads
+    values, scales = triton_w8a8.quantize_activations(x, rows_multiple=4)  # rows padded as cuBLAS needs
+    assert values.shape == (-(-shape[0] // 4) * 4, shape[1]) and torch.equal(
+        values[: shape[0]].float(), want_values.float()
+    )
+    assert (values[shape[0] :].float() == 0).all() and (scales[shape[0] :] == 1).all()
 
 
 @pytest.mark.gpu

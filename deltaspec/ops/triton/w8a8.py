@@ -25,6 +25,7 @@ from deltaspec.ops.triton import pdl, quant_dequant, quant_matmul
 
 RUNS = 8  # 128-value runs per program of both kernels
 ROW_ALIGN = 16  # cuBLAS's FP8 products take output widths (a segment's rows) in multiples of 16
+SCALE_ROWS = 4  # and activation scales [in / 128, rows] of whole 16-byte columns: 65 rows were refused, 100 not
 
 
 @triton.jit
@@ -41,7 +42,7 @@ def _e4m3_byte(v):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, values_ptr, scales_ptr, M, runs_per_row, stride_xm, RUNS: tl.constexpr):
+def _quantize_kernel(x_ptr, values_ptr, scales_ptr, scale_stride, runs_per_row, stride_xm, RUNS: tl.constexpr):
     """Row m's runs r0 .. r0 + RUNS of 128 values -> their e4m3 values and scales (written at [run, m])."""
     pdl.wait_for_previous()
     m = tl.program_id(0)
@@ -53,7 +54,7 @@ def _quantize_kernel(x_ptr, values_ptr, scales_ptr, M, runs_per_row, stride_xm, 
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # [RUNS]
     scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
     tl.store(values_ptr + m.to(tl.int64) * runs_per_row * 128 + column, _e4m3_byte(scaled), mask=mask)
-    tl.store(scales_ptr + run.to(tl.int64) * M + m, scale, mask=run < runs_per_row)
+    tl.store(scales_ptr + run.to(tl.int64) * scale_stride + m, scale, mask=run < runs_per_row)
 
 
 @triton.jit
@@ -71,16 +72,21 @@ def _split_kernel(words_ptr, values_ptr, scales_ptr, rows, runs_per_row, RUNS: t
     tl.store(scales_ptr + run.to(tl.int64) * rows + row, tl.load(block, mask=mask), mask=mask)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.quantize_activations` of x [M, K] (rows contiguous): (values [M, K] e4m3, scales [M, K / 128]
-    float32 stored token-fastest, the layout cuBLAS reads)."""
+def quantize_activations(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.quantize_activations` of x [M, K] (rows contiguous): (values [P, K] e4m3, scales [P, K / 128]
+    float32 stored token-fastest, the layout cuBLAS reads), P the rows rounded up to `rows_multiple`, the rows
+    after M zeros with scale 1."""
     m, k = x.shape
     runs = k // BLOCK
-    values = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(runs, m, device=x.device, dtype=torch.float32)  # [K/128, M]
+    padded = -(-m // rows_multiple) * rows_multiple
+    values = torch.empty(padded, k, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(runs, padded, device=x.device, dtype=torch.float32)  # [K/128, P]
+    if padded > m:
+        values[m:].view(torch.uint8).zero_()
+        scales[:, m:] = 1.0
     if m:
         grid = (m, triton.cdiv(runs, RUNS))
-        _quantize_kernel[grid](x, values.view(torch.uint8), scales, m, runs, x.stride(0), RUNS=RUNS, **pdl.LAUNCH)
+        _quantize_kernel[grid](x, values.view(torch.uint8), scales, padded, runs, x.stride(0), RUNS=RUNS, **pdl.LAUNCH)
     return values, scales.t()
 
 
@@ -118,7 +124,7 @@ def fp8_dynamic_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
     if not tensor_cores(x):
         return reference.fp8_dynamic_linear(x, weight)
     flat = weight.ordered_input(x).reshape(rows, x.shape[-1]).contiguous()
-    values, scales = quantize_activations(flat)
+    values, scales = quantize_activations(flat, SCALE_ROWS)
     parts = []
     for qtype, data in weight.segments:
         if qtype == QTYPE and data.shape[0] % ROW_ALIGN == 0:
@@ -131,9 +137,9 @@ def fp8_dynamic_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
                 w_scales,
                 F.ScalingType.BlockWise1x128,
                 output_dtype=x.dtype,
-            )
+            )[:rows]
         elif qtype == QTYPE:  # a width cuBLAS does not take: the reference's arithmetic
-            activations = reference.dequantize_activations(values, scales, torch.float32)
+            activations = reference.dequantize_activations(values[:rows], scales[:rows], torch.float32)
             product = F.linear(activations, quant_dequant.dequantize(data, qtype, torch.float32)).to(x.dtype)
         else:
             product = F.linear(flat, quant_dequant.dequantize(data, qtype, x.dtype))
