@@ -171,15 +171,15 @@ def test_cublas_block_scaled_products_follow_the_reference(triton_w8a8, rows):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(triton_interpreted(), reason="the engine's CUDA path needs a GPU")
-def test_the_cuda_engine_follows_the_reference_with_dynamic_activations(fp8_checkpoint):
-    """bf16 on CUDA with CUDA graphs: the CUDA path (Triton quantization, cuBLAS FP8) and the torch reference
-    (`--kernels reference`) under `--fp8-activations dynamic` give the same greedy tokens, logprobs within bf16
-    rounding."""
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+def test_the_cuda_engine_follows_the_reference_with_dynamic_activations(fp8_checkpoint, monkeypatch):
+    """bf16 on CUDA: the prompt logprobs of a 200-token prompt (a 136-row W8A8 pass) with the CUDA path (Triton
+    quantization, cuBLAS FP8) and with the reference's W8A8 product in its place, every other kernel the same,
+    agree within bf16 rounding. (The whole reference stack against the kernels in bf16 is no oracle: on this
+    tiny random model their greedy tokens part at a near-tie.)"""
+    from deltaspec.ops import dispatch
+
     cuda = dict(device="cuda", dtype="bfloat16", fp8_activations="dynamic")
-    got, want = run(fp8_checkpoint, greedy, **cuda), run(fp8_checkpoint, greedy, kernels="reference", **cuda)
-    for a, b in zip(got, want, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            token = next(iter(theirs))
-            assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=0.1)
+    got = prompt_logprobs(fp8_checkpoint, LONG_PROMPT, **cuda)
+    monkeypatch.setitem(dispatch._BACKENDS["cuda"], "fp8_dynamic_linear", reference.fp8_dynamic_linear)
+    want = prompt_logprobs(fp8_checkpoint, LONG_PROMPT, **cuda)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.05
