@@ -4,8 +4,9 @@ An FP8 checkpoint's `activation_scheme: dynamic` means its activations are to be
 token's every 128 input features get one float32 scale, amax / 448, and are rounded to e4m3 (vLLM's block-FP8 path
 and transformers' `FP8Linear` do so), so a product runs on FP8 tensor cores. deltaspec keeps activations in
 their float dtype unless asked (W8A16: every row exact to the weights), and when asked quantizes them only for the
-FP8_B128 segments of products of more than `DECODE_ROWS` rows: prefill chunks and wide batched passes. Decode and
-verify passes of up to 64 rows keep exact activations, so greedy speculation stays as exact as without.
+FP8_B128 segments of products of more than `DECODE_ROWS` rows: prefill chunks and wide batched passes. Passes of
+up to 64 rows keep exact activations, so one stream's greedy speculation stays as exact as without; a wider
+batched verify pass quantizes its rows too.
 
 This module is the reference, the spec of the CUDA path (`deltaspec.ops.triton.w8a8`, Triton quantization and
 cuBLAS's block-scaled FP8 product): activations quantized in float32, and each FP8 segment's product the sum of
