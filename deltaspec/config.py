@@ -162,7 +162,7 @@ class EngineConfig:
         default="none",
         metadata={
             "help": "FP8 weights' activations: none (kept in the model's dtype, W8A16) or dynamic (in products of "
-            "more than 64 rows, i.e. prefill, quantized to e4m3 per token and 128 features as the checkpoints' "
+            "more than 64 rows, e.g. prefill, quantized to e4m3 per token and 128 features as the checkpoints' "
             "activation_scheme dynamic, vLLM and transformers do, for Hopper's FP8 tensor cores)"
         },
     )
