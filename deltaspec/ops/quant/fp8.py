@@ -53,16 +53,23 @@ def quantize_tiles(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.view(tiles_out * BLOCK, in_features)[:out_features], scale
 
 
-def quantize_fp8_b128(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
-    """`deltaspec.ops.quant.quantize`'s FP8_B128 entry: rows [rows, cols] -> blocks, each row's 128 values scaled
-    by their own amax / 448 (a row of a 128 x 128 tile: the checkpoint format's bytes, finer scales;
-    `importance` does not change it)."""
+def quantize_runs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] float (cols a multiple of 128) -> (values [rows, cols] float8_e4m3fn, scales [rows, cols / 128]
+    float32): each row's every 128 values scaled by their amax / 448 (1 for an all-zero run) and rounded to nearest
+    e4m3, all in float32 arithmetic (FP8_B128 rows, and `--fp8-activations dynamic`'s activations)."""
     rows, columns = x.shape
-    blocks = x.to(torch.float32).view(rows, columns // BLOCK, BLOCK)
-    amax = blocks.abs().amax(dim=-1)  # [rows, cols/128]
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    values = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(rows, columns)
-    return _pack(values, scale)
+    runs = x.to(torch.float32).view(rows, columns // BLOCK, BLOCK)
+    amax = runs.abs().amax(dim=-1)  # [rows, cols/128]
+    # divided by a tensor: CUDA torch multiplies by the reciprocal of a scalar divisor, which is not always the quotient
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    values = (runs / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return values.view(rows, columns), scales
+
+
+def quantize_fp8_b128(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """`deltaspec.ops.quant.quantize`'s FP8_B128 entry: rows [rows, cols] -> blocks of `quantize_runs` (a row of a
+    128 x 128 tile: the checkpoint format's bytes, finer scales; `importance` does not change it)."""
+    return _pack(*quantize_runs(x))
 
 
 def _pack(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from deltaspec.ops.quant.dequant import dequantize
-from deltaspec.ops.quant.fp8 import BLOCK, E4M3_MAX, QTYPE
+from deltaspec.ops.quant.fp8 import BLOCK, QTYPE
+from deltaspec.ops.quant.fp8 import quantize_runs as quantize_activations  # per token, as FP8_B128 rows
 from deltaspec.ops.quant.weight import QuantizedWeight, quantized_linear
 
 DECODE_ROWS = 64  # products of at most this many rows keep their activations unquantized
@@ -33,21 +34,9 @@ def takes_dynamic(weight: QuantizedWeight, rows: int) -> bool:
     return rows > DECODE_ROWS and len(weight.shape) == 2 and QTYPE in weight.qtypes
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float (K a multiple of 128) -> (values [M, K] float8_e4m3fn, scales [M, K / 128] float32): each
-    row's every 128 values scaled by their amax / 448 (1 for an all-zero run) and rounded to nearest e4m3, all in
-    float32 arithmetic."""
-    m, k = x.shape
-    runs = x.to(torch.float32).view(m, k // BLOCK, BLOCK)
-    amax = runs.abs().amax(dim=-1)  # [M, K/128]
-    # divided by a tensor: CUDA torch multiplies by the reciprocal of a scalar divisor, which is not always the quotient
-    scales = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
-    values = (runs / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return values.view(m, k), scales
-
-
 def dequantize_activations(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `quantize_activations`, in `dtype`: values [M, K] times their run's scale [M, K / 128]."""
+    """The inverse of `quantize_activations` (`fp8.quantize_runs`), in `dtype`: values [M, K] times their run's
+    scale [M, K / 128]."""
     m, k = values.shape
     runs = values.to(dtype).view(m, k // BLOCK, BLOCK) * scales.to(dtype)[..., None]
     return runs.view(m, k)
