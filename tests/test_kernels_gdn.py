@@ -224,6 +224,29 @@ def test_gdn_prefill_chunked(kernel_device, dtype):
     )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's chunk kernel needs CUDA")
+def test_gdn_prefill_chunked_never_waits_for_the_device():
+    """A prefill pass runs the chunk kernel once per GDN layer; a host-device synchronization in it (fla builds its
+    chunk table from a pageable upload unless given one) stalls the host on every layer and leaves the GPU idle."""
+    lens, slots, hk, hv, dk, dv = [130, 70], [1, 3], 2, 4, 64, 64
+    rows = sum(lens)
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(rows, hk, dk, generator=gen).cuda().bfloat16() for _ in range(2))
+    v = torch.randn(rows, hv, dv, generator=gen).cuda().bfloat16()
+    g, beta = -torch.rand(rows, hv, generator=gen).cuda(), torch.rand(rows, hv, generator=gen).cuda().bfloat16()
+    state = torch.zeros(NUM_SLOTS, hv, dk, dv, device="cuda")
+    layout = _layout(lens, slots, "cuda")
+    gdn_kernels.gated_delta_rule(q, k, v, g, beta, state, layout)  # compiles and autotunes first
+    layout = _layout(lens, slots, "cuda")  # a new pass: its chunk table is made anew
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _layer in range(3):
+            gdn_kernels.gated_delta_rule(q, k, v, g, beta, state, layout)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 # ---------------------------------------------------------------- causal conv1d
 
 

@@ -168,3 +168,15 @@ def test_conv_window_is_logged_and_replayed():
         torch.testing.assert_close(out, plain[accepted:], rtol=0, atol=1e-12)
         torch.testing.assert_close(window, reference, rtol=0, atol=0)
         torch.testing.assert_close(spec, causal_conv1d(x[:4], weight, start.clone(), lay([4], [0])), rtol=0, atol=0)
+
+
+def test_layout_chunk_indices_label_every_chunk_with_its_sequence_and_position():
+    layout = SeqLayout.build([130, 64, 1, 65], [130, 64, 1, 65], [0, 1, 2, 3], "cpu")
+    chunks = layout.chunk_indices(64)
+    assert chunks.dtype == torch.long
+    expected = [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [3, 0], [3, 1]]
+    assert chunks.tolist() == expected
+    assert layout.chunk_indices(64) is chunks  # made once per pass, shared by the layers
+    assert layout.chunk_indices(16).shape == (9 + 4 + 1 + 5, 2)
+    assert layout.query_start_long().tolist() == [0, 130, 194, 195, 260]
+    assert layout.query_start_long() is layout.query_start_long()

@@ -15,7 +15,7 @@ capture, so a kernel may take only the bucket-constant host values — the numbe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class SeqLayout:
     fold_t: torch.Tensor  # [B] int32
     speculative_t: torch.Tensor  # [B] int32 (0 or 1)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-pass tensors every layer shares
 
     @property
     def num_seqs(self) -> int:
@@ -85,3 +86,25 @@ class SeqLayout:
             starts.append(total)
             total += length
         return starts
+
+    def query_start_long(self) -> torch.Tensor:  # [B + 1] int64
+        """`query_start` as int64 (what fla's varlen kernels take), made once per pass and shared by the layers."""
+        if "query_start_long" not in self.derived:
+            self.derived["query_start_long"] = self.query_start.long()
+        return self.derived["query_start_long"]
+
+    def chunk_indices(self, chunk_size: int) -> torch.Tensor:  # [num_chunks, 2] int64
+        """For each chunk of `chunk_size` rows, sequence by sequence (a sequence's last chunk may be short): the
+        sequence and the chunk's index within it — fla's `prepare_chunk_indices`. Built from the host lists and
+        uploaded from pinned memory without waiting for the device (a pageable upload synchronizes the stream),
+        once per pass and chunk size."""
+        key = ("chunk_indices", chunk_size)
+        if key not in self.derived:
+            pairs = [
+                (seq, chunk) for seq, rows in enumerate(self.query_lens) for chunk in range(-(-rows // chunk_size))
+            ]
+            host = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+            if self.query_start.device.type == "cuda":
+                host = host.pin_memory()
+            self.derived[key] = host.to(self.query_start.device, non_blocking=True)
+        return self.derived[key]

@@ -27,6 +27,7 @@ from deltaspec.ops.layout import SeqLayout
 from deltaspec.ops.triton import pdl
 
 PREFILL_MIN_QUERY_LEN = 64  # a pass whose max_query_len exceeds this is prefill: never captured
+FLA_CHUNK_ROWS = 64  # rows per chunk of fla's chunk_gated_delta_rule (its default chunk_size)
 MAX_KEY_DIM = 256
 # Dv columns per program, warps and pipeline stages: near-best on the H200 from 1 to 32 decoding sequences
 # (tools/gdn_launch_sweep.py: 8.1 / 21.6 / 66.9 us at 1 / 8 / 32 sequences; 3 stages took 14.8 us at 1)
@@ -267,7 +268,6 @@ def _chunked_prefill(q, k, v, g, beta, state, layout: SeqLayout) -> torch.Tensor
 
     slots = layout.slots_t
     initial = state.index_select(0, slots).float()  # [B, Hv, Dk, Dv]
-    cu_seqlens_cpu = torch.tensor(layout.row_starts + [q.shape[0]], dtype=torch.long)
     out, final = chunk_gated_delta_rule(
         q.to(v.dtype)[None],
         k.to(v.dtype)[None],
@@ -277,8 +277,8 @@ def _chunked_prefill(q, k, v, g, beta, state, layout: SeqLayout) -> torch.Tensor
         scale=1.0,
         initial_state=initial,
         output_final_state=True,
-        cu_seqlens=layout.query_start.long(),
-        cu_seqlens_cpu=cu_seqlens_cpu,
+        cu_seqlens=layout.query_start_long(),
+        chunk_indices=layout.chunk_indices(FLA_CHUNK_ROWS),
     )  # out [1, T, Hv, Dv]
     state.index_copy_(0, slots, final.to(state.dtype))
     return out[0]
