@@ -36,6 +36,12 @@ def triton_interpreted() -> bool:
     return True
 
 
+def compiled_only(why: str) -> pytest.MarkDecorator:
+    """Skip a kernel case under Triton's interpreter (CI's CPU run), keeping it for the compiled run on a GPU: for
+    cases whose code paths cheaper interpreted cases already take, `why` names them."""
+    return pytest.mark.skipif(triton_interpreted(), reason=f"compiled only (interpreted elsewhere: {why})")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -9,7 +9,7 @@ import torch
 
 from deltaspec.ops import moe
 from deltaspec.ops.quant.weight import QuantizedWeight
-from tests.conftest import triton_interpreted
+from tests.conftest import compiled_only, triton_interpreted
 from tests.test_kernels_quant import random_weight
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
@@ -52,6 +52,8 @@ def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared
     """One launch where `router_tile` (or the test) gives one, else the GEMM, then `route`; twice, as graph
     replays run it: the last program of each row to finish routes it and leaves the arrival count at 0 for the
     next pass."""
+    if triton_interpreted() and tile and dtype == torch.float32:
+        pytest.skip("compiled only (interpreted elsewhere: the given tiles in bfloat16, float32 without a tile)")
     hidden = 512
     gen = torch.Generator().manual_seed(n)
     weight = (torch.randn(num_experts + shared, hidden, generator=gen) / hidden**0.5).to(kernel_device, dtype)
@@ -202,6 +204,7 @@ def test_decode_passes_skip_the_grouping_and_longer_ones_group(kernels):
 
 
 GROUPED_16 = ("grouped", 16, 32, 64)
+PAIR_SHARED_ELSEWHERE = compiled_only("the Q6_K-Q4_K, FP8 and I4_G32 pair cases, the shared expert in I4_G32's")
 # (gate|up type, down type, tokens, launch, with a shared expert, dtype): every type in every kernel; the decode
 # GEMVs once per case, in one dtype and wide slabs, to keep the interpreter's share of CI short
 QUANT_CASES = [
@@ -215,13 +218,14 @@ QUANT_CASES = [
     ("Q6_K", "Q6_K", 9, GROUPED_16, "apart", torch.bfloat16),
     ("Q8_0", "Q8_0", 1, None, False, torch.bfloat16),
     ("Q6_K", "Q4_K", 1, ("pair", 32, 16, 256), False, torch.float32),
-    ("Q4_K", "Q6_K", 2, ("pair", 32, 16, 256), "expert", torch.bfloat16),
+    pytest.param("Q4_K", "Q6_K", 2, ("pair", 32, 16, 256), "expert", torch.bfloat16, marks=PAIR_SHARED_ELSEWHERE),
     ("Q4_K", "Q6_K", 1, ("pair", 32, 16, 256), "apart", torch.bfloat16),
     *[("FP8_B128", "FP8_B128", n, tile, "expert", torch.bfloat16) for n, tile in ((1, None), (9, GROUPED_16))],
     ("FP8_B128", "FP8_B128", 2, ("pair", 32, 16, 256), False, torch.float32),
-    *[("I4_G128", "I4_G32", n, tile, "expert", torch.bfloat16) for n, tile in ((1, None), (9, GROUPED_16))],
+    pytest.param("I4_G128", "I4_G32", 1, None, "expert", torch.bfloat16, marks=compiled_only("I4_G32-I4_G128 decode")),
+    ("I4_G128", "I4_G32", 9, GROUPED_16, "expert", torch.bfloat16),
     *[("I4_G32", "I4_G128", n, tile, False, torch.float32) for n, tile in ((1, None), (9, GROUPED_16))],
-    ("I4_G128", "I4_G128", 2, ("pair", 32, 16, 256), False, torch.float32),
+    pytest.param("I4_G128", "I4_G128", 2, ("pair", 32, 16, 256), False, torch.float32, marks=PAIR_SHARED_ELSEWHERE),
     ("I4_G32", "I4_G32", 2, ("pair", 32, 16, 256), "expert", torch.bfloat16),
 ]
 
