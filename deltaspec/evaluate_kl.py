@@ -68,6 +68,7 @@ def identity(llm: LLM) -> dict:
         "dtype": config.dtype,
         "state_dtype": config.state_dtype,
         "kv_cache_dtype": config.kv_cache_dtype,
+        "fp8_activations": config.fp8_activations,
         "device": config.device,
         "prefill_chunk": min(config.prefill_chunk, config.max_num_batched_tokens),
     }
@@ -127,6 +128,7 @@ class SavedBase:
         self.path, self.window = path, int(meta["window"])
         self.identity = {"path": meta["model"], "dtype": meta["dtype"], "state_dtype": meta.get("state_dtype")}
         self.identity["kv_cache_dtype"] = meta.get("kv_cache_dtype")
+        self.identity["fp8_activations"] = meta.get("fp8_activations", "none")  # files from before the option: none
         self.identity |= {"device": meta["device"], "prefill_chunk": int(meta.get("prefill_chunk", 0)) or None}
         self.token_ids = self.file.get_tensor("token_ids").tolist()
         self.logits = self.file.get_slice("logits")
@@ -152,6 +154,7 @@ def base_logits_writer(
             "dtype": base_id["dtype"],
             "state_dtype": base_id["state_dtype"],
             "kv_cache_dtype": base_id["kv_cache_dtype"],
+            "fp8_activations": base_id["fp8_activations"],
             "device": base_id["device"],
             "prefill_chunk": str(base_id["prefill_chunk"]),
             "window": str(window),
@@ -330,21 +333,21 @@ def run_kl(
     text: str,
     base: str | None,
     base_dtype: str | None,
-    base_caches: dict[str, str],
+    base_options: dict[str, str],
     base_logits: str | None,
     save_base: str | None,
     window: int,
     max_windows: int | None,
 ) -> dict:
     """The `deltaspec kl` command: load the base (unless its logits are saved; in `base_dtype`, default the model's,
-    with its own `base_caches` dtypes: `state_dtype`, `kv_cache_dtype`) and the model of `config` (none when
-    `config.model` is None: the base only runs to be saved), then `kl_divergence`."""
+    with its own `base_options`: `state_dtype`, `kv_cache_dtype`, `fp8_activations`) and the model of `config`
+    (none when `config.model` is None: the base only runs to be saved), then `kl_divergence`."""
     check_request(config.model is not None, base is not None, base_logits, save_base, window, max_windows)
     if base_logits is not None:
         SavedBase(base_logits)  # a missing or foreign file fails before any model loads
     base_llm = model_llm = None
     if base is not None:
-        changes = dict(model=base, dtype=base_dtype or config.dtype, **base_caches)
+        changes = dict(model=base, dtype=base_dtype or config.dtype, **base_options)
         base_config = scoring_config(config, window, **changes)
         base_llm = LLM(progress=True, **vars(base_config))
     if config.model is not None:

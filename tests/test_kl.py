@@ -179,3 +179,18 @@ def test_narrower_caches_are_measured_against_the_full_ones(capsys, flags, field
     assert result["base"][field] == "float32" and result["model"][field] == flags[1]
     assert result["base"]["prefill_chunk"] == result["model"]["prefill_chunk"] == 1
     assert 0 < result["kl"]["mean"] < bound
+
+
+def test_dynamic_fp8_activations_are_measured_against_the_fp8_weights_alone(capsys, tmp_path):
+    """The base keeps bf16 activations (--base-fp8-activations none) while the model quantizes its prefill
+    activations to e4m3 (a 63-row window is one pass of under 64 rows and stays exact, a 127-row one is W8A8); the
+    bound is 10x the mean KL measured on these 127 positions (1.6e-4)."""
+    from tests.tiny_models import FP8_DIMS, write_checkpoint, write_fp8_checkpoint
+
+    source = write_checkpoint(tmp_path / "source", "qwen3_5", seed=3, tokenizer=True, **FP8_DIMS)
+    fp8 = str(write_fp8_checkpoint(source, tmp_path / "fp8"))
+    both = ("--base", fp8, "--model", fp8, "--fp8-activations", "dynamic", *CPU)
+    result = run_kl(capsys, *both, "--window", "128", "--max-windows", "1", SAMPLE)
+    assert result["base"]["fp8_activations"] == "none" and result["model"]["fp8_activations"] == "dynamic"
+    assert 0 < result["kl"]["mean"] < 1.6e-3
+    assert run_kl(capsys, *both, "--window", "64", "--max-windows", "1", SAMPLE)["kl"]["mean"] == 0

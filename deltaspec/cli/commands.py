@@ -40,8 +40,12 @@ def cmd_kl(args: argparse.Namespace) -> None:
     from deltaspec.evaluate_kl import read_corpus, run_kl
 
     text = read_corpus(args.file)
-    base_caches = {"state_dtype": args.base_state_dtype, "kv_cache_dtype": args.base_kv_cache_dtype}
-    sources = (args.base, args.base_dtype, base_caches, args.base_logits, args.save_base)
+    base_options = {
+        "state_dtype": args.base_state_dtype,
+        "kv_cache_dtype": args.base_kv_cache_dtype,
+        "fp8_activations": args.base_fp8_activations,
+    }
+    sources = (args.base, args.base_dtype, base_options, args.base_logits, args.save_base)
     print(json.dumps(run_kl(engine_config(args), text, *sources, args.window, args.max_windows), indent=1))
 
 
@@ -134,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="KV cache dtype of the base (default auto: its dtype), so that --kv-cache-dtype fp8_e4m3 measures the "
         "quantized cache against the full one",
+    )
+    kl.add_argument(
+        "--base-fp8-activations",
+        default="none",
+        help="FP8 activations of the base (default none: bf16 activations), so that --fp8-activations dynamic "
+        "measures W8A8 prefill against the same FP8 weights' W8A16",
     )
     kl.add_argument(
         "--save-base",
