@@ -42,6 +42,12 @@ def compiled_only(why: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(triton_interpreted(), reason=f"compiled only (interpreted elsewhere: {why})")
 
 
+def skip_if_interpreted(why: str) -> None:
+    """`compiled_only` from inside a test, for cases picked by a combination of its parameters."""
+    if triton_interpreted():
+        pytest.skip(f"compiled only (interpreted elsewhere: {why})")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -9,7 +9,7 @@ import torch
 
 from deltaspec.ops import moe
 from deltaspec.ops.quant.weight import QuantizedWeight
-from tests.conftest import compiled_only, triton_interpreted
+from tests.conftest import compiled_only, skip_if_interpreted, triton_interpreted
 from tests.test_kernels_quant import random_weight
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
@@ -52,8 +52,8 @@ def test_router_product_and_top_k(kernels, kernel_device, n, num_experts, shared
     """One launch where `router_tile` (or the test) gives one, else the GEMM, then `route`; twice, as graph
     replays run it: the last program of each row to finish routes it and leaves the arrival count at 0 for the
     next pass."""
-    if triton_interpreted() and tile and dtype == torch.float32:
-        pytest.skip("compiled only (interpreted elsewhere: the given tiles in bfloat16, float32 without a tile)")
+    if tile and dtype == torch.float32:
+        skip_if_interpreted("the given tiles in bfloat16, float32 without a tile")
     hidden = 512
     gen = torch.Generator().manual_seed(n)
     weight = (torch.randn(num_experts + shared, hidden, generator=gen) / hidden**0.5).to(kernel_device, dtype)
