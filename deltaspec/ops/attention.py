@@ -7,6 +7,9 @@ of its `context_lens[b]` cached tokens, its pages listed in `block_tables[b]`. R
 attends to cached positions 0 .. context_lens[b] - query_lens[b] + i (causal within the new rows),
 with grouped-query heads
 (query head h reads KV head h // (Hq / Hkv)). Softmax runs in float32 (float64 for float64).
+Trees (`layout.tree`): row i of a speculative sequence whose rows branch sees the positions before the
+sequence's first new row and, of its new rows, only those on its own path (`TreeRows.ancestors_t`: itself and
+its ancestors); its KV still sits at position context_lens[b] - query_lens[b] + i.
 
 A quantized cache (`--kv-cache-dtype fp8_e4m3` or `int8`) is a float8_e4m3fn or int8 tensor [num_blocks,
 block_size, Hkv, D + 16]: each row (one token's one KV head) is its D values quantized with the row's own
@@ -20,7 +23,7 @@ so a token's cached K and V are the same whichever pass wrote them (decode, veri
 import torch
 import torch.nn.functional as F
 
-from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.layout import SeqLayout, ancestor_masks
 
 SCALE_BYTES = 4  # a quantized row's float32 scale, first in its tail
 ROW_TAIL_BYTES = 16  # after a quantized row's values: its scale, then zero bytes up to 16
@@ -93,7 +96,7 @@ def paged_attention(
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
     block_tables = layout.block_tables.long()
-    start = 0
+    start, tree = 0, layout.tree
     for b, (q_len, ctx_len) in enumerate(zip(layout.query_lens, layout.context_lens)):
         pages = block_tables[b, : (ctx_len + block_size - 1) // block_size]
         keys = dequantize_kv_rows(_pages(k_cache, pages)[:ctx_len], q.dtype)  # [S, Hkv, D]
@@ -103,6 +106,9 @@ def paged_attention(
         scores = torch.einsum("lhd,shd->hls", rows, keys) * scale  # [Hq, L, S]
         query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         allowed = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]  # [L, S]
+        if tree is not None and layout.speculative[b]:
+            masks = torch.tensor(ancestor_masks(tree.parents[b]), device=q.device)  # [L] int64
+            allowed[:, ctx_len - q_len :] = ((masks[:, None] >> torch.arange(q_len, device=q.device)) & 1).bool()
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=acc).to(q.dtype)
         out[start : start + q_len] = torch.einsum("hls,shd->lhd", probs, values)

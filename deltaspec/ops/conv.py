@@ -14,7 +14,17 @@ the window before the sequence's next rows are processed.
 import torch
 import torch.nn.functional as F
 
-from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.layout import SeqLayout, chain_parents
+
+
+def _path(parents: list[int], row: int, kernel: int) -> list[int]:
+    """The positions row `row` convolves, oldest first: its K - 1 nearest ancestors, then itself (negative
+    positions are the window's rows before the sequence's first row)."""
+    path = [row]
+    while len(path) < kernel:
+        last = path[-1]
+        path.append(parents[last] if last >= 0 else last - 1)
+    return path[::-1]
 
 
 def causal_conv1d(
@@ -26,13 +36,18 @@ def causal_conv1d(
 ) -> torch.Tensor:  # [T, C]
     kernel = weight.shape[1]
     out = torch.empty_like(x)
-    start = 0
-    for length, slot, n, spec in zip(layout.query_lens, layout.slots, layout.fold, layout.speculative):
+    start, tree = 0, layout.tree
+    for b, (length, slot, n, spec) in enumerate(zip(layout.query_lens, layout.slots, layout.fold, layout.speculative)):
         if n:
-            conv_state[slot].copy_(torch.cat((conv_state[slot], log[slot, :n].to(conv_state.dtype)))[-(kernel - 1) :])
+            folded = log[slot, tree.fold_rows[b]] if tree is not None else log[slot, :n]
+            conv_state[slot].copy_(torch.cat((conv_state[slot], folded.to(conv_state.dtype)))[-(kernel - 1) :])
         rows = x[start : start + length]
         window = torch.cat((conv_state[slot].to(x.dtype), rows), dim=0)  # [K-1+L, C]
-        taps = window.unfold(0, kernel, 1)  # [L, C, K]
+        if spec and tree is not None and tree.parents[b] != chain_parents(length):
+            paths = [_path(tree.parents[b], i, kernel) for i in range(length)]
+            taps = window[torch.tensor(paths, device=x.device) + kernel - 1].permute(0, 2, 1)  # [L, C, K]
+        else:
+            taps = window.unfold(0, kernel, 1)  # [L, C, K]
         out[start : start + length] = F.silu((taps * weight[None].to(x.dtype)).sum(-1))
         if spec:
             log[slot, :length] = rows

@@ -19,6 +19,10 @@ knows how many of those rows were accepted and passes that count as `fold` in th
 next call, which first replays the accepted log rows onto the state (and writes it), then
 processes its new rows. Rejected rows are simply never replayed.
 
+Trees (`layout.tree`): a speculative sequence's rows may form a tree, each row continuing the state after its
+parent row (`TreeRows.parents`) instead of the previous row; every row is still logged at its own row. A fold
+then replays the log rows `TreeRows.fold_rows[b]` (the accepted path) in order instead of rows 0..fold-1.
+
 A state stored in a narrower dtype than the arithmetic (`--state-dtype bfloat16` / `float16`, or float32 under
 float64 arithmetic) is rounded to it each time plain decoding stores it, after every row. So that speculative
 decoding gives plain decoding's tokens exactly, speculative rows and the replay of accepted ones take the same
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.layout import SeqLayout, chain_parents
 from deltaspec.ops.norms import l2_norm
 
 
@@ -120,6 +124,20 @@ def replay(k, v, g, beta, state, stored: torch.dtype):
     return state
 
 
+def tree_steps(q, k, v, g, beta, state, parents: list[int], stored: torch.dtype):
+    """The recurrence over the L rows of one sequence's tree: row i continues the state after row `parents[i]`
+    (the given state for -1), rounded to its `stored` dtype after each row as single-row steps store it. q, k
+    [L, Hv, Dk]; v [L, Hv, Dv]; g, beta [L, Hv]; state [Hv, Dk, Dv]. Returns o [L, Hv, Dv]."""
+    after: dict[int, torch.Tensor] = {-1: state}
+    outputs = []
+    for i, parent in enumerate(parents):
+        row = slice(i, i + 1)
+        o, new_state = recurrent_step(q[row], k[row], v[row], g[row], beta[row], after[parent][None])
+        outputs.append(o)
+        after[i] = new_state[0].to(stored).to(q.dtype)
+    return torch.cat(outputs, dim=0)
+
+
 def gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,  # [T, Hk, Dk]
@@ -134,14 +152,16 @@ def gated_delta_rule(
     out_dtype = v.dtype
     num_v_heads = v.shape[1]
     query_lens, slots, fold, speculative = layout.query_lens, layout.slots, layout.fold, layout.speculative
-    for n, slot in zip(fold, slots):
+    tree = layout.tree
+    for b, (n, slot) in enumerate(zip(fold, slots)):
         if n:
+            rows = torch.tensor(tree.fold_rows[b] if tree is not None else range(n), device=state.device)
             state[slot].copy_(
                 replay(
-                    log.k[slot, :n],
-                    log.v[slot, :n],
-                    log.g[slot, :n],
-                    log.beta[slot, :n],
+                    log.k[slot, rows],
+                    log.v[slot, rows],
+                    log.g[slot, rows],
+                    log.beta[slot, rows],
                     state[slot].to(acc),
                     state.dtype,
                 )
@@ -166,6 +186,9 @@ def gated_delta_rule(
         if length > 1 or speculative[i]:
             rows = slice(starts[i], starts[i] + length)
             inputs = (q[rows], k[rows], v[rows], g[rows], beta[rows], state[slots[i]].to(acc))
+            if speculative[i] and tree is not None and tree.parents[i] != chain_parents(length):
+                out[rows] = tree_steps(*inputs, tree.parents[i], state.dtype)
+                continue
             if speculative[i] and state.dtype != acc:
                 o, new_state = stepwise(*inputs, state.dtype)
             else:
