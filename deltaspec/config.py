@@ -14,6 +14,8 @@ import torch
 
 from deltaspec.errors import DeltaspecError
 
+MAX_TREE_ROWS = 64  # nodes of one tree of drafts, its root included (the kernels' ancestor masks are int64)
+
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
@@ -222,6 +224,21 @@ class EngineConfig:
             "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"
         },
     )
+    speculative_tree: int = field(
+        default=0,
+        metadata={
+            "help": "verify a tree of drafts of at most this many nodes per sequence, the last sampled token its root "
+            "(so as many verify rows; at most 64): the drafter's top candidates where it is unsure, n-gram "
+            "continuations as branches, grown by expected accepted length; 0 keeps chains"
+        },
+    )
+    speculative_tree_shape: str = field(
+        default="dynamic",
+        metadata={
+            "help": "how a tree is grown: dynamic (each round from the drafter's probabilities) or static (from the "
+            "measured acceptance of each depth and candidate rank, the same shape every round)"
+        },
+    )
     draft_model: str | None = field(
         default=None,
         metadata={
@@ -310,8 +327,9 @@ class EngineConfig:
 
     @property
     def log_rows(self) -> int:
-        """Rows of each state slot's speculative replay log: the drafts plus the bonus row, 0 without speculation."""
-        return self.draft_tokens + 1 if self.speculative != "none" else 0
+        """Rows of each state slot's speculative replay log: the rows of a verify pass (the drafts plus the bonus row,
+        or a tree's nodes), 0 without speculation."""
+        return max(self.draft_tokens + 1, self.speculative_tree) if self.speculative != "none" else 0
 
 
 @dataclass(frozen=True)
@@ -406,6 +424,18 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         raise DeltaspecError(f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.prefix_checkpoints}.")
     if cfg.fp8_activations not in ("none", "dynamic"):
         raise DeltaspecError(f"Unknown --fp8-activations {cfg.fp8_activations!r}; use none or dynamic.")
+    if cfg.speculative_tree and not 2 <= cfg.speculative_tree <= MAX_TREE_ROWS:
+        raise DeltaspecError(
+            f"speculative_tree is the most nodes of a tree of drafts, 2 to {MAX_TREE_ROWS} (0: chains); got "
+            f"{cfg.speculative_tree}."
+        )
+    if cfg.speculative_tree and cfg.draft_tokens >= MAX_TREE_ROWS:
+        raise DeltaspecError(
+            f"With speculative_tree a draft is at most {MAX_TREE_ROWS - 1} tokens deep; got draft_tokens "
+            f"{cfg.draft_tokens}."
+        )
+    if cfg.speculative_tree_shape not in ("dynamic", "static"):
+        raise DeltaspecError(f"Unknown speculative_tree_shape {cfg.speculative_tree_shape!r}; use dynamic or static.")
     if cfg.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
     if not 0 <= cfg.gpu_memory_utilization <= 1:

@@ -4,7 +4,7 @@ from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
 
 
 def test_good_acceptance_drafts_long_and_poor_acceptance_drafts_short():
-    policy = DraftLengthPolicy(max_k=8)
+    policy = DraftLengthPolicy(max_k=8, probe_every=100)  # no probe within the test
     for _ in range(20):
         policy.update("good", drafted=8, accepted=8)
         policy.update("bad", drafted=policy.choose("bad", 8) or 1, accepted=0)

@@ -34,7 +34,7 @@ LAYERS = (
     "cli",
     "__init__",
 )
-CURSOR_FIELDS = {"pending_fold", "logged"}
+CURSOR_FIELDS = {"pending_fold", "logged", "fold_rows"}
 
 
 def package_of(module: str) -> str:

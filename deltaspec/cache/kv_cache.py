@@ -1,7 +1,8 @@
 """Paged KV cache for the attention layers, and the allocator of its pages.
 
-One pair of tensors per attention layer (the MTP head's layers included), each
-[num_blocks, block_size, Hkv, D] (D + 16 for a quantized cache: each row's values and a tail with its float32 scale,
+One pair of tensors per attention layer (the MTP head's layers included, the model's first), each
+[num_blocks, block_size, Hkv, D] (views into one K and one V tensor of all layers, so a row moves in every layer at
+once) (D + 16 for a quantized cache: each row's values and a tail with its float32 scale,
 `deltaspec.ops.attention`); a sequence owns a list of pages (its block table) and token p
 of the sequence lives at page `table[p // block_size]`, offset `p % block_size`.
 """
@@ -67,9 +68,9 @@ class PagedKVCache:
         device: torch.device,
     ):
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, dtype))
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, dtype))
+        self.stacked = [torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]  # K and V of all layers
+        self.k, self.v = (list(stack.unbind(0)) for stack in self.stacked)  # per layer [blocks, bs, Hkv, D]
         self.allocator = BlockAllocator(num_blocks)
 
     def byte_views(self) -> list[torch.Tensor]:
@@ -79,6 +80,14 @@ class PagedKVCache:
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def move_rows(self, sources: list[int], targets: list[int], layers: int) -> None:
+        """Copy the K and V rows at flat slots `sources` to slots `targets` in the first `layers` layers (every
+        source is read before any target is written)."""
+        index = torch.tensor([sources, targets], dtype=torch.long, device=self.stacked[0].device)
+        for stack in self.stacked:
+            rows = (stack.view(torch.uint8) if stack.dtype.itemsize == 1 else stack)[:layers].flatten(1, 2)
+            rows.index_copy_(1, index[1], rows.index_select(1, index[0]))
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy page `source` into page `target` in every layer."""

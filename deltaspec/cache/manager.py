@@ -31,6 +31,7 @@ class CacheManager:
     ):
         self.block_size = block_size
         self.num_slots = num_slots
+        self.model_kv_layers = len(config.attention_layer_ids)  # the model's own, before a drafter's MTP layers
         self.kv = PagedKVCache(
             num_kv_layers,
             num_blocks,
@@ -106,10 +107,18 @@ class CacheManager:
         seq.num_computed += rows
         seq.replay.after_pass(rows, logged, verifying=bool(seq.draft))
 
-    @staticmethod
-    def keep_verified(seq, kept: int) -> None:
-        """Of the rows the last pass logged for `seq`, the first `kept` stand; the rest never happened."""
+    def keep_verified(self, seq, kept: int | list[int]) -> None:
+        """Of the rows the last pass logged for `seq`, the first `kept` stand, or the rows `kept` (the accepted path
+        of a tree: ascending, from row 0); the rest never happened. A path's attention KV moves down to the
+        positions its tokens now have (row r_d of the path to position first + d), in the model's layers (an MTP
+        head writes its own rows when it catches up)."""
+        first = seq.num_computed - seq.replay.logged  # the position of the pass's first row
         seq.num_computed -= seq.replay.keep(kept)
+        moves = [(row, depth) for depth, row in enumerate([] if isinstance(kept, int) else kept) if row != depth]
+        if moves:
+            sources = seq.kv_slots([first + row for row, _ in moves], self.block_size)
+            targets = seq.kv_slots([first + depth for _, depth in moves], self.block_size)
+            self.kv.move_rows(sources, targets, self.model_kv_layers)
 
     def fits_without_eviction(self, seq, num_tokens: int) -> bool:
         """Whether `seq`'s pages can cover `num_tokens` tokens from free pages alone."""

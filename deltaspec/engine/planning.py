@@ -84,6 +84,8 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     check_context(resolved, model_config.max_position_embeddings)
     if drafter is not None:
         resolved = replace(resolved, speculative=drafter.name)
+    if resolved.speculative_tree and resolved.speculative == "none":
+        raise DeltaspecError("speculative_tree grows trees of drafts; it needs a drafter, e.g. --speculative mtp.")
     dtype = parse_dtype(resolved.dtype)
     with_mtp = drafter is None and uses(resolved.speculative, "mtp")
     size = resolved.tensor_parallel_size

@@ -93,8 +93,7 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.release(seq)
         seq.num_computed = 0
-        seq.draft.clear()
-        seq.draft_probs = None
+        seq.cut_draft(0)
         seq.status = Status.WAITING
         seq.enqueued_step = self.step_count
         self.waiting.appendleft(seq)
@@ -165,17 +164,14 @@ class Scheduler:
         chosen = {id(item.seq) for item in batch}
         for seq in decoding:
             if id(seq) not in chosen:
-                seq.draft.clear()  # not in this pass: its draft is for a pass that does not happen
-                seq.draft_probs = None
+                seq.cut_draft(0)  # not in this pass: its draft is for a pass that does not happen
         for item in batch:
             seq = item.seq
             k = min(len(seq.draft), budget)
             while k and not self.cache.fits_without_eviction(seq, seq.num_computed + 1 + k):
                 k -= 1
             self.cache.reserve(seq, seq.num_computed + 1 + k)
-            del seq.draft[k:]
-            if seq.draft_probs is not None:
-                seq.draft_probs = seq.draft_probs[:k] if k else None
+            seq.cut_draft(k)
             item.num_rows = 1 + k
             budget -= k
         return batch
@@ -192,8 +188,7 @@ class Scheduler:
             self.cache.admit(seq)
             seq.checkpoint_at = self._checkpoint_positions(seq)
             self._start(seq)
-        seq.draft.clear()
-        seq.draft_probs = None
+        seq.cut_draft(0)
         rows = self._chunk(seq, self.budget)
         if not self._reserve(seq, seq.num_computed + rows):
             self.unfit.append(seq)

@@ -34,7 +34,7 @@ from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import make_drafter
 from deltaspec.spec.mtp import MTPDrafter
 from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
-from deltaspec.spec.speculator import DraftLength, Speculator
+from deltaspec.spec.speculator import DraftLength, Speculator, TreeSettings
 
 ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf16) get a measured GEMM route
 
@@ -183,6 +183,7 @@ def graph_runner(
         config.log_rows,
         config.max_model_len,
         cache.gdn.scratch_slot,
+        trees=config.speculative_tree > 0,
     )
     graphs.capture_all(progress)
     return graphs
@@ -201,5 +202,9 @@ def engine_speculator(
     if drafter is None:
         return None
     model.feature_layers = tuple(getattr(drafter, "target_layers", ()))
+    trees = None
+    if config.speculative_tree:  # sized by the verify costs, unless a given policy fixes the draft length
+        sized = costs if policy is None or isinstance(policy, DraftLengthPolicy) else None
+        trees = TreeSettings(config.speculative_tree - 1, config.speculative_tree_shape == "static", sized)
     policy = policy or DraftLengthPolicy(max_k=config.draft_tokens, table=costs)
-    return Speculator(drafter, policy, cache, config.max_model_len, model.config.vocab_size)
+    return Speculator(drafter, policy, cache, config.max_model_len, model.config.vocab_size, trees)

@@ -33,15 +33,16 @@ def device_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:
     """The pass's rows back to back: each sequence's next `num_rows` tokens (drafts included) at its positions,
-    their KV slots, and the layout (state slots, replay-log folds, verify rows, block tables)."""
+    their KV slots, and the layout (state slots, replay-log folds, verify rows, block tables, and the rows' tree
+    when a sequence verifies a tree of drafts or folds the path of one)."""
     token_ids, positions, slot_mapping, tables = [], [], [], []
     for item in schedule:
         seq, start = item.seq, item.seq.num_computed
         span = range(start, start + item.num_rows)
         ids = seq.row_ids
         token_ids.extend(ids[p] for p in span)
-        positions.extend(span)
-        slot_mapping.extend(seq.blocks[p // block_size] * block_size + p % block_size for p in span)
+        positions.extend(seq.row_positions(item.num_rows))
+        slot_mapping.extend(seq.kv_slots(span, block_size))
         tables.append(seq.blocks)
     layout = SeqLayout.build(
         [item.num_rows for item in schedule],
@@ -51,6 +52,8 @@ def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device
         fold=[item.seq.replay.pending_fold for item in schedule],
         speculative=[bool(item.seq.draft) for item in schedule],
         block_tables=tables,
+        parents=[item.seq.row_parents(item.num_rows) for item in schedule],
+        fold_rows=[item.seq.replay.fold_rows for item in schedule],
     )
 
     def tensor(values):

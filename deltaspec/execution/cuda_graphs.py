@@ -9,6 +9,10 @@ change nothing a real row reads. Every bucket's graph is captured when the engin
 milliseconds) and replayed afterwards with new contents in its static input tensors; between
 replays the host only writes those inputs and reads the outputs. Passes with prompt rows, prompt
 logprobs, or models whose ops sync with the host (MoE experts the kernels do not take) run eagerly.
+
+With trees of drafts (`trees`), every bucket is captured with the layout's `TreeRows` among its inputs: a chain is
+the tree whose rows each follow the previous one, so chains, trees and decode rows share the buckets, and a tree
+of R rows takes the verify bucket of R rows like a chain of R rows.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from deltaspec.execution.batch import Scheduled, device_index
 from deltaspec.execution.graph_buckets import batch_sizes, row_sizes
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.hybrid import HybridModel
-from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.layout import SeqLayout, ancestor_masks, chain_parents, recurrence_flags
 
 
 @dataclass
@@ -33,8 +37,8 @@ class StaticInputs:
     travel in two host-to-device copies (from pinned host buffers of the same layout)."""
 
     batch: ForwardBatch
-    longs: torch.Tensor  # device int64: token_ids | positions | slot_mapping | slots
-    ints: torch.Tensor  # device int32: context_lens | fold | block_tables
+    longs: torch.Tensor  # device int64: token_ids | positions | slot_mapping | slots [| tree ancestors]
+    ints: torch.Tensor  # device int32: context_lens | fold [| tree parents | flags | fold rows] | block_tables
     host_longs: torch.Tensor  # pinned host copies of the two
     host_ints: torch.Tensor
 
@@ -75,6 +79,7 @@ class CudaGraphRunner:
         log_rows: int,
         max_model_len: int,
         scratch_slot: int,
+        trees: bool = False,
     ):
         self.model = model
         self.caches = caches
@@ -84,6 +89,7 @@ class CudaGraphRunner:
         self.row_sizes = row_sizes(log_rows)
         self.table_width = -(-(max_model_len + max(self.row_sizes)) // block_size)
         self.scratch_slot = scratch_slot
+        self.log_rows, self.trees = log_rows, trees
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.replays: Counter[tuple[int, int]] = Counter()  # replays per bucket since start
@@ -133,38 +139,63 @@ class CudaGraphRunner:
         size, width = inputs.batch.layout.num_seqs, self.table_width
         token_ids, positions, slot_mapping = [0] * (size * rows), list(range(rows)) * size, [-1] * (size * rows)
         context, slots, fold = [rows] * size, [self.scratch_slot] * size, [0] * size
+        parents, fold_rows = [chain_parents(rows)] * size, [[]] * size
         used = max(len(item.seq.blocks) for item in schedule)
         tables = [[0] * used for _ in range(size)]
         real_rows = []
         for b, item in enumerate(schedule):
             seq, start, n = item.seq, item.seq.num_computed, item.num_rows
-            ids, bs = seq.row_ids, self.block_size
-            for i in range(rows):
-                positions[b * rows + i] = start + i
-            token_ids[b * rows : b * rows + n] = ids[start : start + n]
-            slot_mapping[b * rows : b * rows + n] = [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            real = seq.row_positions(n)
+            positions[b * rows : (b + 1) * rows] = real + list(range(start + n, start + rows))
+            token_ids[b * rows : b * rows + n] = seq.row_ids[start : start + n]
+            slot_mapping[b * rows : b * rows + n] = seq.kv_slots(range(start, start + n), self.block_size)
             context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.replay.pending_fold
             tables[b][: len(seq.blocks)] = seq.blocks
+            tree = seq.row_parents(n)
+            if tree is not None:  # padding rows follow the last real row
+                parents[b] = tree + list(range(n - 1, rows - 1))
+            if seq.replay.fold_rows is not None:
+                fold_rows[b] = seq.replay.fold_rows
             real_rows.append(n)
-        inputs.host_longs.copy_(torch.tensor(token_ids + positions + slot_mapping + slots, dtype=torch.long))
-        inputs.host_ints[: 2 * size].copy_(torch.tensor(context + fold, dtype=torch.int32))
-        inputs.host_ints[2 * size :].view(size, width)[:, :used].copy_(torch.tensor(tables, dtype=torch.int32))
-        end = 2 * size + (size - 1) * width + used  # [size, width] tables: the last used column of the last row
+        longs, ints = token_ids + positions + slot_mapping + slots, context + fold
+        if self.trees:
+            longs += [m for rows_of in parents for m in ancestor_masks(rows_of)]
+            ints += [p for rows_of in parents for p in rows_of]
+            ints += [f for rows_of in parents for f in recurrence_flags(rows_of)]
+            for b in range(size):
+                ints += (list(fold_rows[b] or range(fold[b])) + [0] * self.log_rows)[: self.log_rows]
+        inputs.host_longs.copy_(torch.tensor(longs, dtype=torch.long))
+        inputs.host_ints[: len(ints)].copy_(torch.tensor(ints, dtype=torch.int32))
+        inputs.host_ints[len(ints) :].view(size, width)[:, :used].copy_(torch.tensor(tables, dtype=torch.int32))
+        end = len(ints) + (size - 1) * width + used  # [size, width] tables: the last used column of the last row
         inputs.longs.copy_(inputs.host_longs, non_blocking=True)
         inputs.ints[:end].copy_(inputs.host_ints[:end], non_blocking=True)
         return real_rows
 
     def _static_inputs(self, size: int, rows: int) -> StaticInputs:
         total, width = size * rows, self.table_width
-        longs = torch.zeros(3 * total + size, dtype=torch.long, device=self.device)
-        ints = torch.zeros(2 * size + size * width, dtype=torch.int32, device=self.device)
-        token_ids, positions, slot_mapping, slots = longs.split([total, total, total, size])
-        context, fold, tables = ints.split([size, size, size * width])
+        tree_rows, fold_width = (total, size * self.log_rows) if self.trees else (0, 0)
+        longs = torch.zeros(3 * total + size + tree_rows, dtype=torch.long, device=self.device)
+        ints = torch.zeros(2 * size + 2 * tree_rows + fold_width + size * width, dtype=torch.int32, device=self.device)
+        token_ids, positions, slot_mapping, slots, ancestors = longs.split([total, total, total, size, tree_rows])
+        context, fold, parents, flags, fold_rows, tables = ints.split(
+            [size, size, tree_rows, tree_rows, fold_width, size * width]
+        )
         layout = SeqLayout.build(
-            [rows] * size, [rows] * size, [self.scratch_slot] * size, self.device, speculative=[rows > 1] * size
+            [rows] * size,
+            [rows] * size,
+            [self.scratch_slot] * size,
+            self.device,
+            speculative=[rows > 1] * size,
+            parents=[chain_parents(rows)] * size if self.trees else None,
+            log_rows=self.log_rows,
         )
         layout.context_lens_t, layout.slots_t, layout.fold_t = context, slots, fold
         layout.block_tables = tables.view(size, width)
+        if self.trees:
+            tree = layout.tree
+            tree.ancestors_t, tree.parent_t, tree.flags_t = ancestors, parents, flags
+            tree.fold_rows_t = fold_rows.view(size, self.log_rows)
         inputs = StaticInputs(
             ForwardBatch(token_ids, positions, slot_mapping, layout),
             longs,
@@ -185,6 +216,13 @@ class CudaGraphRunner:
         layout.slots_t.fill_(self.scratch_slot)
         layout.fold_t.zero_()
         layout.block_tables.zero_()
+        if self.trees:
+            chain = chain_parents(rows) * layout.num_seqs
+            tree = layout.tree
+            tree.parent_t.copy_(torch.tensor(chain, dtype=torch.int32))
+            tree.ancestors_t.copy_(torch.tensor(ancestor_masks(chain_parents(rows)) * layout.num_seqs))
+            tree.flags_t.copy_(torch.tensor(recurrence_flags(chain_parents(rows)) * layout.num_seqs, dtype=torch.int32))
+            tree.fold_rows_t.zero_()
 
     def time_replays(self, size: int, rows: int, repeats: int = 20) -> float:
         """Milliseconds per replay of bucket (size, rows), replays back to back with padding inputs: a pass's

@@ -84,6 +84,8 @@ class Sequence:
     error: str | None = None  # why it failed, when finish_reason is "error"
     draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next pass
     draft_probs: torch.Tensor | None = None  # [len(draft), V] drafter distributions (None: deterministic)
+    draft_parents: list[int] | None = None  # a tree of drafts: draft j's parent row (0: the last sampled token's, i:
+    # draft i - 1's; parents first), the pass's rows in that order; None: a chain
     replay: ReplayCursor = field(default_factory=ReplayCursor)  # moved by the cache manager only
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     num_cached_tokens: int = 0  # tokens resumed from a prefix checkpoint instead of computed
@@ -100,6 +102,37 @@ class Sequence:
     def row_ids(self) -> list[int]:
         """Tokens the next passes feed: the sequence's own, then the drafts being verified."""
         return self.prompt_ids + self.output_ids + self.draft
+
+    def row_parents(self, rows: int) -> list[int] | None:
+        """The parents of the next pass's `rows` rows (`deltaspec.ops.layout.TreeRows`) when they verify a tree of
+        drafts, None for a chain."""
+        if self.draft_parents is None or rows != 1 + len(self.draft):
+            return None
+        return [-1, *self.draft_parents]
+
+    def row_positions(self, rows: int) -> list[int]:
+        """Positions of the next pass's `rows` rows: one after another, or for a tree of drafts each row's depth on
+        from the last sampled token's position (its KV still fills the slots one after another)."""
+        start = self.num_computed
+        parents = self.row_parents(rows)
+        if parents is None:
+            return list(range(start, start + rows))
+        positions = [start]
+        for parent in parents[1:]:
+            positions.append(positions[parent] + 1)
+        return positions
+
+    def kv_slots(self, positions: list[int], block_size: int) -> list[int]:
+        """The flat KV cache slots (page * block_size + offset) of the sequence's tokens at `positions`."""
+        return [self.blocks[p // block_size] * block_size + p % block_size for p in positions]
+
+    def cut_draft(self, keep: int) -> None:
+        """Keep the first `keep` drafts (a tree's first nodes keep their parents), with their distributions."""
+        del self.draft[keep:]
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:keep] if keep else None
+        if self.draft_parents is not None:
+            self.draft_parents = self.draft_parents[:keep] if keep else None
 
     @property
     def decoding(self) -> bool:

@@ -95,6 +95,25 @@ class GrammarState:
         self.matcher.rollback(consumed)
         return masks
 
+    def path_masks(self, paths: list[list[int]]) -> np.ndarray:
+        """[len(paths), ceil(V / 32)]: row i allows the tokens that may follow the drafts `paths[i]` (a tree's rows:
+        each row's path from the root). An end-of-sequence draft leaves the state as it is, as in `draft_masks`; a
+        path stops at a token the constraint refuses (trees are pruned to what it allows first). The state is
+        unchanged after."""
+        import llguidance.numpy as llgnp
+
+        masks = self._masks(len(paths))
+        for i, path in enumerate(paths):
+            consumed = 0
+            for token in path:
+                if token not in self.eos_ids:
+                    if self.matcher.try_consume_tokens([token]) != 1:
+                        break
+                    consumed += 1
+            llgnp.fill_next_token_bitmask(self.matcher, masks, i)
+            self.matcher.rollback(consumed)
+        return masks
+
     def draft_step(self, token: int) -> None:
         """A drafter that follows the constraint picked `token` (from `next_mask`): move past it until
         `end_draft` (an end-of-sequence token, or a token it refuses, leaves the state where it is)."""

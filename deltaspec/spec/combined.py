@@ -6,7 +6,8 @@ uses it and skips the neural drafter this round; every other sequence uses the n
 n-gram hit never replaces a longer neural draft. Measured on the embedded model (README, `bench
 spec`): full n-gram matches are accepted about as well as the draft model's drafts (AL 3.26 against
 3.25 at k = 7) but cost no draft-model passes, while partial matches are worse than the model.
-The neural drafter catches up on skipped rounds at its next call; both drafters hear every commit.
+The neural drafter catches up on skipped rounds at its next call; both drafters hear every commit. For a tree of
+drafts (`DraftRequest.candidates`), a neural draft carries the n-gram draft and its branches as branches of its own.
 """
 
 from __future__ import annotations
@@ -41,7 +42,16 @@ class CombinedDrafter:
 
         use_ngram = [full_match(req, draft) for req, draft in zip(requests, lookup)]
         neural = iter(self.neural.propose([r for r, n in zip(requests, use_ngram) if not n]))
-        return [Draft(tokens=list(draft.tokens)) if n else next(neural) for draft, n in zip(lookup, use_ngram)]
+        drafts = []
+        for req, draft, n in zip(requests, lookup, use_ngram):
+            if n:
+                drafts.append(Draft(tokens=list(draft.tokens), branches=draft.branches))
+                continue
+            mine = next(neural)
+            if req.candidates and draft.tokens:
+                mine.branches = [draft, *(draft.branches or ())]
+            drafts.append(mine)
+        return drafts
 
     def on_commit(self, seq_id: str, accepted: int, num_tokens: int) -> None:
         self.neural.on_commit(seq_id, accepted, num_tokens)

@@ -37,6 +37,7 @@ from deltaspec.sample.structured import mask_next
 from deltaspec.spec.drafter import Draft, DraftRequest
 
 GREEDY = SamplingParams(temperature=0.0)
+UNPROCESSED = SamplingParams()  # the softmax of the logits
 DRAFT_SEED_SALT = 0x5EED_D2AF  # the draft stream of a seeded request differs from the target's own stream
 
 
@@ -48,8 +49,9 @@ def pick_drafts(
     device: torch.device,
     follow_constraints: bool,
 ) -> tuple[list[int], torch.Tensor]:
-    """One draft token per request from its logits [len(reqs), V]: greedy for greedy requests, else drawn from
-    the processed distribution q with a per-sequence generator seeded from the request's seed. With
+    """One draft token per request from its logits [len(reqs), V]: greedy for greedy requests and for requests
+    drafting for a tree (`DraftRequest.candidates`), else drawn from the processed distribution q with a
+    per-sequence generator seeded from the request's seed. With
     `follow_constraints` (the requests are distinct sequences at their next drafting position), a constrained
     request's logits are masked first and its constraint steps past the picked token. Returns the tokens and
     q [len(reqs), V]."""
@@ -68,7 +70,11 @@ def _pick(
     seed: int,
     device: torch.device,
 ) -> tuple[list[int], torch.Tensor]:
+    """Tokens and the distributions they come from. A request drafting for a tree takes its argmax, and its row of
+    q is the distribution its candidates come from: the processed one when it samples, the softmax when greedy."""
     params = [r.params or GREEDY for r in reqs]
+    choose = [GREEDY if r.candidates else p for r, p in zip(reqs, params)]
+    spread = [UNPROCESSED if r.candidates and p.greedy else p for r, p in zip(reqs, params)]
     gens = [
         None
         if p.greedy
@@ -78,16 +84,22 @@ def _pick(
                 DRAFT_SEED_SALT ^ (p.seed if p.seed is not None else zlib.crc32(r.seq_id.encode()) ^ seed), device
             ),
         )
-        for r, p in zip(reqs, params)
+        for r, p in zip(reqs, choose)
     ]
-    return sample(logits, params, gens).tolist(), processed_probs(logits, params)
+    return sample(logits, choose, gens).tolist(), processed_probs(logits, spread)
 
 
 def as_drafts(requests: list[DraftRequest], drafts: dict[str, tuple[list[int], list[torch.Tensor]]]) -> list[Draft]:
-    """One `Draft` per request from the tokens and q rows picked for it (q only for sampled requests)."""
+    """One `Draft` per request from the tokens and q rows picked for it: q for sampled requests, or for a request
+    drafting for a tree the top `candidates` of each row."""
     out = []
     for req in requests:
         tokens, probs = drafts.get(req.seq_id, ([], []))
+        if req.candidates and probs:
+            top = torch.stack(probs).topk(min(req.candidates, probs[0].shape[-1]), dim=-1)
+            candidates = [list(zip(ids, ps)) for ids, ps in zip(top.indices.tolist(), top.values.tolist())]
+            out.append(Draft(tokens=tokens, candidates=candidates))
+            continue
         sampled = req.params is not None and not req.params.greedy
         out.append(Draft(tokens=tokens, probs=torch.stack(probs) if sampled and probs else None))
     return out

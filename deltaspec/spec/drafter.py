@@ -26,6 +26,14 @@ The contract, precisely:
       for the draft-length policy and for choosing between drafters; not calibrated
       probabilities unless a drafter documents so. `None` = no opinion.
 
+    * `request.candidates` > 0 (the Speculator grows a tree of drafts, `deltaspec.spec.tree`): a drafter that has
+      a distribution per position drafts its first choice there (the argmax, also for sampled requests) and
+      reports in `draft.candidates[i]` its `candidates` most likely tokens at position i with their probabilities
+      (most likely first; the distribution is the one `tokens[i]` was drafted from: conditioned on
+      `tokens[:i]`). A drafter with other whole continuations (the n-gram drafter's shorter matches) may return them
+      as `draft.branches` (each a `Draft` whose `confidence` applies as for a draft). Both are optional: without
+      them the tree is the chain.
+
     * `request.constraint`: the sequence's structured-output state, or None. A drafter may follow it, picking
       its draft positions in order (the draft model, MTP and the block drafter do): mask each position with
       `constraint.next_mask()`, then `constraint.draft_step(token)` after picking; the Speculator undoes those
@@ -91,6 +99,7 @@ class DraftRequest:
     max_tokens: int  # at most this many draft tokens; 0 allowed
     params: SamplingParams | None = None  # the request's sampling; None or greedy: draft greedily
     constraint: GrammarState | None = None  # the sequence's structured-output state; None: unconstrained
+    candidates: int = 0  # > 0: for a tree, report this many top candidates per position (module docstring)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -104,6 +113,8 @@ class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V] draft distributions; None = deterministic
     confidence: list[float] | None = None  # per token, in [0, 1]; None = no opinion
+    candidates: list[list[tuple[int, float]]] | None = None  # per position: (token, probability), most likely first
+    branches: list[Draft] | None = None  # other whole continuations of the context
 
     def __post_init__(self) -> None:
         probs = self.probs
@@ -111,6 +122,8 @@ class Draft:
             raise ValueError(f"probs must be [len(tokens)={len(self.tokens)}, V], got {tuple(probs.shape)}")
         if self.confidence is not None and len(self.confidence) != len(self.tokens):
             raise ValueError(f"confidence has {len(self.confidence)} entries for {len(self.tokens)} tokens")
+        if self.candidates is not None and len(self.candidates) != len(self.tokens):
+            raise ValueError(f"candidates has {len(self.candidates)} positions for {len(self.tokens)} tokens")
 
     def __len__(self) -> int:
         return len(self.tokens)

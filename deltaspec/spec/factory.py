@@ -19,6 +19,7 @@ from deltaspec.spec.draft_model import DraftModelDrafter, draft_checkpoint
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.ngram import NgramDrafter
 
+EARLIER_OCCURRENCES = 3  # with trees, the n-gram drafter's branches from earlier occurrences of its longest match
 CHOICES = ("none", "ngram", "mtp", "draft", "block", "mtp+ngram", "draft+ngram", "block+ngram")
 
 
@@ -157,5 +158,5 @@ def make_drafter(
             )
         )
     if uses(config.speculative, "ngram"):
-        drafters.append(NgramDrafter())
+        drafters.append(NgramDrafter(earlier=EARLIER_OCCURRENCES if config.speculative_tree else 0))
     return drafters[0] if len(drafters) == 1 else CombinedDrafter(drafters[0], drafters[1])

@@ -68,7 +68,7 @@ class MTPDrafter:
         for seq, toks, pos, h in rows:
             token_ids += toks
             positions += pos
-            slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
+            slots += seq.kv_slots(pos, bs)
             hidden.append(h)
             tables.append(seq.blocks)
             lens.append(len(toks))

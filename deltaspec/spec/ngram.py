@@ -12,6 +12,11 @@ Confidence (a heuristic, not a calibrated probability): every token of a draft g
 the policy combining drafters should weigh it against a neural drafter's own confidence and
 draft length -- an n-gram draft must not blindly replace a longer neural draft.
 
+For a tree of drafts (`DraftRequest.candidates` > 0) other continuations become branches (`Draft.branches`,
+confidence `n / max_n`), so a tree keeps several alive: those after the `earlier` occurrences before the most recent
+one of the longest match (a drafter made with `earlier` > 0 remembers that many per n-gram), then after the most
+recent occurrences of the shorter suffixes that matched; each continuation that differs from those before it.
+
 Index: per sequence and per `n`, a dict from n-gram tuple to the start of its most recent
 occurrence among the n-grams that have a following token (those inside `t[:L-1]`). A call only
 indexes the tokens appended since the previous call, so a decode step costs
@@ -44,6 +49,8 @@ _INT_BYTES = sys.getsizeof(10**6)  # a position int (not in the small-int cache)
 class _SeqIndex:
     tokens: list[int] = field(default_factory=list)  # copy of the context seen by the last call
     maps: list[dict[tuple[int, ...], int]] = field(default_factory=list)  # [n - min_n] -> {ngram: start}
+    earlier: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)  # [n - min_n] -> {ngram: older
+    # starts, most recent first}
 
 
 class NgramDrafter:
@@ -52,7 +59,7 @@ class NgramDrafter:
     name = "ngram"
     needs_hidden = False
 
-    def __init__(self, min_n: int = 2, max_n: int = 5, check_window: int | None = 16):
+    def __init__(self, min_n: int = 2, max_n: int = 5, check_window: int | None = 16, earlier: int = 0):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if check_window is not None and check_window < 0:
@@ -60,6 +67,7 @@ class NgramDrafter:
         self.min_n = min_n
         self.max_n = max_n
         self.check_window = check_window
+        self.earlier = earlier
         self._seqs: dict[str, _SeqIndex] = {}
         self._tuple_bytes = [sys.getsizeof((0,) * n) for n in range(max_n + 1)]
 
@@ -86,6 +94,8 @@ class NgramDrafter:
             total += sys.getsizeof(st.tokens)
             for n, d in enumerate(st.maps, self.min_n):
                 total += sys.getsizeof(d) + len(d) * (self._tuple_bytes[n] + _INT_BYTES)
+            for d in st.earlier:
+                total += sys.getsizeof(d) + sum(sys.getsizeof(s) + len(s) * _INT_BYTES for s in d.values())
         return total
 
     # -- internals ----------------------------------------------------------------------------
@@ -96,25 +106,39 @@ class NgramDrafter:
         L = len(t)
         if req.max_tokens <= 0:
             return Draft(tokens=[], probs=None, confidence=[])
-        best_n = best_p = -1
+        matches = []  # (n, start of its most recent occurrence), shortest first
         for n, d in enumerate(st.maps, self.min_n):
             if n >= L:  # an earlier occurrence needs a start p with 0 <= p < L - n
                 break
             p = d.get(tuple(t[L - n :]))
             if p is None:
                 break  # no longer suffix can recur either
-            best_n, best_p = n, p
-        if best_n < 0:
+            matches.append((n, p))
+        if not matches:
             return Draft(tokens=[], probs=None, confidence=[])
-        start = best_p + best_n
-        tokens = list(t[start : start + req.max_tokens])
-        return Draft(tokens=tokens, probs=None, confidence=[best_n / self.max_n] * len(tokens))
+        best = self._continuation(t, *matches[-1], req.max_tokens)
+        if req.candidates:
+            longest = matches[-1][0]
+            older = st.earlier[longest - self.min_n].get(tuple(t[L - longest :]), []) if st.earlier else []
+            seen, best.branches = {tuple(best.tokens)}, []
+            for n, p in [(longest, p) for p in older] + list(reversed(matches[:-1])):
+                other = self._continuation(t, n, p, req.max_tokens)
+                if tuple(other.tokens) not in seen:
+                    seen.add(tuple(other.tokens))
+                    best.branches.append(other)
+        return best
+
+    def _continuation(self, t: list[int], n: int, p: int, max_tokens: int) -> Draft:
+        """The tokens that followed the occurrence of the `n`-gram at `p`, with confidence n / max_n."""
+        tokens = list(t[p + n : p + n + max_tokens])
+        return Draft(tokens=tokens, probs=None, confidence=[n / self.max_n] * len(tokens))
 
     def _sync(self, seq_id: str, t: list[int]) -> _SeqIndex:
         """The index of `seq_id`, brought up to date with context `t`."""
         st = self._seqs.get(seq_id)
         if st is None or not self._extends(st.tokens, t):
-            st = _SeqIndex(maps=[{} for _ in range(self.min_n, self.max_n + 1)])
+            sizes = range(self.min_n, self.max_n + 1)
+            st = _SeqIndex(maps=[{} for _ in sizes], earlier=[{} for _ in sizes] if self.earlier else [])
             self._seqs[seq_id] = st
         self._index(st, t)
         return st
@@ -140,5 +164,16 @@ class NgramDrafter:
             seg = t[p0:end]
             # zip of shifted views yields the n-gram tuples in order, so later starts overwrite
             # earlier ones: each key maps to its most recent occurrence.
-            d.update(zip(zip(*[seg[i:] for i in range(n)]), range(p0, p0 + count)))
+            grams = zip(zip(*[seg[i:] for i in range(n)]), range(p0, p0 + count))
+            if not self.earlier:
+                d.update(grams)
+                continue
+            earlier = st.earlier[n - self.min_n]
+            for gram, start in grams:
+                previous = d.get(gram)
+                if previous is not None:
+                    starts = earlier.setdefault(gram, [])
+                    starts.insert(0, previous)
+                    del starts[self.earlier :]
+                d[gram] = start
         st.tokens.extend(t[m:])

@@ -7,6 +7,11 @@ first token the constraint refuses, after it for a sampled draft), the rollback 
 cache manager, which alone moves the replay-log cursor), acceptance statistics, and the drafter's notices
 (hidden states, commits, finishes).
 
+With trees (`TreeSettings`), each draft becomes a tree of drafts grown from the drafter's candidates and branches
+(`deltaspec.spec.tree`), pruned to what a constraint allows, and verified by `deltaspec.spec.tree_verify`; the
+accepted path's rows stand (the cache manager moves their KV down to their positions), and the rounds teach the
+trees' statistics.
+
 Per step the engine calls `propose(running)` before scheduling; after the pass, `verify(outputs)` for the
 sequences that verified drafts (it changes nothing: the tokens to append and the accepted count of each),
 `commit(out, verdict, append)` for each of them (roll back, record, append through `append`, tell the
@@ -35,6 +40,9 @@ from deltaspec.sample.logprobs import gather_logprobs
 from deltaspec.sample.sampler import apply_penalties
 from deltaspec.sample.structured import apply_bitmask
 from deltaspec.spec.drafter import Draft, Drafter, DraftRequest
+from deltaspec.spec.policy import VerifyCostTable
+from deltaspec.spec.tree import TREE_WIDTH, DraftTree, TreeStats, grow_tree
+from deltaspec.spec.tree_verify import verify_tree_greedy, verify_tree_sampling
 from deltaspec.spec.verify import verify_greedy_tokens, verify_sampling
 
 log = logging.getLogger("deltaspec.spec")
@@ -54,34 +62,58 @@ class DraftLength(Protocol):
 
 @dataclass
 class Verdict:
-    """What verification decided for one sequence: the accepted drafts and the target's own token after them."""
+    """What verification decided for one sequence: the accepted drafts and the target's own token after them, and
+    for a tree the rows of the accepted path (the root's first; one per token)."""
 
     tokens: list[int]
     accepted: int
     logprobs: list  # per token: its logprobs, or None when the request asked for none
+    rows: list[int] | None = None  # a tree's accepted path; None: a chain's first 1 + accepted rows
 
 
-def row_logits(out: SeqOutput) -> torch.Tensor:
+@dataclass
+class TreeSettings:
+    """Trees of drafts: at most `max_nodes` nodes (the verify pass's rows less the root), grown as the `static` shape
+    or the dynamic one, sized by `costs` (None: always as large as they grow)."""
+
+    max_nodes: int
+    static: bool = False
+    costs: VerifyCostTable | None = None
+
+
+def row_logits(out: SeqOutput, tree: DraftTree | None = None) -> torch.Tensor:
     """The verify rows' logits [1 + k, V] with the request's penalties, min_tokens mask and structured-output mask
-    applied per row: row i continues the output with the first i drafts, so its counts include the earlier draft
-    rows of the pass, and its mask is the constraint's after them."""
+    applied per row: row i continues the output with the drafts on its way (a chain's first i, a tree's path to
+    row i), so its counts include them, and its mask is the constraint's after them."""
     seq, rows = out.seq, out.logits.shape[0]
-    outputs = [seq.output_ids + seq.draft[:i] for i in range(rows)]
+    paths = [tree.path_tokens(i) for i in range(rows)] if tree is not None else [seq.draft[:i] for i in range(rows)]
+    outputs = [seq.output_ids + path for path in paths]
     logits = apply_penalties(out.logits, [seq.prompt_ids] * rows, outputs, [seq.params] * rows, [seq.eos_ids] * rows)
     if seq.grammar is not None:
-        logits = apply_bitmask(logits, seq.grammar.draft_masks(seq.draft[: rows - 1]))
+        masks = seq.grammar.path_masks(paths) if tree is not None else seq.grammar.draft_masks(seq.draft[: rows - 1])
+        logits = apply_bitmask(logits, masks)
     return logits
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: DraftLength, cache: CacheManager, max_model_len: int, vocab_size: int):
+    def __init__(
+        self,
+        drafter: Drafter,
+        policy: DraftLength,
+        cache: CacheManager,
+        max_model_len: int,
+        vocab_size: int,
+        trees: TreeSettings | None = None,
+    ):
         if not isinstance(drafter, Drafter):
             raise DeltaspecError(
                 f"{type(drafter).__name__} is not a Drafter: it needs name, needs_hidden, propose, "
                 "observe, on_commit, on_finish and state_bytes (deltaspec.spec.drafter)."
             )
         self.drafter, self.policy, self.cache, self.max_model_len = drafter, policy, cache, max_model_len
-        self.vocab_size = vocab_size
+        self.vocab_size, self.trees = vocab_size, trees
+        self.tree_stats = TreeStats()
+        self.grown: dict[str, tuple[DraftTree, list[int]]] = {}  # a sequence's tree, and the drafter's own chain
 
     @property
     def name(self) -> str:
@@ -96,7 +128,8 @@ class Speculator:
             budget = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
             k = self.policy.choose(seq.request_id, budget)
             if k > 0:
-                requests.append(DraftRequest(seq.request_id, seq.all_ids, k, seq.params, seq.grammar))
+                width = TREE_WIDTH if self.trees is not None else 0
+                requests.append(DraftRequest(seq.request_id, seq.all_ids, k, seq.params, seq.grammar, width))
                 seqs.append(seq)
         if not requests:
             return
@@ -108,10 +141,39 @@ class Speculator:
             drafts = [self._propose_alone(request) for request in requests]
         self._end_drafts(seqs)
         for seq, request, draft in zip(seqs, requests, drafts):
-            if len(draft.tokens) > request.max_tokens or any(not 0 <= t < self.vocab_size for t in draft.tokens):
+            if not self._valid(draft, request.max_tokens):
                 log.error("the %s drafter proposed an invalid draft for %s; dropped", self.name, seq.request_id)
                 continue
-            seq.draft, seq.draft_probs = self._within_constraint(seq, list(draft.tokens), draft.probs)
+            if self.trees is not None:
+                self._plant(seq, draft)
+            else:
+                seq.draft, seq.draft_probs = self._within_constraint(seq, list(draft.tokens), draft.probs)
+
+    def _valid(self, draft: Draft, max_tokens: int) -> bool:
+        """Whether a draft (its candidates and branches too) stays within its length and the vocabulary."""
+        tokens = list(draft.tokens)
+        tokens += [t for position in draft.candidates or () for t, _ in position]
+        for branch in draft.branches or ():
+            tokens += branch.tokens
+        lengths = [len(draft.tokens)] + [len(branch.tokens) for branch in draft.branches or ()]
+        return max(lengths) <= max_tokens and all(0 <= t < self.vocab_size for t in tokens)
+
+    def _plant(self, seq: Sequence, draft: Draft) -> None:
+        """The tree grown from `draft`, without the nodes its constraint refuses, as the sequence's draft (a tree
+        that is a chain verifies as one)."""
+        settings = self.trees
+        tree = grow_tree(draft, settings.max_nodes, self.tree_stats, settings.static, settings.costs)
+        if seq.grammar is not None:
+            depths = tree.depths
+            refused = {
+                row
+                for row in range(1, len(tree) + 1)
+                if seq.grammar.valid_prefix(tree.path_tokens(row)) < depths[row - 1]
+            }
+            tree = tree.without(refused)
+        seq.draft, seq.draft_probs = list(tree.tokens), None
+        seq.draft_parents = None if tree.is_chain else list(tree.parents)
+        self.grown[seq.request_id] = (tree, list(draft.tokens))
 
     @staticmethod
     def _end_drafts(seqs: list[Sequence]) -> None:
@@ -146,9 +208,13 @@ class Speculator:
     def verify(self, outputs: list[SeqOutput]) -> list[Verdict]:
         """Verdicts for `outputs` (sequences that verified drafts), in order: greedy verification from the argmax
         for plain-greedy sequences, rejection sampling (greedy for greedy requests) from the per-row processed
-        logits for the others. Changes nothing but the sampling generators."""
-        greedy = [out for out in outputs if out.logits is None]
-        sampled = [out for out in outputs if out.logits is not None]
+        logits for the others; a tree's by `deltaspec.spec.tree_verify`. Changes nothing but the sampling
+        generators."""
+        trees = {id(out): tree for out in outputs if (tree := self._tree_of(out.seq)) is not None}
+        found = self._verify_trees([out for out in outputs if id(out) in trees], trees)
+        outputs_of_chains = [out for out in outputs if id(out) not in trees]
+        greedy = [out for out in outputs_of_chains if out.logits is None]
+        sampled = [out for out in outputs_of_chains if out.logits is not None]
         by_argmax = verify_greedy_tokens([out.argmax for out in greedy], [out.seq.draft for out in greedy])
         by_sampling = verify_sampling(
             [row_logits(out) for out in sampled],
@@ -157,30 +223,60 @@ class Speculator:
             [out.seq.params for out in sampled],
             [out.seq.generator for out in sampled],
         )
-        found = {}
         for group, result in ((greedy, by_argmax), (sampled, by_sampling)):
             for out, tokens, accepted in zip(group, result.tokens, result.accepted):
                 found[id(out)] = Verdict(tokens, accepted, self._logprobs(out, tokens))
         return [found[id(out)] for out in outputs]
 
+    def _tree_of(self, seq: Sequence) -> DraftTree | None:
+        """The tree `seq` verifies (cut as far as the scheduler cut its draft), None for a chain."""
+        if seq.draft_parents is None or seq.request_id not in self.grown:
+            return None
+        return self.grown[seq.request_id][0].cut(len(seq.draft))
+
+    def _verify_trees(self, outputs: list[SeqOutput], trees: dict[int, DraftTree]) -> dict[int, Verdict]:
+        greedy = [out for out in outputs if out.logits is None]
+        sampled = [out for out in outputs if out.logits is not None]
+        results = [verify_tree_greedy(out.argmax, trees[id(out)]) for out in greedy]
+        results += verify_tree_sampling(
+            [row_logits(out, trees[id(out)]) for out in sampled],
+            [trees[id(out)] for out in sampled],
+            [out.seq.params for out in sampled],
+            [out.seq.generator for out in sampled],
+        )
+        return {
+            id(out): Verdict(tokens, len(tokens) - 1, self._logprobs(out, tokens, rows), rows)
+            for out, (tokens, rows) in zip(greedy + sampled, results)
+        }
+
     @staticmethod
-    def _logprobs(out: SeqOutput, tokens: list[int]) -> list:
+    def _logprobs(out: SeqOutput, tokens: list[int], rows: list[int] | None = None) -> list:
         wanted = out.seq.params.logprobs
         if wanted is None:
             return [None] * len(tokens)
         chosen = torch.tensor(tokens, device=out.logits.device)
-        return gather_logprobs(out.logits[: len(tokens)], chosen, [wanted] * len(tokens))
+        logits = out.logits[: len(tokens)] if rows is None else out.logits[torch.tensor(rows, device=chosen.device)]
+        return gather_logprobs(logits, chosen, [wanted] * len(tokens))
 
     def commit(self, out: SeqOutput, verdict: Verdict, append: Append) -> None:
         """Keep the accepted rows of `out`'s sequence, record the round, append the tokens, tell the drafter."""
-        seq, drafted = out.seq, len(out.seq.draft)
-        self.cache.keep_verified(seq, 1 + verdict.accepted)  # the last sampled token's row and the accepted drafts
-        seq.draft, seq.draft_probs = [], None
+        seq, drafted, accepted = out.seq, len(out.seq.draft), verdict.accepted
+        tree = self._tree_of(seq)
+        # the last sampled token's row and the accepted drafts: a chain's first rows, a tree's path
+        self.cache.keep_verified(seq, 1 + accepted if verdict.rows is None else verdict.rows)
+        grown = self.grown.pop(seq.request_id, None)
+        if tree is not None:
+            drafted = max(tree.depths)
+            self.tree_stats.update(tree, verdict.rows)
+        if grown is not None:  # of the drafter's own chain, the tokens that were committed
+            accepted = next((i for i, (d, t) in enumerate(zip(grown[1], verdict.tokens)) if d != t), len(grown[1]))
+            accepted = min(accepted, len(verdict.tokens) - 1)
+        seq.cut_draft(0)
         seq.acceptance.record(drafted, verdict.accepted)
         self.policy.update(seq.request_id, drafted, verdict.accepted)
         append(seq, verdict.tokens, verdict.logprobs)
         if not seq.finished:
-            self._notify(self.drafter.on_commit, seq.request_id, verdict.accepted, seq.num_tokens)
+            self._notify(self.drafter.on_commit, seq.request_id, accepted, seq.num_tokens)
 
     def observe(self, outputs: list[SeqOutput]) -> None:
         """Hand a drafter that reads the target's hidden states those of every committed row: the outputs of its
@@ -190,6 +286,9 @@ class Speculator:
         for out in outputs:
             committed = out.seq.num_computed - out.first_position
             states = out.hidden if out.features is None else out.features
+            path = out.seq.replay.fold_rows if out.verifying else None  # a tree's accepted path
+            if path is not None:
+                states = states[torch.tensor(path, device=states.device)]
             if not out.seq.finished and committed > 0:
                 self._notify(self.drafter.observe, out.seq.request_id, out.first_position, states[:committed])
 
@@ -205,6 +304,7 @@ class Speculator:
     def finish(self, seq: Sequence) -> None:
         self._notify(self.drafter.on_finish, seq.request_id)
         self.policy.forget(seq.request_id)
+        self.grown.pop(seq.request_id, None)
 
     def state_bytes(self) -> int:
         return self.drafter.state_bytes()
