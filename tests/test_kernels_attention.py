@@ -1,6 +1,6 @@
 """Triton `write_kv` and `paged_attention` against their torch references (`deltaspec.ops.attention`), on fresh
 random inputs: scattered pages, several sequences of different row counts and contexts in one call, both regimes
-(decode/verify and prefill), with and without split-KV."""
+(decode/verify and prefill), with and without split-KV, and tree passes (rows that see only their ancestors)."""
 
 from __future__ import annotations
 
@@ -52,10 +52,22 @@ def interpreter_fixes(monkeypatch):
 
 
 def _paged_inputs(
-    query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0, table_width=None
+    query_lens,
+    context_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    device,
+    seed=0,
+    table_width=None,
+    speculative=None,
+    parents=None,
 ):
     """q [T, Hq, D], caches [num_blocks, block_size, Hkv, D] filled with random values everywhere (so reading a
-    position a row may not see changes the result), and a layout whose pages are a random scatter of the pool."""
+    position a row may not see changes the result), and a layout whose pages are a random scatter of the pool
+    (`speculative` and `parents` as `SeqLayout.build` takes them)."""
     generator = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-ctx // block_size) for ctx in context_lens]
     num_blocks = sum(pages_per_seq) + 5
@@ -66,7 +78,15 @@ def _paged_inputs(
         used += count
     if table_width is not None:
         tables[0] = tables[0] + [0] * (table_width - len(tables[0]))
-    layout = SeqLayout.build(query_lens, context_lens, list(range(len(query_lens))), device, block_tables=tables)
+    layout = SeqLayout.build(
+        query_lens,
+        context_lens,
+        list(range(len(query_lens))),
+        device,
+        speculative=speculative,
+        block_tables=tables,
+        parents=parents,
+    )
 
     def rand(*shape):
         return torch.randn(*shape, generator=generator).to(dtype).to(device)
@@ -249,3 +269,105 @@ def test_attention_reads_quantized_rows(kernel_device, cache_dtype, query_lens, 
     )
     k_cache, v_cache = (reference.quantize_kv_rows(c.cpu(), cache_dtype).to(kernel_device) for c in (k_cache, v_cache))
     _check_attention(q, k_cache, v_cache, layout)
+
+
+def _random_parents(rows: int, seed: int) -> list[int]:
+    """A random tree of `rows` rows in row order: each row's parent is an earlier row."""
+    generator = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, row, (1,), generator=generator)) for row in range(1, rows)]
+
+
+def _root_path(parents: list[int], row: int) -> list[int]:
+    """The rows from the root to `row`, in order."""
+    path = [row]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+# A tree with restarts and leaves (row 1 has two children that both have children).
+TREE = [-1, 0, 1, 1, 2, 3, 0, 6]
+# Tree passes (query_lens, context_lens, speculative, parents, table_width): a tree, a 40-row random tree whose
+# second row block (32 rows a block at group 2) would see unmasked tiles past its context, a speculative chain,
+# a decode row and a plain 5-row chunk (verify regime); a tree and a long context split over the KV (verify); and
+# trees beside a 100-row chunk, split (prefill regime).
+TREE_PASSES = {
+    "verify": (
+        [8, 40, 3, 1, 5],
+        [200, 80, 50, 37, 129],
+        [True, True, True, False, False],
+        [TREE, _random_parents(40, seed=1), None, None, None],
+        None,
+    ),
+    "verify_split": ([8, 5], [1000, 300], [True, True], [TREE, _random_parents(5, seed=2)], 64),
+    "prefill_split": (
+        [100, 8, 20],
+        [600, 300, 90],
+        [False, True, True],
+        [None, TREE, _random_parents(20, seed=3)],
+        40,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), GROUP_SHAPES[0]])
+@pytest.mark.parametrize("regime", list(TREE_PASSES))
+def test_tree_pass(kernel_device, regime, num_heads, num_kv_heads, head_dim, dtype):
+    query_lens, context_lens, speculative, parents, table_width = TREE_PASSES[regime]
+    inputs = _paged_inputs(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype, kernel_device, 8, table_width,
+        speculative, parents,
+    )  # fmt: skip
+    layout = inputs[3]
+    assert (layout.max_query_len > triton_attention.VERIFY_MAX_ROWS) == (regime == "prefill_split")
+    assert (triton_attention.kv_splits(inputs[0], inputs[1], layout) > 1) == regime.endswith("split")
+    _check_attention(*inputs)
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHES)
+def test_tree_pass_reads_quantized_rows(kernel_device, cache_dtype):
+    query_lens, context_lens, speculative, parents, _ = TREE_PASSES["verify"]
+    q, k_cache, v_cache, layout = _paged_inputs(
+        query_lens, context_lens, 4, 2, 64, 16, torch.bfloat16, kernel_device, 9, None, speculative, parents
+    )
+    k_cache, v_cache = (reference.quantize_kv_rows(c.cpu(), cache_dtype).to(kernel_device) for c in (k_cache, v_cache))
+    _check_attention(q, k_cache, v_cache, layout)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "kernel"])
+def test_tree_rows_are_their_paths_as_chains(kernel_device, implementation):
+    """Row i of a tree after `base` cached tokens gives what the last row of its root-to-i path gives as a chain:
+    the same context, then the path's rows' K and V at the next positions."""
+    attention = reference.paged_attention if implementation == "reference" else triton_attention.paged_attention
+    generator = torch.Generator().manual_seed(10)
+    num_heads, num_kv_heads, head_dim, block_size, base = 4, 2, 64, 16, 70
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(kernel_device)
+
+    q = rand(len(TREE), num_heads, head_dim)  # [L, Hq, D]
+    context_k, context_v = rand(base, num_kv_heads, head_dim), rand(base, num_kv_heads, head_dim)  # [base, Hkv, D]
+    new_k, new_v = rand(len(TREE), num_kv_heads, head_dim), rand(len(TREE), num_kv_heads, head_dim)  # [L, Hkv, D]
+    paths = [_root_path(TREE, row) for row in range(len(TREE))]
+    sequences = [list(range(len(TREE)))] + paths  # the tree's rows, then each path's
+    pages_per_seq = [-(-(base + len(rows)) // block_size) for rows in sequences]
+    k_cache = rand(sum(pages_per_seq), block_size, num_kv_heads, head_dim)  # stale values wherever nothing is written
+    v_cache = rand(sum(pages_per_seq), block_size, num_kv_heads, head_dim)
+    tables, first_page = [], 0
+    for count, rows in zip(pages_per_seq, sequences):
+        table = list(range(first_page, first_page + count))
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(base + len(rows))])
+        keys, values = torch.cat([context_k, new_k[rows]]), torch.cat([context_v, new_v[rows]])
+        reference.write_kv(keys, values, k_cache, v_cache, slots.to(kernel_device))
+        tables.append(table)
+        first_page += count
+    lens = [len(rows) for rows in sequences]
+    layout = SeqLayout.build(
+        lens, [base + n for n in lens], list(range(len(lens))), kernel_device, speculative=[True] * len(lens),
+        block_tables=tables, parents=[TREE] + [None] * len(paths),
+    )  # fmt: skip
+    rows = torch.tensor([row for rows in sequences for row in rows], device=kernel_device)
+    out = attention(q[rows], k_cache, v_cache, layout, head_dim**-0.5)  # [T, Hq, D]
+    last_rows = layout.query_start[2:].long() - 1
+    torch.testing.assert_close(out[: len(TREE)], out[last_rows], **TOLERANCES[torch.float32])

@@ -1,6 +1,8 @@
 """Triton GDN kernels (gated delta rule, causal conv1d, gates) against their torch references, on fresh
 random inputs: outputs, final states, windows and replay logs are compared separately, with
-slots that are not 0..B-1 and untouched neighbouring slots that must keep their contents."""
+slots that are not 0..B-1 and untouched neighbouring slots that must keep their contents. Tree passes
+(`layout.tree`) mix tree, chain, decode and folding sequences, and a tree's rows are checked against its
+root-to-row paths run as chains."""
 
 import pytest
 import torch
@@ -28,8 +30,28 @@ RELATIVE = {"atol": 1e-30, "rtol": 2e-5}
 BF16_ONE_STEP = {"atol": 1e-2, "rtol": 8e-3}
 
 
-def _layout(lens, slots, device, fold=None, speculative=None) -> SeqLayout:
-    return SeqLayout.build(lens, lens, slots, device, fold=fold, speculative=speculative)
+def _layout(lens, slots, device, fold=None, speculative=None, parents=None, fold_rows=None, log_rows=LOG_ROWS):
+    return SeqLayout.build(
+        lens, lens, slots, device, fold, speculative, parents=parents, fold_rows=fold_rows, log_rows=log_rows
+    )
+
+
+# A tree with restarts: row 1 has two children (2, 3) that both have children (4, 5); 4, 5 and 7 are leaves.
+TREE = [-1, 0, 1, 1, 2, 3, 0, 6]
+
+
+def _random_parents(rows: int, seed: int) -> list[int]:
+    """A random tree of `rows` rows in row order: each row's parent is an earlier row."""
+    gen = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, row, (1,), generator=gen)) for row in range(1, rows)]
+
+
+def _root_path(parents: list[int], row: int) -> list[int]:
+    """The rows from the root to `row`, in order."""
+    path = [row]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
 def _assert_close(actual, expected, what, tol):
@@ -40,7 +62,9 @@ def _assert_close(actual, expected, what, tol):
 # ---------------------------------------------------------------- gated delta rule
 
 
-def _gdn_inputs(num_tokens, hk, hv, dk, dv, device, dtype=torch.float32, state_dtype=torch.float32, seed=0):
+def _gdn_inputs(
+    num_tokens, hk, hv, dk, dv, device, dtype=torch.float32, state_dtype=torch.float32, seed=0, log_rows=LOG_ROWS
+):
     """Random post-gates inputs, a random state for every slot and a random replay log."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -54,10 +78,10 @@ def _gdn_inputs(num_tokens, hk, hv, dk, dv, device, dtype=torch.float32, state_d
     beta = torch.sigmoid(randn(num_tokens, hv)).to(dtype)  # [T, Hv]
     state = (randn(NUM_SLOTS, hv, dk, dv) * 0.3).to(state_dtype)  # [S, Hv, Dk, Dv]
     log = GDNLog(
-        k=torch.nn.functional.normalize(randn(NUM_SLOTS, LOG_ROWS, hk, dk), dim=-1),
-        v=randn(NUM_SLOTS, LOG_ROWS, hv, dv),
-        g=torch.nn.functional.logsigmoid(randn(NUM_SLOTS, LOG_ROWS, hv) + 2.0),
-        beta=torch.sigmoid(randn(NUM_SLOTS, LOG_ROWS, hv)),
+        k=torch.nn.functional.normalize(randn(NUM_SLOTS, log_rows, hk, dk), dim=-1),
+        v=randn(NUM_SLOTS, log_rows, hv, dv),
+        g=torch.nn.functional.logsigmoid(randn(NUM_SLOTS, log_rows, hv) + 2.0),
+        beta=torch.sigmoid(randn(NUM_SLOTS, log_rows, hv)),
     )
     return (
         q.to(device),
@@ -90,9 +114,12 @@ def _check_gdn(
     tol=FP32,
     state_tol=FP32,
     seed=0,
+    parents=None,
+    fold_rows=None,
+    log_rows=LOG_ROWS,
 ):
-    q, k, v, g, beta, state, log = _gdn_inputs(sum(lens), hk, hv, dk, dv, device, dtype, state_dtype, seed)
-    layout = _layout(lens, slots, device, fold, speculative)
+    q, k, v, g, beta, state, log = _gdn_inputs(sum(lens), hk, hv, dk, dv, device, dtype, state_dtype, seed, log_rows)
+    layout = _layout(lens, slots, device, fold, speculative, parents, fold_rows, log_rows)
     expected_state, expected_log = state.clone(), _clone_log(log)
     expected = gdn_reference.gated_delta_rule(
         q, k, v, g, beta, expected_state, layout, expected_log if with_log else None
@@ -215,6 +242,68 @@ def test_gdn_long_mixed_pass_uses_recurrence(kernel_device):
     )
 
 
+# A tree pass: a tree that folds 2 rows, a speculative chain, a decode row, a random tree that folds the path
+# [0, 2, 5] of its last tree, and a plain 4-row sequence that folds [1, 3].
+TREE_PASS = dict(
+    lens=[8, 3, 1, 6, 4],
+    slots=[4, 8, 0, 2, 6],
+    fold=[2, 0, 1, 3, 2],
+    speculative=[True, True, False, True, False],
+    parents=[TREE, None, None, _random_parents(6, seed=1), None],
+    fold_rows=[None, None, None, [0, 2, 5], [1, 3]],
+)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_gdn_tree_pass(kernel_device, state_dtype):
+    """Each tree row continues its parent's state (restarting from the folded state along its ancestors, each
+    rounded as a row is for a bf16 state), folds replay their fold rows, and chains stay chains."""
+    tol = FP32 if state_dtype == torch.float32 else BF16
+    _check_gdn(kernel_device, **TREE_PASS, state_dtype=state_dtype, tol=tol, state_tol=tol, seed=5)
+
+
+def test_gdn_large_tree_beside_a_long_sequence(kernel_device):
+    """A random 40-row tree (restarts replaying long paths) in a pass with a 70-row plain sequence."""
+    _check_gdn(
+        kernel_device,
+        [70, 40],
+        [2, 5],
+        fold=[0, 3],
+        speculative=[False, True],
+        parents=[None, _random_parents(40, seed=2)],
+        fold_rows=[None, [4, 1, 7]],
+        log_rows=40,
+        hk=1,
+        hv=2,
+        dk=8,
+        dv=8,
+        tol={"atol": 1e-4, "rtol": 1e-4},
+        state_tol={"atol": 1e-4, "rtol": 1e-4},
+    )
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("implementation", ["reference", "kernel"])
+def test_gdn_tree_rows_are_their_paths_as_chains(kernel_device, implementation, state_dtype):
+    """Row i of a tree gives what the last row of its root-to-i path gives, verified as a chain from the same
+    state and fold (one chain per row, each in its own slot holding a copy of the tree's)."""
+    rule = gdn_reference.gated_delta_rule if implementation == "reference" else gdn_kernels.gated_delta_rule
+    q, k, v, g, beta, state, log = _gdn_inputs(len(TREE), 2, 4, 16, 16, kernel_device, state_dtype=state_dtype, seed=4)
+    chains = len(TREE)
+    state[1 : 1 + chains] = state[0]
+    for name in ("k", "v", "g", "beta"):
+        getattr(log, name)[1 : 1 + chains] = getattr(log, name)[0]
+    chain_state, chain_log = state.clone(), _clone_log(log)
+    tree = rule(q, k, v, g, beta, state, _layout([chains], [0], kernel_device, [2], [True], [TREE], [[0, 1]]), log)
+    paths = [_root_path(TREE, row) for row in range(chains)]
+    rows = torch.tensor([row for path in paths for row in path], device=kernel_device)
+    layout = _layout([len(p) for p in paths], list(range(1, 1 + chains)), kernel_device, [2] * chains, [True] * chains)
+    out = rule(q[rows], k[rows], v[rows], g[rows], beta[rows], chain_state, layout, chain_log)
+    last_rows = layout.query_start[1:].long() - 1
+    torch.testing.assert_close(tree, out[last_rows], atol=1e-6, rtol=1e-6)
+    assert torch.equal(state[0], chain_state[1]), "the folded state the tree pass wrote"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's chunk kernel needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_prefill_chunked(kernel_device, dtype):
@@ -264,13 +353,16 @@ def _check_conv(
     tol=FP32,
     window_tol=FP32,
     seed=0,
+    parents=None,
+    fold_rows=None,
+    log_rows=LOG_ROWS,
 ):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(lens), channels, generator=gen).to(device=device, dtype=dtype)  # [T, C]
     weight = (torch.randn(channels, kernel_size, generator=gen) * 0.5).to(device=device, dtype=dtype)  # [C, K]
     conv_state = torch.randn(NUM_SLOTS, kernel_size - 1, channels, generator=gen).to(device=device, dtype=state_dtype)
-    log = torch.randn(NUM_SLOTS, LOG_ROWS, channels, generator=gen).to(device=device, dtype=state_dtype)
-    layout = _layout(lens, slots, device, fold, speculative)
+    log = torch.randn(NUM_SLOTS, log_rows, channels, generator=gen).to(device=device, dtype=state_dtype)
+    layout = _layout(lens, slots, device, fold, speculative, parents, fold_rows, log_rows)
     expected_state, expected_log = conv_state.clone(), log.clone()
     expected = conv_reference.causal_conv1d(x, weight, expected_state, layout, expected_log if with_log else None)
     original_state = conv_state.clone()
@@ -314,6 +406,50 @@ def test_conv_long_sequences_span_row_blocks(kernel_device):
 
 def test_conv_kernel_size_two(kernel_device):
     _check_conv(kernel_device, [3, 1], [2, 6], fold=[2, 1], speculative=[True, False], kernel_size=2)
+
+
+def test_conv_tree_pass(kernel_device):
+    """Tree rows convolve their ancestors' rows (reaching into the folded window from deep rows), folds shift
+    in their fold rows, chains stay chains."""
+    _check_conv(kernel_device, **TREE_PASS, seed=5)
+
+
+def test_conv_large_tree_beside_a_long_sequence(kernel_device):
+    """A random 40-row tree, whose rows past the first 32 still reach the window, beside a 70-row sequence."""
+    parents = _random_parents(40, seed=3)
+    parents[35], parents[38] = 0, 1  # rows 1 and 2 deep: their taps reach 2 and 1 rows into the window
+    _check_conv(
+        kernel_device,
+        [70, 40, 1],
+        [3, 5, 1],
+        fold=[2, 3, 1],
+        speculative=[False, True, False],
+        parents=[None, parents, None],
+        fold_rows=[None, [6, 0, 2], None],
+        log_rows=40,
+        channels=40,
+    )
+
+
+@pytest.mark.parametrize("implementation", ["reference", "kernel"])
+def test_conv_tree_rows_are_their_paths_as_chains(kernel_device, implementation):
+    """Row i of a tree gives what the last row of its root-to-i path gives, verified as a chain (each chain in its
+    own slot holding a copy of the tree's window and log)."""
+    conv = conv_reference.causal_conv1d if implementation == "reference" else conv_kernels.causal_conv1d
+    gen = torch.Generator().manual_seed(6)
+    chains, channels = len(TREE), 24
+    x = torch.randn(chains, channels, generator=gen).to(kernel_device)  # [T, C]
+    weight = torch.randn(channels, 4, generator=gen).to(kernel_device)  # [C, K]
+    conv_state = torch.randn(1, 3, channels, generator=gen).repeat(NUM_SLOTS, 1, 1).to(kernel_device)
+    log = torch.randn(1, LOG_ROWS, channels, generator=gen).repeat(NUM_SLOTS, 1, 1).to(kernel_device)
+    chain_state, chain_log = conv_state.clone(), log.clone()
+    tree = conv(x, weight, conv_state, _layout([chains], [0], kernel_device, [2], [True], [TREE], [[0, 1]]), log)
+    paths = [_root_path(TREE, row) for row in range(chains)]
+    rows = torch.tensor([row for path in paths for row in path], device=kernel_device)
+    layout = _layout([len(p) for p in paths], list(range(1, 1 + chains)), kernel_device, [2] * chains, [True] * chains)
+    out = conv(x[rows], weight, chain_state, layout, chain_log)
+    torch.testing.assert_close(tree, out[layout.query_start[1:].long() - 1], atol=1e-6, rtol=1e-6)
+    assert torch.equal(conv_state[0], chain_state[1]), "the folded window the tree pass wrote"
 
 
 def test_conv_bfloat16(kernel_device):

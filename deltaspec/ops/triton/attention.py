@@ -24,6 +24,11 @@ its share of `context_lens_t[b]` in-kernel (a multiple of BLOCK_N), writes a nor
 log2-sum-exp, and `_combine_splits_kernel` (grid (T, Hq)) merges them. With one split the attention kernel writes
 the output directly.
 
+Trees (`layout.tree`, compiled in with HAS_TREE; only its device tensors are read): a row of a speculative
+sequence sees the positions before the sequence's first new row (`base` = context length - rows) and the new rows
+whose bits its `ancestors_t` mask sets. Masked tiles test those bits; a speculative sequence's unmasked tiles end
+at or before `base`, in both regimes and every split. Other sequences' rows stay causal.
+
 Quantized caches (fp8 e4m3 or int8 rows [D values, float32 scale], `deltaspec.ops.attention`): `write_kv`
 computes each row's scale and values as the reference does (correctly rounded divisions, ties to even), and the
 attention kernel multiplies each K / V tile by its rows' scales before the dot products.
@@ -159,6 +164,8 @@ def _attend_tile(
     start_n,
     kv_end,
     allowed_end,
+    ancestors,
+    tree_base,
     k_cache_ptr,
     v_cache_ptr,
     table_ptr,
@@ -179,10 +186,12 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     """One BLOCK_N-wide KV tile folded into the online softmax of the BLOCK_M query rows in `q`. MASKED tiles
-    mask positions >= kv_end and, per row, positions >= allowed_end (causal); unmasked tiles lie wholly inside.
-    QUANTIZED rows are read as their values times the float32 scale stored after them."""
+    mask positions >= kv_end and, per row, positions >= allowed_end (causal); with HAS_TREE also a position
+    n >= tree_base whose bit n - tree_base of the row's `ancestors` ([BLOCK_M] int64) is clear. Unmasked tiles
+    lie wholly inside. QUANTIZED rows are read as their values times the float32 scale stored after them."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] KV positions
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
@@ -207,6 +216,11 @@ def _attend_tile(
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         allowed = offs_n[None, :] < allowed_end[:, None]
+        if HAS_TREE:
+            new_row = offs_n - tree_base  # [BLOCK_N] position among the sequence's new rows (< 0: before them)
+            bit = tl.minimum(tl.maximum(new_row, 0), 63).to(tl.int64)
+            on_path = ((ancestors[:, None] >> bit[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
+            allowed = allowed & ((new_row < 0)[None, :] | on_path)
         scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))  # [BLOCK_M]
     if MASKED:
@@ -239,6 +253,8 @@ def _paged_attention_kernel(
     query_start_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    speculative_ptr,
+    ancestors_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -266,6 +282,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     pdl.wait_for_previous()
     row_block = tl.program_id(0)
@@ -296,10 +313,18 @@ def _paged_attention_kernel(
     split_tokens = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_lo = split * split_tokens
     split_hi = tl.minimum(split_lo + split_tokens, ctx)
-    allowed_end = ctx - q_len + rows + 1  # [BLOCK_M] first position a row may not see
-    kv_hi = tl.minimum(ctx - q_len + last_row + 1, split_hi)
+    base = ctx - q_len  # position of the sequence's first new row
+    allowed_end = base + rows + 1  # [BLOCK_M] first position a row may not see
+    kv_hi = tl.minimum(base + last_row + 1, split_hi)
     kv_hi = tl.where(first_row < q_len, kv_hi, split_lo)
-    full_hi = tl.minimum(ctx - q_len + first_row + 1, kv_hi)  # every row of the block sees all before this
+    if HAS_TREE:
+        follows_tree = tl.load(speculative_ptr + seq) != 0
+        ancestors = tl.load(ancestors_ptr + token, mask=row_valid & follows_tree, other=-1)  # [BLOCK_M] int64
+        full_limit = tl.where(follows_tree, base, base + first_row + 1)  # a tree's rows need not see each other
+    else:
+        ancestors = tl.full([BLOCK_M], -1, tl.int64)  # every new row up to allowed_end
+        full_limit = base + first_row + 1
+    full_hi = tl.minimum(full_limit, kv_hi)  # every row of the block sees all before this
     full_end = split_lo + tl.maximum(full_hi - split_lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -314,6 +339,8 @@ def _paged_attention_kernel(
             start_n,
             kv_hi,
             allowed_end,
+            ancestors,
+            base,
             k_cache_ptr,
             v_cache_ptr,
             table_ptr,
@@ -334,6 +361,7 @@ def _paged_attention_kernel(
             DOT_PRECISION,
             MASKED=False,
             QUANTIZED=QUANTIZED,
+            HAS_TREE=HAS_TREE,
         )
     for start_n in range(full_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -344,6 +372,8 @@ def _paged_attention_kernel(
             start_n,
             kv_hi,
             allowed_end,
+            ancestors,
+            base,
             k_cache_ptr,
             v_cache_ptr,
             table_ptr,
@@ -364,6 +394,7 @@ def _paged_attention_kernel(
             DOT_PRECISION,
             MASKED=True,
             QUANTIZED=QUANTIZED,
+            HAS_TREE=HAS_TREE,
         )
 
     seen = l_i > 0
@@ -474,6 +505,8 @@ def paged_attention(
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
+    tree = layout.tree
+    tree_tensors = (layout.speculative_t, tree.ancestors_t) if tree is not None else (layout.query_start,) * 2
     grid = (
         triton.cdiv(layout.max_query_len * heads_per_program, block_m),
         layout.num_seqs,
@@ -489,6 +522,7 @@ def paged_attention(
         layout.query_start,
         layout.context_lens_t,
         layout.block_tables,
+        *tree_tensors,
         scale * math.log2(math.e),
         *q.stride(),
         *out.stride(),
@@ -506,6 +540,7 @@ def paged_attention(
         PAGE_SIZE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 q is not rounded to tf32
         QUANTIZED=k_cache.dtype in QUANT_MAX,
+        HAS_TREE=tree is not None,
         num_warps=num_warps,
         **pdl.LAUNCH,
     )

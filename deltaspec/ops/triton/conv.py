@@ -9,16 +9,24 @@ that folded, the last K-1 rows otherwise) and the speculative rows' log; those a
 programs reading the window and log, so a barrier between their loads and stores orders them.
 Per-sequence values come from the layout's device tensors; the launch is shaped by `num_seqs`,
 `max_query_len` and tensor shapes only. Arithmetic is float32, rounded once to x's dtype.
+
+Trees (`layout.tree`, compiled in with HAS_TREE; only its device tensors are read): the window's folded rows are
+the log rows `fold_rows_t[seq]` (stacked index s >= K-1 reads log row `fold_rows_t[seq, s - (K-1)]`), and a
+speculative sequence's tap at distance d from row i reads position up^d(i), up(p) = `parent_t[first_row + p]`
+inside the sequence and p - 1 in the window. A tree's row may then reach the window from any row of the
+sequence, so a tree pass takes row blocks of up to MAX_TREE_ROWS rows: a tree fits the first, and only the
+first block still reads the window and log.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.layout import MAX_TREE_ROWS, SeqLayout
 from deltaspec.ops.triton import pdl
 
 MAX_ROW_BLOCK = 32
+TREE_ROW_BLOCK = triton.next_power_of_2(MAX_TREE_ROWS)  # rows per program in a tree pass: a whole tree
 TILE_ELEMENTS = 1024  # rows x channels per program
 
 
@@ -30,6 +38,7 @@ def _window_rows(
     channel_mask,
     slot,
     num_fold,
+    fold_rows_ptr,
     conv_state_ptr,
     log_ptr,
     state_stride_slot,
@@ -38,8 +47,10 @@ def _window_rows(
     log_stride_row,
     K: tl.constexpr,
     HAS_LOG: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
-    """The folded window at positions -(K-1)..-1 ([N] int, masked), in conv_state's dtype: [N, BC]."""
+    """The folded window at positions -(K-1)..-1 ([N] int, masked), in conv_state's dtype: [N, BC]. With
+    HAS_TREE, fold step j is log row `fold_rows_ptr[j]` (the sequence's row of `fold_rows_t`)."""
     stacked = num_fold + (K - 1) + positions  # [N] index into cat(window, log rows)
     from_window = stacked < K - 1
     window = tl.load(
@@ -48,8 +59,11 @@ def _window_rows(
         other=0.0,
     )
     if HAS_LOG:
+        log_rows = stacked - (K - 1)  # [N] fold steps
+        if HAS_TREE:
+            log_rows = tl.load(fold_rows_ptr + log_rows, mask=position_mask & ~from_window, other=0)
         logged = tl.load(
-            log_ptr + slot * log_stride_slot + (stacked - (K - 1))[:, None] * log_stride_row + channels[None, :],
+            log_ptr + slot * log_stride_slot + log_rows[:, None] * log_stride_row + channels[None, :],
             mask=(position_mask & ~from_window)[:, None] & channel_mask[None, :],
             other=0.0,
         )
@@ -66,6 +80,7 @@ def _pre_conv_rows(
     first_row,
     slot,
     num_fold,
+    fold_rows_ptr,
     x_ptr,
     conv_state_ptr,
     log_ptr,
@@ -76,6 +91,7 @@ def _pre_conv_rows(
     log_stride_row,
     K: tl.constexpr,
     HAS_LOG: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     """Pre-conv rows at sequence positions `positions` ([N]; negative ones from the folded window),
     rounded to x's dtype like the reference's window, as float32: [N, BC]."""
@@ -92,6 +108,7 @@ def _pre_conv_rows(
         channel_mask,
         slot,
         num_fold,
+        fold_rows_ptr,
         conv_state_ptr,
         log_ptr,
         state_stride_slot,
@@ -100,8 +117,20 @@ def _pre_conv_rows(
         log_stride_row,
         K,
         HAS_LOG,
+        HAS_TREE,
     )
     return tl.where(in_sequence[:, None], rows, window.to(x_ptr.dtype.element_ty)).to(tl.float32)
+
+
+@triton.jit
+def _tree_positions(positions, position_mask, parents_ptr, follows_tree, DISTANCE: tl.constexpr):
+    """up^DISTANCE of sequence positions `positions` ([N]): up(p) is p's parent row (`parents_ptr[p]`, the
+    sequence's `parent_t`) for p >= 0 where the sequence `follows_tree`, else p - 1."""
+    for _ in tl.static_range(DISTANCE):
+        in_tree = (positions >= 0) & follows_tree
+        parents = tl.load(parents_ptr + positions, mask=position_mask & in_tree, other=0)
+        positions = tl.where(in_tree, parents, positions - 1)
+    return positions
 
 
 @triton.jit
@@ -115,6 +144,8 @@ def _conv_kernel(
     slots_ptr,
     fold_ptr,
     speculative_ptr,
+    parent_ptr,
+    fold_rows_ptr,
     x_stride_t,
     weight_stride_c,
     out_stride_t,
@@ -124,11 +155,13 @@ def _conv_kernel(
     log_stride_row,
     num_channels,
     log_rows,
+    fold_rows_stride,
     K: tl.constexpr,
     WINDOW_BLOCK: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     HAS_LOG: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     pdl.wait_for_previous()
     row_block = tl.program_id(0)
@@ -138,6 +171,7 @@ def _conv_kernel(
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     num_fold = tl.load(fold_ptr + seq)
     speculative = tl.load(speculative_ptr + seq) != 0
+    seq_fold_rows_ptr = fold_rows_ptr + seq * fold_rows_stride  # [L] this sequence's fold map (HAS_TREE)
     channels = tl.program_id(2) * BC + tl.arange(0, BC)
     channel_mask = channels < num_channels
     positions = row_block * BT + tl.arange(0, BT)  # [BT] rows of this program, within the sequence
@@ -147,14 +181,19 @@ def _conv_kernel(
     for tap in tl.static_range(K):
         weight = tl.load(weight_ptr + channels * weight_stride_c + tap, mask=channel_mask, other=0.0)
         weight = weight.to(x_ptr.dtype.element_ty).to(tl.float32)  # [BC]
+        if HAS_TREE:
+            tap_positions = _tree_positions(positions, row_mask, parent_ptr + first_row, speculative, K - 1 - tap)
+        else:
+            tap_positions = positions + (tap - (K - 1))
         rows = _pre_conv_rows(
-            positions + (tap - (K - 1)),
+            tap_positions,
             row_mask,
             channels,
             channel_mask,
             first_row,
             slot,
             num_fold,
+            seq_fold_rows_ptr,
             x_ptr,
             conv_state_ptr,
             log_ptr,
@@ -165,6 +204,7 @@ def _conv_kernel(
             log_stride_row,
             K,
             HAS_LOG,
+            HAS_TREE,
         )  # [BT, BC]
         acc += rows * weight[None, :]
     out = acc * tl.sigmoid(acc)
@@ -180,6 +220,7 @@ def _conv_kernel(
         first_row,
         slot,
         num_fold,
+        seq_fold_rows_ptr,
         x_ptr,
         conv_state_ptr,
         log_ptr,
@@ -190,6 +231,7 @@ def _conv_kernel(
         log_stride_row,
         K,
         HAS_LOG,
+        HAS_TREE,
     )  # [W, BC]
     folded = _window_rows(
         window_index - (K - 1),
@@ -198,6 +240,7 @@ def _conv_kernel(
         channel_mask,
         slot,
         num_fold,
+        seq_fold_rows_ptr,
         conv_state_ptr,
         log_ptr,
         state_stride_slot,
@@ -206,6 +249,7 @@ def _conv_kernel(
         log_stride_row,
         K,
         HAS_LOG,
+        HAS_TREE,
     )  # [W, BC]
     new_window = tl.where(speculative, folded, last_rows.to(conv_state_ptr.dtype.element_ty))  # [W, BC]
     tl.debug_barrier()  # every read of this slot's window and log rows comes before the writes below
@@ -246,7 +290,8 @@ def causal_conv1d(
 ) -> torch.Tensor:  # [T, C]
     assert x.is_contiguous(), "x must be a contiguous [T, C] tensor"
     num_channels, kernel_size = weight.shape
-    # Only the first row block reaches back into the window: later blocks start >= MAX_ROW_BLOCK rows in.
+    # Only the first row block reaches back into the window: later blocks start >= MAX_ROW_BLOCK rows in, and
+    # in a tree pass a tree's rows all lie in the first.
     assert 2 <= kernel_size <= MAX_ROW_BLOCK + 1
     assert weight.stride(1) == 1 and conv_state.stride(2) == 1
     out = torch.empty_like(x)  # [T, C]
@@ -255,7 +300,13 @@ def causal_conv1d(
         assert log.stride(2) == 1
     log_tensor = log if has_log else conv_state
     log_strides = (log.stride(0), log.stride(1)) if has_log else (0, 0)
-    row_block = min(MAX_ROW_BLOCK, max(2, triton.next_power_of_2(layout.max_query_len)))
+    tree = layout.tree
+    if tree is not None:
+        tree_tensors, fold_rows_stride = (tree.parent_t, tree.fold_rows_t), tree.fold_rows_t.stride(0)
+    else:
+        tree_tensors, fold_rows_stride = (layout.query_start,) * 2, 0
+    max_row_block = MAX_ROW_BLOCK if tree is None else TREE_ROW_BLOCK
+    row_block = min(max_row_block, max(2, triton.next_power_of_2(layout.max_query_len)))
     channel_block = min(max(16, TILE_ELEMENTS // row_block), triton.next_power_of_2(num_channels))
     grid = (triton.cdiv(layout.max_query_len, row_block), layout.num_seqs, triton.cdiv(num_channels, channel_block))
     _conv_kernel[grid](
@@ -268,6 +319,7 @@ def causal_conv1d(
         layout.slots_t,
         layout.fold_t,
         layout.speculative_t,
+        *tree_tensors,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -276,11 +328,13 @@ def causal_conv1d(
         *log_strides,
         num_channels,
         log_tensor.shape[1],
+        fold_rows_stride,
         K=kernel_size,
         WINDOW_BLOCK=triton.next_power_of_2(kernel_size - 1),
         BT=row_block,
         BC=channel_block,
         HAS_LOG=has_log,
+        HAS_TREE=tree is not None,
         **pdl.LAUNCH,
     )
     return out

@@ -9,6 +9,13 @@ bf16 or fp16 is rounded to that dtype after every row, as single-row steps store
 Every per-sequence value is read from the layout's device tensors; the launch is shaped by
 `num_seqs`, `max_query_len` and tensor shapes only.
 
+Trees (`layout.tree`, compiled in with HAS_TREE; only its device tensors are read): fold step j replays log row
+`fold_rows_t[seq, j]`, and a speculative sequence's row continues the state after its parent row. The program
+still holds one running state block and no per-row states: a row flagged TREE_RESTART reloads the folded state
+from the slot (stored there above when the sequence folded, else still there) and replays its ancestors' rows
+onto it, each rounded as a row is; after a row flagged TREE_KEEP the running state is the one after that row,
+after a leaf it stays its parent's. Other sequences' rows are chains.
+
 The replay log of speculative rows is written by a second, small kernel launched after the
 recurrence: a sequence that folds and is speculative in the same pass reads log rows (to fold)
 that the pass also overwrites, and the readers are spread over many programs, so the writes must
@@ -23,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deltaspec.ops.gdn import GDNLog
-from deltaspec.ops.layout import SeqLayout
+from deltaspec.ops.layout import TREE_KEEP, TREE_RESTART, SeqLayout
 from deltaspec.ops.triton import pdl
 
 PREFILL_MIN_QUERY_LEN = 64  # a pass whose max_query_len exceeds this is prefill: never captured
@@ -34,6 +41,8 @@ MAX_KEY_DIM = 256
 VALUE_BLOCK = 32
 RECURRENT_WARPS = 2
 RECURRENT_STAGES = 1
+KEEP = tl.constexpr(TREE_KEEP)  # the layout's recurrence hints, as the kernel reads them
+RESTART = tl.constexpr(TREE_RESTART)
 
 
 @triton.jit
@@ -42,6 +51,39 @@ def _delta_step(state, key, value, decay, beta):
     state = state * tl.exp(decay)
     correction = beta * (value - tl.sum(state * key[:, None], axis=0))  # [BV]
     return state + key[:, None] * correction[None, :]
+
+
+@triton.jit
+def _row_step(
+    state,
+    row,
+    key_head,
+    head,
+    dk_offsets,
+    dk_mask,
+    dv_offsets,
+    dv_mask,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    g_stride_t,
+    beta_stride_t,
+):
+    """`_delta_step` on row `row`'s inputs (k, v, g, beta) for this program's [BK, BV] state block."""
+    key = tl.load(k_ptr + row * k_stride_t + key_head * k_stride_h + dk_offsets, mask=dk_mask, other=0.0).to(
+        tl.float32
+    )  # [BK]
+    value = tl.load(v_ptr + row * v_stride_t + head * v_stride_h + dv_offsets, mask=dv_mask, other=0.0).to(
+        tl.float32
+    )  # [BV]
+    decay = tl.load(g_ptr + row * g_stride_t + head).to(tl.float32)
+    beta = tl.load(beta_ptr + row * beta_stride_t + head).to(tl.float32)
+    return _delta_step(state, key, value, decay, beta)
 
 
 @triton.jit
@@ -61,6 +103,9 @@ def _recurrent_kernel(
     slots_ptr,
     fold_ptr,
     speculative_ptr,
+    ancestors_ptr,
+    flags_ptr,
+    fold_rows_ptr,
     q_stride_t,
     q_stride_h,
     k_stride_t,
@@ -84,6 +129,7 @@ def _recurrent_kernel(
     log_g_stride_row,
     log_beta_stride_slot,
     log_beta_stride_row,
+    fold_rows_stride,
     HEAD_RATIO: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
@@ -91,6 +137,7 @@ def _recurrent_kernel(
     BV: tl.constexpr,
     HAS_LOG: tl.constexpr,
     ROUND_ROWS: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     pdl.wait_for_previous()
     seq = tl.program_id(0)
@@ -119,22 +166,26 @@ def _recurrent_kernel(
     if HAS_LOG:
         log_row = tl.zeros((), dtype=tl.int32)
         while log_row < num_fold:
+            if HAS_TREE:
+                replayed = tl.load(fold_rows_ptr + seq * fold_rows_stride + log_row)  # the log row of fold step log_row
+            else:
+                replayed = log_row
             key = tl.load(
                 log_k_ptr
                 + slot * log_k_stride_slot
-                + log_row * log_k_stride_row
+                + replayed * log_k_stride_row
                 + key_head * log_k_stride_h
                 + dk_offsets,
                 mask=dk_mask,
                 other=0.0,
             ).to(tl.float32)
             value = tl.load(
-                log_v_ptr + slot * log_v_stride_slot + log_row * log_v_stride_row + head * log_v_stride_h + dv_offsets,
+                log_v_ptr + slot * log_v_stride_slot + replayed * log_v_stride_row + head * log_v_stride_h + dv_offsets,
                 mask=dv_mask,
                 other=0.0,
             ).to(tl.float32)
-            decay = tl.load(log_g_ptr + slot * log_g_stride_slot + log_row * log_g_stride_row + head).to(tl.float32)
-            beta = tl.load(log_beta_ptr + slot * log_beta_stride_slot + log_row * log_beta_stride_row + head).to(
+            decay = tl.load(log_g_ptr + slot * log_g_stride_slot + replayed * log_g_stride_row + head).to(tl.float32)
+            beta = tl.load(log_beta_ptr + slot * log_beta_stride_slot + replayed * log_beta_stride_row + head).to(
                 tl.float32
             )
             state = _delta_step(state, key, value, decay, beta)
@@ -147,26 +198,75 @@ def _recurrent_kernel(
 
     row = first_row
     while row < end_row:
+        if HAS_TREE:
+            flags = tl.load(flags_ptr + row)
+            keeps = (speculative == 0) | ((flags & KEEP) != 0)  # other sequences' rows are chains
+            if speculative & ((flags & RESTART) != 0):
+                # The parent is not the state held: rebuild it from the folded state along the row's ancestors.
+                tl.debug_barrier()  # the folded state stored above is visible to every thread
+                state = tl.load(state_ptrs, mask=block_mask, other=0.0).to(tl.float32)
+                ancestors = tl.load(ancestors_ptr + row)  # bit j: row first_row + j is the row or an ancestor
+                ancestor = first_row
+                while ancestor < row:
+                    if ((ancestors >> (ancestor - first_row)) & 1) != 0:
+                        state = _row_step(
+                            state,
+                            ancestor,
+                            key_head,
+                            head,
+                            dk_offsets,
+                            dk_mask,
+                            dv_offsets,
+                            dv_mask,
+                            k_ptr,
+                            v_ptr,
+                            g_ptr,
+                            beta_ptr,
+                            k_stride_t,
+                            k_stride_h,
+                            v_stride_t,
+                            v_stride_h,
+                            g_stride_t,
+                            beta_stride_t,
+                        )
+                        if ROUND_ROWS:
+                            state = state.to(state_ptr.dtype.element_ty).to(tl.float32)
+                    ancestor += 1
         query = tl.load(q_ptr + row * q_stride_t + key_head * q_stride_h + dk_offsets, mask=dk_mask, other=0.0).to(
             tl.float32
         )  # [BK]
-        key = tl.load(k_ptr + row * k_stride_t + key_head * k_stride_h + dk_offsets, mask=dk_mask, other=0.0).to(
-            tl.float32
-        )  # [BK]
-        value = tl.load(v_ptr + row * v_stride_t + head * v_stride_h + dv_offsets, mask=dv_mask, other=0.0).to(
-            tl.float32
-        )  # [BV]
-        decay = tl.load(g_ptr + row * g_stride_t + head).to(tl.float32)
-        beta = tl.load(beta_ptr + row * beta_stride_t + head).to(tl.float32)
-        state = _delta_step(state, key, value, decay, beta)
-        output = tl.sum(state * query[:, None], axis=0)  # [BV]
+        after = _row_step(
+            state,
+            row,
+            key_head,
+            head,
+            dk_offsets,
+            dk_mask,
+            dv_offsets,
+            dv_mask,
+            k_ptr,
+            v_ptr,
+            g_ptr,
+            beta_ptr,
+            k_stride_t,
+            k_stride_h,
+            v_stride_t,
+            v_stride_h,
+            g_stride_t,
+            beta_stride_t,
+        )  # [BK, BV]
+        output = tl.sum(after * query[:, None], axis=0)  # [BV]
         tl.store(
             out_ptr + row * out_stride_t + head * out_stride_h + dv_offsets,
             output.to(out_ptr.dtype.element_ty),
             mask=dv_mask,
         )
         if ROUND_ROWS:
-            state = state.to(state_ptr.dtype.element_ty).to(tl.float32)
+            after = after.to(state_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_TREE:
+            state = tl.where(keeps, after, state)  # after a leaf the running state stays its parent's
+        else:
+            state = after
         row += 1
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=block_mask & (speculative == 0))
 
@@ -312,6 +412,11 @@ def gated_delta_rule(
         log_tensors, log_strides = (log.k, log.v, log.g, log.beta), _log_strides(log)
     else:
         log_tensors, log_strides = (state,) * 4, (0,) * 10
+    tree = layout.tree
+    if tree is not None:
+        tree_tensors, fold_rows_stride = (tree.ancestors_t, tree.flags_t, tree.fold_rows_t), tree.fold_rows_t.stride(0)
+    else:
+        tree_tensors, fold_rows_stride = (layout.query_start,) * 3, 0
     head_ratio = num_value_heads // num_key_heads
     key_block = triton.next_power_of_2(key_dim)
     value_block = min(VALUE_BLOCK, triton.next_power_of_2(value_dim))
@@ -329,6 +434,7 @@ def gated_delta_rule(
         layout.slots_t,
         layout.fold_t,
         layout.speculative_t,
+        *tree_tensors,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -343,6 +449,7 @@ def gated_delta_rule(
         state.stride(1),
         state.stride(2),
         *log_strides,
+        fold_rows_stride,
         HEAD_RATIO=head_ratio,
         DK=key_dim,
         DV=value_dim,
@@ -350,6 +457,7 @@ def gated_delta_rule(
         BV=value_block,
         HAS_LOG=has_log,
         ROUND_ROWS=state.dtype != torch.float32,
+        HAS_TREE=tree is not None,
         num_warps=RECURRENT_WARPS,
         num_stages=RECURRENT_STAGES,
         **pdl.LAUNCH,
