@@ -1,10 +1,12 @@
-"""The model on CUDA agrees with the CPU run; CUDA graphs replay for decode and verify passes; speculative output
-on CUDA is a greedy decode of the model (every token the argmax given its prefix, up to float32 near-ties)."""
+"""The model on CUDA agrees with the CPU run; CUDA graphs replay for decode and verify passes (chains and trees of
+drafts); speculative output on CUDA is a greedy decode of the model (every token the argmax given its prefix, up to
+float32 near-ties)."""
 
 import pytest
 import torch
 
 from deltaspec import LLM, SamplingParams
+from tests.branching_drafter import BranchingDrafter
 from tests.engine_helpers import forward_in_chunks
 
 pytestmark = pytest.mark.gpu
@@ -117,6 +119,38 @@ def test_cuda_graph_verify_passes_keep_speculative_output_a_greedy_decode():
     assert_greedy_continuations(LLM(dtype="float32", device="cuda", enforce_eager=True).engine, spec)
 
 
+@pytest.mark.parametrize("as_candidates", [False, True])
+def test_cuda_graph_tree_passes_keep_speculative_output_a_greedy_decode(as_candidates):
+    """Trees of drafts in graph-replayed verify passes (tree attention masks, the recurrence restarting along a row's
+    ancestors, conv taps along parents, folds of an accepted path, KV moved down): the drafter's chain is wrong
+    after two tokens and the truth sits on another branch, so accepted paths leave the chain; every token is the
+    eager model's argmax."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eager = LLM(dtype="float32", device="cuda", enforce_eager=True)
+    prompts = [eager.tokenizer.encode(p) for p in CODE_PROMPTS]
+    plain = eager.generate([{"prompt_token_ids": p} for p in prompts], params)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    drafter = BranchingDrafter(truth, 2, eager.engine.model_config.vocab_size, as_candidates)
+    llm = LLM(dtype="float32", device="cuda", drafter=drafter, draft_tokens=6, speculative_tree=12)
+    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    replays = llm.engine.runner.graphs.replays
+    assert sum(count for (_, rows), count in replays.items() if rows > 1) > 0
+    assert llm.engine.speculator.tree_rounds > 0
+    assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 3 * len(prompts)  # past the chain's two
+    assert_greedy_continuations(eager.engine, spec)
+
+
+def test_cuda_graph_trees_from_real_drafters_batch_with_chains_and_decode_rows():
+    """MTP with n-gram branches grows trees for some sequences while others verify chains or decode, in shared
+    graph-replayed passes; the output stays the model's argmax."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(dtype="float32", device="cuda", speculative="mtp+ngram", draft_tokens=7, speculative_tree=16)
+    spec = llm.generate(CODE_PROMPTS * 2, params)
+    assert llm.engine.speculator.tree_rounds > 0
+    assert sum(o.metrics["spec_accepted_tokens"] for o in spec) > 0
+    assert_greedy_continuations(LLM(dtype="float32", device="cuda", enforce_eager=True).engine, spec)
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_moe_r2", "qwen3_next_r3_moe"])
 def test_cuda_moe_speculative_output_is_a_greedy_decode_with_graphs(checkpoints, name):
     """MoE verify passes run as graphs with the grouped expert kernels; the output stays the model's argmax."""
@@ -187,8 +221,8 @@ def test_cuda_block_drafter_reads_the_same_features_from_graph_replays_as_eagerl
         torch.testing.assert_close(seen[False][key], seen[True][key], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("speculative", ["none", "draft+ngram", "mtp"])
-def test_cuda_structured_output_validates_with_graphs_and_drafters(speculative):
+@pytest.mark.parametrize(("speculative", "tree"), [("none", 0), ("draft+ngram", 0), ("mtp", 0), ("mtp+ngram", 12)])
+def test_cuda_structured_output_validates_with_graphs_and_drafters(speculative, tree):
     """Masks go to the logits' device; constrained rows of graph-replayed decode and verify passes stay valid."""
     import json
 
@@ -200,7 +234,7 @@ def test_cuda_structured_output_validates_with_graphs_and_drafters(speculative):
         "required": ["name", "n"],
         "additionalProperties": False,
     }
-    llm = LLM(dtype="bfloat16", device="cuda", speculative=speculative, draft_tokens=4)
+    llm = LLM(dtype="bfloat16", device="cuda", speculative=speculative, draft_tokens=4, speculative_tree=tree)
     for temperature in (0.0, 0.8):
         params = SamplingParams(
             max_tokens=120, temperature=temperature, seed=1, structured_outputs=StructuredOutputsParams(json=schema)

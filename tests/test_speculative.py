@@ -237,8 +237,10 @@ def six_token_models(tmp_path_factory):
     return path, draft, plain
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft", "mtp"])
-def test_speculative_sampling_matches_plain_sampling_in_distribution(six_token_models, speculative):
+@pytest.mark.parametrize(
+    ("speculative", "tree"), [("ngram", 0), ("draft", 0), ("mtp", 0), ("ngram", 6), ("mtp", 6)]
+)  # tree > 0: trees of drafts, verified by multi-candidate rejection sampling
+def test_speculative_sampling_matches_plain_sampling_in_distribution(six_token_models, speculative, tree):
     path, draft, plain = six_token_models
     n = DISTRIBUTION_SAMPLES
     _, spec = run(
@@ -247,6 +249,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(six_token_m
         [SamplingParams(max_tokens=6, temperature=1.0, seed=10_000 + s, ignore_eos=True) for s in range(n)],
         speculative=speculative,
         draft_tokens=3,
+        speculative_tree=tree,
         draft_model=str(draft),
         **DISTRIBUTION_OPTIONS,
     )

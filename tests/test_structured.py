@@ -93,15 +93,32 @@ def test_every_completion_validates_against_its_random_schema(speculative, block
         assert sum(o.metrics.get("spec_rounds", 0) for o in greedy + sampled) > 0
 
 
-@pytest.mark.parametrize("speculative", DRAFTERS[1:])
-def test_constrained_speculative_greedy_equals_constrained_plain_greedy_in_float64(speculative, block_dir):
+@pytest.mark.parametrize(
+    ("speculative", "tree"), [(drafter, 0) for drafter in DRAFTERS[1:]] + [("mtp+ngram", 12), ("draft", 8)]
+)  # tree > 0: trees of drafts, pruned to what the constraint allows and masked per path
+def test_constrained_speculative_greedy_equals_constrained_plain_greedy_in_float64(speculative, tree, block_dir):
     prompts = PROMPTS * 2
     params = [constrained(s) for s in SCHEMAS[: len(prompts)]]
     regex = SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=r"[a-z_]+"))
     plain = engine("none", block_dir, "float64").generate(prompts + PROMPTS, params + [regex] * len(PROMPTS))
-    spec = engine(speculative, block_dir, "float64").generate(prompts + PROMPTS, params + [regex] * len(PROMPTS))
+    llm = engine(speculative, block_dir, "float64", speculative_tree=tree)
+    spec = llm.generate(prompts + PROMPTS, params + [regex] * len(PROMPTS))
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.get("spec_rounds", 0) for o in spec) > 0
+    assert (llm.engine.speculator.tree_rounds > 0) == (tree > 0)
+
+
+def test_sampled_trees_of_drafts_keep_every_completion_valid(block_dir):
+    """Sampled requests verify trees pruned to what each constraint allows, with each row masked after its own
+    path: every completion still validates."""
+    llm = engine("mtp+ngram", block_dir, speculative_tree=12)
+    schemas = SCHEMAS[:24]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(schemas))]
+    outs = llm.generate(prompts, [constrained(s, temperature=0.9, seed=i) for i, s in enumerate(schemas)])
+    for out, schema in zip(outs, schemas):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert llm.engine.speculator.tree_rounds > 0
 
 
 def test_regex_choice_grammar_and_json_object_hold(block_dir):

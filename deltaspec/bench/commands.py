@@ -128,7 +128,11 @@ def cmd_bench_spec(args: argparse.Namespace, engine_config) -> None:
 
     configs = [replace(engine_config, speculative="none")]
     for drafter in args.drafters.split(","):
-        configs += [replace(engine_config, speculative=drafter, draft_tokens=k) for k in map(int, args.k.split(","))]
+        configs += [replace(engine_config, speculative=drafter, draft_tokens=k) for k in ints(args.k)]
+        configs += [  # a tree of R rows, as deep as a chain of R rows
+            replace(engine_config, speculative=drafter, draft_tokens=rows - 1, speculative_tree=rows)
+            for rows in (ints(args.trees) if args.trees else [])
+        ]
     rows = [measure(config, args.max_tokens, args.runs, progress=say) for config in configs]
     plain = rows[0]["decode_tok_s"]
     for row in rows:
@@ -235,6 +239,24 @@ def cmd_bench_spec_oracle(args: argparse.Namespace, engine_config) -> None:
     )
 
 
+def cmd_bench_tree_oracle(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.tree import bench_tree_oracle
+    from deltaspec.spec.oracle import parse_ranks
+
+    r = bench_tree_oracle(
+        engine_config, parse_ranks(args.oracle_ranks), args.rows, args.context, args.max_tokens, args.runs
+    )
+    chain, tree = r["chain"], r["tree"]
+    write_device_report(
+        r,
+        args,
+        f"{args.rows} rows: chain AL {chain['acceptance_length']:.2f}, {chain['decode_tok_s']:.2f} tok/s, step "
+        f"{chain['verify_step_ms']:.2f} ms; tree AL {tree['acceptance_length']:.2f} (expected "
+        f"{tree['expected_acceptance_length']:.2f}), {tree['decode_tok_s']:.2f} tok/s, step "
+        f"{tree['verify_step_ms']:.2f} ms = {r['tree_step_over_chain_step']:.3f}x the chain's",
+    )
+
+
 def cmd_bench_profile(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.profile import bench_profile
 
@@ -275,8 +297,8 @@ def cmd_bench_structured(args: argparse.Namespace, engine_config) -> None:
 
 
 def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
-    """decode, verify, concurrency, prefill, longctx, spec-oracle, profile, drafter, structured: the engine on this
-    device, no server."""
+    """decode, verify, concurrency, prefill, longctx, spec-oracle, tree-oracle, profile, drafter, structured: the
+    engine on this device, no server."""
 
     def common(parser, max_tokens: int | None = 64, context: bool = True, runs: bool = True):
         if context:
@@ -346,6 +368,19 @@ def add_device_benches(scenarios, add_engine_flags, engine_config) -> None:
     )
     common(oracle)
     oracle.set_defaults(func=lambda args: cmd_bench_spec_oracle(args, engine_config(args)))
+    tree = scenarios.add_parser(
+        "tree-oracle",
+        help="a tree of drafts against a chain of as many verify rows, with an oracle at a per-rank acceptance profile",
+    )
+    tree.add_argument("--rows", type=int, default=16, help="verify rows of both shapes (default: 16)")
+    tree.add_argument(
+        "--oracle-ranks",
+        default="0.6,0.2,0.1,0.05",
+        help="at every position, the chance that the right token is the candidate of each rank, given that the "
+        "positions before were right (default: 0.6,0.2,0.1,0.05; the chain is right with the first)",
+    )
+    common(tree, max_tokens=128)
+    tree.set_defaults(func=lambda args: cmd_bench_tree_oracle(args, engine_config(args)))
     drafter = scenarios.add_parser(
         "drafter", help="one drafter call's time against a target decode step, at a fixed --draft-tokens"
     )
@@ -388,6 +423,12 @@ def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     spec = scenarios.add_parser("spec", help="plain decoding against each drafter and draft length, single stream")
     spec.add_argument("--drafters", default="ngram,draft,draft+ngram", help="comma-separated (default: all)")
     spec.add_argument("--k", default="1,3,7,15", help="comma-separated draft lengths (default: 1,3,7,15)")
+    spec.add_argument(
+        "--trees",
+        default="",
+        help="comma-separated tree sizes R (verify rows); each drafter also runs --speculative-tree R with "
+        "--draft-tokens R-1, beside its chains (default: none)",
+    )
     spec.add_argument("--max-tokens", type=int, default=64, help="tokens per request, eos ignored (default: 64)")
     spec.add_argument("--runs", type=int, default=3, help="repetitions; the report gives medians (default: 3)")
     spec.add_argument("--out", default=None, help="also write the JSON report here")

@@ -18,6 +18,7 @@ tok/s, the speed-up, measured AL against the profile's expected AL.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import replace
 
 from deltaspec.bench.device import (
@@ -35,6 +36,7 @@ from deltaspec.config import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError
+from deltaspec.execution.sequence import Sequence
 from deltaspec.spec.oracle import OracleDrafter, expected_acceptance_length
 from deltaspec.spec.policy import FixedDraftLength
 
@@ -88,14 +90,19 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
 
 
 def oracle_engine(
-    config: EngineConfig, longest: int, draft_tokens: int, streams: int = 1
+    config: EngineConfig, longest: int, draft_tokens: int, streams: int = 1, tree: int = 0
 ) -> tuple[Engine, OracleDrafter]:
     """An engine drafting with an oracle: replay logs for `draft_tokens` drafts, and every round as long a draft
-    as the sequence's expectation allows; sequences the oracle expects nothing of decode plainly."""
+    as the sequence's expectation allows (trees of at most `tree` rows, each as large as the oracle's candidates
+    allow); sequences the oracle expects nothing of decode plainly."""
     k = max(draft_tokens, 1)
     oracle = OracleDrafter(plan_for(config).model_config.vocab_size, config.seed)
     engine = bench_engine(
-        replace(config, draft_tokens=k), longest, streams, drafter=oracle, draft_policy=FixedDraftLength(k)
+        replace(config, draft_tokens=k, speculative_tree=tree),
+        longest,
+        streams,
+        drafter=oracle,
+        draft_policy=FixedDraftLength(k),
     )
     return engine, oracle
 
@@ -113,6 +120,22 @@ def shaped_reference(
     return seq.output_ids
 
 
+def full_draft_steps(engine: Engine, oracle: OracleDrafter, seq: Sequence, k: int) -> list[float]:
+    """Step the engine until `seq` finishes; the seconds of each step in which the oracle drafted all `k` tokens
+    (so the pass verified k + 1 rows, or a tree of as many)."""
+    times = []
+    while not seq.finished:
+        proposals = len(oracle.proposed)
+        t0 = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - t0
+        if len(oracle.proposed) > proposals and oracle.proposed[-1] == k:
+            times.append(elapsed)
+    if seq.finish_reason == "error":
+        raise DeltaspecError(f"A benchmark request failed: {seq.error}")
+    return times
+
+
 def spec_run(
     engine: Engine,
     oracle: OracleDrafter,
@@ -120,18 +143,20 @@ def spec_run(
     prompt: list[int],
     max_tokens: int,
     calibrations: int = 8,
+    ranks: list[float] | None = None,
 ) -> dict:
     """A plain greedy run (timed), a reference run of the measured run's pass shape (`shaped_reference`), then
-    the prompt with the oracle drafting at `profile`. When the speculative run's tokens still drift from the
-    reference, its own output becomes the next reference and it runs again: the passes before the drift repeat
-    exactly, so each retry drifts later, if at all. The last attempt is the timed one; `attempts` says how many
-    ran."""
+    the prompt with the oracle drafting at `profile` (a tree at the per-rank profile `ranks`, when the engine grows
+    trees). When the speculative run's tokens still drift from the reference, its own output becomes the next
+    reference and it runs again: the passes before the drift repeat exactly, so each retry drifts later, if at
+    all. The last attempt is the timed one; `attempts` says how many ran. `verify_step_ms` is the median step that
+    verified a full-length draft."""
     plain = run(engine, [prompt], max_tokens)[0]
     reference = shaped_reference(engine, oracle, prompt, max_tokens, plain.output_ids, len(profile))
     for attempt in range(1, calibrations + 2):
         seq = start(engine, [prompt], max_tokens)[0]
-        oracle.expect(seq.request_id, len(prompt), reference, profile)
-        drive(engine, [seq])
+        oracle.expect(seq.request_id, len(prompt), reference, profile, ranks=ranks)
+        steps = full_draft_steps(engine, oracle, seq, len(profile))
         if seq.request_id not in oracle.diverged or attempt == calibrations + 1:
             break
         reference = seq.output_ids
@@ -142,6 +167,8 @@ def spec_run(
         "acceptance_length": stats.accepted / stats.rounds if stats.rounds else 0.0,
         "rounds": stats.rounds,
         "acceptance_per_position": m.get("acceptance_per_position", []),
+        "verify_step_ms": 1000 * statistics.median(steps) if steps else None,
+        "verify_steps": len(steps),
         "matches_plain": seq.output_ids == plain.output_ids,
         "attempts": attempt,
         "diverged": seq.request_id in oracle.diverged,

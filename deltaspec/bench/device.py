@@ -71,7 +71,7 @@ def bench_engine(
     """An engine whose context fits `longest` tokens per sequence and `streams` sequences at once (drafting with
     `drafter` and `draft_policy` when given)."""
     config = replace(config, max_model_len=longest, max_num_seqs=max(streams, 1), **changes)
-    limit = plan_for(replace(config, allow_long_max_model_len=True)).model_config.max_position_embeddings
+    limit = plan_for(replace(config, allow_long_max_model_len=True), drafter).model_config.max_position_embeddings
     if longest > limit:
         raise DeltaspecError(
             f"A context of {longest} tokens exceeds the model's {limit} positions; "

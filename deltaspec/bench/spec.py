@@ -1,4 +1,5 @@
-"""`deltaspec bench spec`: plain decoding against each drafter and draft length, one stream at a time.
+"""`deltaspec bench spec`: plain decoding against each drafter and draft length (chains, and trees of drafts with
+`--trees`), one stream at a time.
 
 For every configuration the fixed prompt set (code completions and chat requests) runs one
 request at a time (single-stream speed), `runs` times. Reported per configuration: decode tok/s
@@ -55,6 +56,8 @@ def measure(engine_config: EngineConfig, max_tokens: int, runs: int, progress=pr
     row = {
         "speculative": engine_config.speculative,
         "draft_tokens": engine_config.draft_tokens if drafting else 0,
+        "speculative_tree": engine_config.speculative_tree if drafting else 0,
+        "verify_rows": (engine_config.speculative_tree or engine_config.draft_tokens + 1) if drafting else 1,
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in per_run),
         "acceptance_length": per_run[0]["acceptance_length"],
         "tokens_per_round": per_run[0]["acceptance_length"] + 1 if per_run[0]["acceptance_length"] else 1.0,
@@ -65,5 +68,6 @@ def measure(engine_config: EngineConfig, max_tokens: int, runs: int, progress=pr
         "prompts": len(prompts),
     }
     al = f"{row['acceptance_length']:.2f}" if row["acceptance_length"] is not None else "n/a"
-    progress(f"{row['speculative']:>12} k={row['draft_tokens']:<2} decode {row['decode_tok_s']:.1f} tok/s, AL {al}")
+    shape = f"tree={row['speculative_tree']:<2}" if row["speculative_tree"] else f"k={row['draft_tokens']:<2}"
+    progress(f"{row['speculative']:>12} {shape} decode {row['decode_tok_s']:.1f} tok/s, AL {al}")
     return row

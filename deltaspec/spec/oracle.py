@@ -11,6 +11,13 @@ right tokens.
 The draws are deterministic per (seed, prompt, position), whatever the request id, so a rerun of the same
 prompt proposes the same drafts as long as its committed tokens are the same.
 
+Trees (`ranks`, for requests that ask for candidates): a per-rank profile [r_0, r_1, ...] applies at every
+position: given that the positions before were among the candidates, the right token is the candidate of rank j
+with probability r_j, and none of them with probability 1 - sum(r). Each position reports len(ranks) candidates
+with the profile's values as their probabilities (wrong ones: the reference token + 1, + 2, ...); the draft's
+chain is the rank-0 candidates. Candidates depend on the depth only (as per-position heads' do), so a tree's
+accepted path follows the right candidates as deep as they are all present and in the tree.
+
 In low precision a verify pass can round differently from plain decoding, so the target's committed
 tokens may drift from the reference. The oracle re-anchors each round: if the committed tokens no longer
 match the reference it proposes nothing for that sequence from then on (`diverged` counts such
@@ -48,6 +55,14 @@ def profile_for_acceptance_length(al: float, k: int) -> list[float]:
     return [round((lo + hi) / 2, 6)] * k
 
 
+def parse_ranks(text: str) -> list[float]:
+    """A per-rank profile like 0.6,0.2,0.1: probabilities of the candidates, most likely first, summing to <= 1."""
+    ranks = parse_profile(text)
+    if sum(ranks) > 1 + 1e-9 or ranks != sorted(ranks, reverse=True):
+        raise DeltaspecError(f"A per-rank profile is non-increasing probabilities summing to at most 1; got {text!r}.")
+    return ranks
+
+
 def parse_profile(text: str) -> list[float]:
     try:
         profile = [float(p) for p in text.split(",") if p.strip()]
@@ -68,6 +83,7 @@ class Expectation:
     reference: list[int]  # the target's greedy continuation of the prompt
     profile: list[float]  # conditional acceptance per draft position; its length caps the draft
     keep_length: bool  # keep drafting full-length drafts after the committed tokens left the reference
+    ranks: list[float] | None = None  # per-rank profile for requests drafting for a tree (module docstring)
 
 
 class OracleDrafter:
@@ -81,11 +97,20 @@ class OracleDrafter:
         self.diverged: set[str] = set()
 
     def expect(
-        self, seq_id: str, prompt_len: int, continuation: list[int], profile: list[float], keep_length: bool = False
+        self,
+        seq_id: str,
+        prompt_len: int,
+        continuation: list[int],
+        profile: list[float],
+        keep_length: bool = False,
+        ranks: list[float] | None = None,
     ) -> None:
         """Draft for sequence `seq_id` (its prompt has `prompt_len` tokens, the target's greedy continuation is
-        `continuation`) at the acceptance `profile`."""
-        self.expected[seq_id] = Expectation(prompt_len, list(continuation), list(profile), keep_length)
+        `continuation`) at the acceptance `profile`, or, for a tree, `len(profile)` positions deep at the per-rank
+        profile `ranks`."""
+        self.expected[seq_id] = Expectation(
+            prompt_len, list(continuation), list(profile), keep_length, None if ranks is None else list(ranks)
+        )
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts = [self._draft(r) for r in requests]
@@ -104,6 +129,8 @@ class OracleDrafter:
                 return Draft([])
         start = len(generated)
         rng = random.Random(f"{self.seed}:{hash(tuple(request.token_ids[: expected.prompt_len]))}:{start}")
+        if expected.ranks is not None and request.candidates:
+            return self._tree_draft(expected, start, request.max_tokens, rng)
         tokens, right = [], True
         for i in range(min(request.max_tokens, len(expected.profile))):
             truth = ref[min(start + i, len(ref) - 1)]
@@ -112,6 +139,23 @@ class OracleDrafter:
                 truth = (truth + 1) % self.vocab_size  # the first wrong token; later ones are never verified
             tokens.append(truth)
         return Draft(tokens)
+
+    def _tree_draft(self, expected: Expectation, start: int, max_tokens: int, rng: random.Random) -> Draft:
+        """Candidates per position at the per-rank profile (module docstring); the chain is their first ranks."""
+        candidates, right = [], True
+        for i in range(min(max_tokens, len(expected.profile))):
+            truth = expected.reference[min(start + i, len(expected.reference) - 1)]
+            wrong = [(truth + 1 + j) % self.vocab_size for j in range(len(expected.ranks))]
+            if right:
+                draw, rank = rng.random(), 0
+                while rank < len(expected.ranks) and draw >= expected.ranks[rank]:
+                    draw -= expected.ranks[rank]
+                    rank += 1
+                right = rank < len(expected.ranks)
+                if right:
+                    wrong[rank] = truth
+            candidates.append(list(zip(wrong, expected.ranks)))
+        return Draft([position[0][0] for position in candidates], candidates=candidates)
 
     def observe(self, seq_id: str, first_position: int, hidden) -> None:
         """Not conditioned on the target's hidden states."""

@@ -114,6 +114,8 @@ class Speculator:
         self.vocab_size, self.trees = vocab_size, trees
         self.tree_stats = TreeStats()
         self.grown: dict[str, tuple[DraftTree, list[int]]] = {}  # a sequence's tree, and the drafter's own chain
+        self.calibrating: dict[str, tuple[list, int]] = {}  # a sequence's last candidates, and its output length then
+        self.tree_rounds = 0  # verify rounds whose drafts branched, since start
 
     @property
     def name(self) -> str:
@@ -123,6 +125,7 @@ class Speculator:
         """Drafts for every decoding sequence, within its policy's length and its budget."""
         requests, seqs = [], []
         for seq in running:
+            self._calibrate(seq)
             if not seq.decoding:
                 continue
             budget = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
@@ -174,6 +177,15 @@ class Speculator:
         seq.draft, seq.draft_probs = list(tree.tokens), None
         seq.draft_parents = None if tree.is_chain else list(tree.parents)
         self.grown[seq.request_id] = (tree, list(draft.tokens))
+        if draft.candidates:
+            self.calibrating[seq.request_id] = (draft.candidates, len(seq.output_ids))
+
+    def _calibrate(self, seq: Sequence) -> None:
+        """Teach the trees' calibration what the step after `seq`'s last candidates committed (`TreeStats`)."""
+        pending = self.calibrating.get(seq.request_id)
+        if pending is not None and len(seq.output_ids) > pending[1]:
+            del self.calibrating[seq.request_id]
+            self.tree_stats.calibrate(pending[0], seq.output_ids[pending[1] :])
 
     @staticmethod
     def _end_drafts(seqs: list[Sequence]) -> None:
@@ -267,6 +279,7 @@ class Speculator:
         grown = self.grown.pop(seq.request_id, None)
         if tree is not None:
             drafted = max(tree.depths)
+            self.tree_rounds += 1
             self.tree_stats.update(tree, verdict.rows)
         if grown is not None:  # of the drafter's own chain, the tokens that were committed
             accepted = next((i for i, (d, t) in enumerate(zip(grown[1], verdict.tokens)) if d != t), len(grown[1]))
@@ -305,6 +318,7 @@ class Speculator:
         self._notify(self.drafter.on_finish, seq.request_id)
         self.policy.forget(seq.request_id)
         self.grown.pop(seq.request_id, None)
+        self.calibrating.pop(seq.request_id, None)
 
     def state_bytes(self) -> int:
         return self.drafter.state_bytes()

@@ -8,10 +8,12 @@ The children of any node at depth d may be the candidates the drafter gave for p
 heads (Medusa); a branch adds its own path, merged where it meets a candidate path.
 
 Growth by expected accepted length. A node's value is the chance that its whole path is accepted: the product of
-its edges' acceptance estimates. Dynamic shape: a candidate edge is worth the drafter's probability for it;
-static shape: the acceptance measured for its depth and candidate rank (`TreeStats`), the same every round, so the
-shape stays put while the rates do. A branch edge is worth the measured acceptance of branches at its depth; an edge
-both proposed takes the larger estimate. A pass then yields 1 + sum of the nodes' values tokens in expectation, and
+its edges' acceptance estimates. Dynamic shape: a candidate edge is worth the drafter's probability for it as the
+rounds calibrate it (the measured acceptance of candidates the drafter gave about that probability, pruned ones
+included: a drafter's probabilities can be under- or overconfident, and the size below needs chances); static
+shape: the acceptance measured for its depth and candidate rank (`TreeStats`), the same every round, so the shape
+stays put while the rates do. A branch edge is worth the measured acceptance of branches at its depth; an edge both
+proposed takes the larger estimate. A pass then yields 1 + sum of the nodes' values tokens in expectation, and
 values only fall going down, so taking the most valuable frontier node first gives, for every size, the tree of most
 expected tokens; the size is the one with the most expected tokens per verify cost (`VerifyCostTable`), within the
 budget, and never a row count the table says is slower than a larger one.
@@ -79,7 +81,11 @@ class DraftTree:
     def cut(self, keep: int) -> DraftTree:
         """The first `keep` nodes (their parents come before them)."""
         return DraftTree(
-            self.tokens[:keep], self.parents[:keep], self.ranks[:keep], self.branch[:keep], self.values[:keep]
+            self.tokens[:keep],
+            self.parents[:keep],
+            self.ranks[:keep],
+            self.branch[:keep],
+            self.values[:keep],
         )
 
     def without(self, rows: set[int]) -> DraftTree:
@@ -98,16 +104,22 @@ class DraftTree:
         )
 
 
+CALIBRATION_BINS = 10  # drafter probabilities are calibrated in bins of 0.1
+
+
 @dataclass
 class TreeStats:
-    """Acceptance of tree edges by depth and kind (candidate rank r >= 0, or BRANCH - i for branch i): of the times an
-    edge of that kind was offered below an accepted node, how often it was the one accepted — exponentially decayed
-    counts over rounds, starting from a prior."""
+    """Acceptance of tree edges by depth and kind (candidate rank r >= 0, or BRANCH - i for branch i), and of
+    candidate edges by the drafter's probability (bins of 1 / CALIBRATION_BINS): of the times such an edge was
+    offered below an accepted node, how often it was the one accepted — exponentially decayed counts over rounds,
+    starting from a prior."""
 
     decay: float = 0.98
     prior_weight: float = 4.0
     offered: dict[tuple[int, int], float] = field(default_factory=dict)
     accepted: dict[tuple[int, int], float] = field(default_factory=dict)
+    offered_at: dict[int, float] = field(default_factory=dict)  # by probability bin
+    accepted_at: dict[int, float] = field(default_factory=dict)
 
     @staticmethod
     def prior(kind: int) -> float:
@@ -119,12 +131,18 @@ class TreeStats:
         weight = self.prior_weight
         return (self.accepted.get(key, 0.0) + weight * self.prior(kind)) / (self.offered.get(key, 0.0) + weight)
 
+    def calibrated(self, prob: float) -> float:
+        """The measured acceptance of candidates the drafter gave about probability `prob` (itself as the prior)."""
+        b = min(int(prob * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+        weight = self.prior_weight
+        return (self.accepted_at.get(b, 0.0) + weight * prob) / (self.offered_at.get(b, 0.0) + weight)
+
     def update(self, tree: DraftTree, path: list[int]) -> None:
         """A round verified `tree` and accepted the rows `path` (the root first): the children of every node on it
         were offered, and the next row of the path (if any) accepted."""
-        for key in self.offered:
-            self.offered[key] *= self.decay
-            self.accepted[key] *= self.decay
+        for counts in (self.offered, self.accepted):
+            for key in counts:
+                counts[key] *= self.decay
         kids, depths = tree.children(), tree.depths
         for step, row in enumerate(path):
             taken = path[step + 1] if step + 1 < len(path) else None
@@ -135,6 +153,20 @@ class TreeStats:
                     key = (depths[j], kind)
                     self.offered[key] = self.offered.get(key, 0.0) + 1.0
                     self.accepted[key] = self.accepted.get(key, 0.0) + (child == taken)
+
+    def calibrate(self, candidates: list[list[tuple[int, float]]], committed: list[int]) -> None:
+        """The step after a draft committed the tokens `committed` (a verified tree's accepted path and the target's
+        own token, or the one token of a plain decode step when the tree was pruned to nothing): at each position
+        they reach, every candidate the drafter gave there is counted by its probability's bin, accepted when it is
+        the committed token — whether or not the tree held it, so pruned candidates are measured too."""
+        for counts in (self.offered_at, self.accepted_at):
+            for key in counts:
+                counts[key] *= self.decay
+        for offered, token in zip(candidates, committed):
+            for candidate, prob in offered:
+                b = min(int(prob * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+                self.offered_at[b] = self.offered_at.get(b, 0.0) + 1.0
+                self.accepted_at[b] = self.accepted_at.get(b, 0.0) + (candidate == token)
 
 
 @dataclass
@@ -168,7 +200,7 @@ def grow_tree(
         found: dict[int, _Edge] = {}
         if depth <= len(candidates):
             for rank, (token, prob) in enumerate(candidates[depth - 1]):
-                found[token] = _Edge(stats.rate(depth, rank) if static else prob, rank, None)
+                found[token] = _Edge(stats.rate(depth, rank) if static else stats.calibrated(prob), rank, None)
         for token, branch in sorted(branch_next.get(path, {}).items(), key=lambda item: item[1]):
             value = stats.rate(depth, BRANCH - branch)
             edge = found.get(token)
