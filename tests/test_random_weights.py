@@ -75,6 +75,35 @@ def test_random_model_is_seeded_finite_and_input_dependent():
     assert torch.all(a_log.exp() <= 16) and torch.all(pa["model.layers.0.linear_attn.dt_bias"] == 1)
 
 
+@pytest.mark.parametrize("source", ["random", "checkpoint"])
+def test_fusing_frees_each_projections_parts_as_it_goes(monkeypatch, checkpoints, source):
+    """Peak memory of a loaded model is its weights plus one fused projection: once a group is fused, nothing keeps
+    its parts (a 27B model's parts outliving their fused copies took 24 GB more than an 80 GB card has)."""
+    import weakref
+
+    import deltaspec.model.attention
+    import deltaspec.model.gdn
+    import deltaspec.model.layers
+
+    fuse = deltaspec.model.layers.fuse
+    previous: list[weakref.ref] = []
+    freed: list[bool] = []
+
+    def fuse_and_check(module, fused_name, part_names, ops):
+        freed.append(all(part() is None for part in previous))  # the group fused before this one left nothing
+        previous[:] = [weakref.ref(getattr(module, name).weight) for name in part_names]
+        fuse(module, fused_name, part_names, ops)
+
+    for module in (deltaspec.model.layers, deltaspec.model.attention, deltaspec.model.gdn):
+        monkeypatch.setattr(module, "fuse", fuse_and_check)
+    if source == "random":
+        config = shape_config("qwen3.5-27b", SMALL)
+        random_model(config, torch.float32, torch.device("cpu"), ops_for("cpu"), progress=False)
+    else:
+        LLM(str(checkpoints["qwen3_5_r2"]), device="cpu")
+    assert len(freed) > 4 and all(freed)
+
+
 def test_deep_bfloat16_stack_stays_finite_with_varied_logits():
     """12 layers in bf16 at the real head geometry: no inf/nan, logits that depend on the token."""
     deep = (("num_hidden_layers", 12), ("hidden_size", 128), ("intermediate_size", 256), ("vocab_size", 256))

@@ -62,7 +62,27 @@ def load_gguf_model(
     tp: TensorParallel = SINGLE,
 ) -> HybridModel:
     """The model of `checkpoint` (a `GGUFCheckpoint`) on `device`: quantized weights kept as blocks, float ones in
-    `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share."""
+    `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share.
+
+    Fused once the loading's own references to the parts are gone: each group's parts are freed as it is fused,
+    so the peak is the weights plus one fused projection (a 27B model's parts held to the end cost 24 GB more).
+    """
+    model = _unfused_load_gguf_model(checkpoint, config, dtype, device, ops, progress, with_mtp, tp)
+    model.fuse_projections()
+    return model.eval()
+
+
+def _unfused_load_gguf_model(
+    checkpoint,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: OpTable,
+    progress: bool = True,
+    with_mtp: bool = True,
+    tp: TensorParallel = SINGLE,
+) -> HybridModel:
+    """`load_gguf_model` before its projections are fused."""
     if not any(name.endswith("in_proj_qkvz.weight") for name in checkpoint.tensors):
         config = replace(config, gdn_layout="qwen3_5")  # a Qwen3-Next file's GDN projections read as separate ones
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
@@ -108,8 +128,7 @@ def load_gguf_model(
         model.model.embed_tokens.dtype = dtype  # a quantized slice gathers its rows in the engine's dtype
     elif isinstance(model.model.embed_tokens.weight, QuantizedWeight):
         model.model.embed_tokens = QuantizedEmbedding(model.model.embed_tokens.weight, dtype)
-    model.fuse_projections()
-    return model.eval()
+    return model
 
 
 def shard_tensor(name: str, target: str, tensor: GGUFTensor, shard: Shard) -> GGUFTensor:

@@ -87,7 +87,28 @@ def random_model(
     blocks drawn from a pool of quantized unit-normal blocks, their scales multiplied by the matrix's std), so the
     float model never exists whole (and
     Qwen3-Next's GDN projections are separate, as a GGUF file's load). A rank of the tensor-parallel group `tp`
-    keeps its part of each float weight (`--quant` runs on one device)."""
+    keeps its part of each float weight (`--quant` runs on one device).
+
+    Fused once the loading's own references to the parts are gone: each group's parts are freed as it is fused,
+    so the peak is the weights plus one fused projection (a 27B model's parts held to the end cost 24 GB more).
+    """
+    model = _unfused_random_model(config, dtype, device, ops, seed, progress, with_mtp, quant, tp)
+    model.fuse_projections()
+    return model.eval()
+
+
+def _unfused_random_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: OpTable,
+    seed: int = 0,
+    progress: bool = True,
+    with_mtp: bool = True,
+    quant: str | None = None,
+    tp: TensorParallel = SINGLE,
+) -> HybridModel:
+    """`random_model` before its projections are fused."""
     if quant and tp.sharded:
         raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
     if quant:
@@ -123,6 +144,4 @@ def random_model(
         raise RuntimeError(f"random weights left {len(left)} parameters undrawn, e.g. {left[0]}")
     if isinstance(model.model.embed_tokens.weight, QuantizedWeight):
         model.model.embed_tokens = QuantizedEmbedding(model.model.embed_tokens.weight, dtype)
-    weights.clear()  # the model holds the only references: fusing frees each group's parts as it goes
-    model.fuse_projections()
-    return model.eval()
+    return model
