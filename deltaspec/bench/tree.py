@@ -30,6 +30,9 @@ from deltaspec.spec.oracle import expected_acceptance_length
 from deltaspec.spec.tree import DraftTree, TreeStats, grow_tree
 
 
+CALIBRATIONS = 2  # re-anchored reruns of a drifting run (`spec_run`): the step costs do not need more
+
+
 def expected_tree(ranks: list[float], rows: int) -> DraftTree:
     """The tree the dynamic shape grows from the oracle's candidates: at most `rows - 1` nodes, as deep."""
     depth = rows - 1
@@ -69,12 +72,12 @@ def bench_tree_oracle(
     chain_profile = [ranks[0]] * k
     warm = random_prompt(engine, context, WARMUP_SEED)
     for shape in (None, ranks):  # graphs, kernels and the trees' statistics
-        spec_run(engine, oracle, chain_profile, warm, min(max_tokens, 4 * rows), ranks=shape)
+        spec_run(engine, oracle, chain_profile, warm, min(max_tokens, 4 * rows), 0, ranks=shape)
     per_run = []
     for i in range(runs):
         prompt = random_prompt(engine, context, i)
-        chain = spec_run(engine, oracle, chain_profile, prompt, max_tokens)
-        tree = spec_run(engine, oracle, chain_profile, prompt, max_tokens, ranks=ranks)
+        chain = spec_run(engine, oracle, chain_profile, prompt, max_tokens, CALIBRATIONS)
+        tree = spec_run(engine, oracle, chain_profile, prompt, max_tokens, CALIBRATIONS, ranks=ranks)
         per_run.append({"chain": chain, "tree": tree})
         say(
             f"run {i + 1}/{runs}: plain {chain['plain_decode_tok_s']:.2f} tok/s; chain AL "
