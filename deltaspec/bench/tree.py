@@ -29,7 +29,6 @@ from deltaspec.spec.drafter import Draft
 from deltaspec.spec.oracle import expected_acceptance_length
 from deltaspec.spec.tree import DraftTree, TreeStats, grow_tree
 
-
 CALIBRATIONS = 2  # re-anchored reruns of a drifting run (`spec_run`): the step costs do not need more
 
 
