@@ -1,5 +1,5 @@
-"""The device benchmarks (decode, verify, concurrency, prefill, spec-oracle, drafter, structured) run on the CPU
-with the embedded model or a small shape; their JSON has the fields the issue asks for, related by DESIGN §6's
+"""The device benchmarks (decode, verify, concurrency, prefill, spec-oracle, tree-oracle, drafter, structured) run on
+the CPU with the embedded model or a small shape; their JSON has the fields the issue asks for, related by DESIGN §6's
 definitions.
 Speeds are not checked (CI machines vary), only that they are positive and consistent."""
 
@@ -19,6 +19,7 @@ from deltaspec.spec.oracle import (
     OracleDrafter,
     expected_acceptance_length,
     parse_profile,
+    parse_ranks,
     profile_for_acceptance_length,
 )
 
@@ -237,6 +238,52 @@ def test_oracle_accepts_at_the_profile_rate_and_stops_after_divergence():
     keep.expect("s", 2, ref, [1.0, 1.0], keep_length=True)
     assert len(keep.propose([DraftRequest("s", [1, 2, 999], 2)])[0].tokens) == 2 and keep.proposed == [2]
     assert keep.propose([DraftRequest("unexpected", [1, 2], 2)])[0].tokens == []  # decodes plainly
+
+
+def test_oracle_trees_put_the_right_token_at_each_rank_at_its_rate():
+    """Per position the right token is the candidate of rank j with probability ranks[j] (none with the rest), the
+    candidates carry the profile as their probabilities, and the chain is the first ranks; after a position without
+    the right token nothing deeper matters."""
+    ref, ranks = list(range(100, 400)), [0.5, 0.3, 0.1]
+    oracle = OracleDrafter(vocab_size=1000, seed=4)
+    oracle.expect("s", 2, ref, [0.0] * 3, ranks=ranks)
+    found = [0, 0, 0, 0]  # rank of the right token at the first position, 3: absent
+    for n in range(250):
+        draft = oracle.propose([DraftRequest("s", [1, 2, *ref[:n]], 3, candidates=4)])[0]
+        assert len(draft.candidates) == 3 and [p for _, p in draft.candidates[0]] == ranks
+        assert draft.tokens == [c[0][0] for c in draft.candidates]
+        tokens = [t for t, _ in draft.candidates[0]]
+        assert len(set(tokens)) == 3
+        found[tokens.index(ref[n]) if ref[n] in tokens else 3] += 1
+    assert [abs(f / 250 - p) < 0.1 for f, p in zip(found, ranks + [0.1])] == [True] * 4
+    chain = OracleDrafter(vocab_size=1000, seed=4)
+    chain.expect("s", 2, ref, [0.5] * 3, ranks=ranks)
+    assert chain.propose([DraftRequest("s", [1, 2], 3)])[0].candidates is None  # no tree asked: the chain's draft
+    assert parse_ranks("0.6,0.2") == [0.6, 0.2]
+    for bad in ("0.6,0.5", "0.2,0.6"):
+        with pytest.raises(DeltaspecError, match="per-rank"):
+            parse_ranks(bad)
+
+
+def test_bench_tree_oracle_compares_a_tree_with_a_chain_of_as_many_rows(tmp_path, capsys):
+    """Float64: no run drifts; every full-depth step verified the given rows in both shapes, and the report gives
+    the expected tree (its shape and AL from the per-rank profile), the step ratio and the tree's memory."""
+    argv = ["tree-oracle", "--rows", "6", "--oracle-ranks", "0.5,0.3,0.1", "--context", "8", "--max-tokens", "24"]
+    r = bench([*argv, "--runs", "1", "--dtype", "float64"], tmp_path, capsys)
+    run = r["per_run"][0]
+    assert r["verify_rows"] == 6 and len(r["tree_parents"]) == 6 and r["diverged_runs"] == 0
+    assert r["tree"]["expected_acceptance_length"] > r["chain"]["expected_acceptance_length"]
+    assert run["tree"]["matches_plain"] and run["chain"]["matches_plain"]
+    assert run["tree"]["verify_steps"] > 0 and run["chain"]["verify_steps"] > 0
+    assert r["tree_step_over_chain_step"] == pytest.approx(r["tree"]["verify_step_ms"] / r["chain"]["verify_step_ms"])
+    for shape in ("chain", "tree"):
+        report = r[shape]
+        assert report["round_rate_tok_s"] == pytest.approx(
+            1000 * (report["acceptance_length"] + 1) / report["verify_step_ms"]
+        )
+    memory = r["workspace"]
+    assert memory["per_node_snapshot_bytes_per_sequence"] == 5 * memory["state_bytes_per_sequence"]
+    assert memory["recurrence_restarts"] >= 1 and 0 < memory["tree_tensors_bytes_per_pass"] < 1024
 
 
 def _fresh(ref):

@@ -9,7 +9,10 @@ rows in both shapes; its time (the whole step: drafting, growing, the pass, veri
 its own, and the median over those steps and runs is the pass cost compared.
 
 Reported: per shape the decode tok/s, measured AL and expected AL (the chain's from its profile, the tree's the sum
-of its nodes' path probabilities), the median verify step, the tree's step against the chain's, and what the tree
+of its nodes' path probabilities), the median verify step, the round rate (AL + 1) / verify step (the decode speed
+of a run that drafts every round: a bf16 run whose tokens drift from the oracle's reference decodes plainly from
+there, see `spec_run`, and a tree's accepted rows sit elsewhere in its pass than a chain's, so its rounding drifts
+more), the tree's step against the chain's, and what the tree
 costs in memory: the pass's tree tensors (`TreeRows`: parents, ancestor masks, recurrence hints, fold rows), the
 recurrence's extra row steps (a row that restarts replays its ancestors from the folded state), and per sequence
 the one GDN state plus the log, against the per-node state copies a snapshot design keeps.
@@ -91,6 +94,16 @@ def bench_tree_oracle(
             raise DeltaspecError(f"No {shape} step drafted the full depth; raise --max-tokens.")
         return statistics.median(values)
 
+    def shape_report(shape: str, expected: float) -> dict:
+        al, step = median(shape, "acceptance_length"), median(shape, "verify_step_ms")
+        return {
+            "expected_acceptance_length": expected,
+            "acceptance_length": al,
+            "decode_tok_s": median(shape, "spec_decode_tok_s"),
+            "verify_step_ms": step,
+            "round_rate_tok_s": 1000 * (al + 1) / step,
+        }
+
     grown = expected_tree(ranks, rows)
     plain = statistics.median(r[s]["plain_decode_tok_s"] for r in per_run for s in ("chain", "tree"))
     chain_step, tree_step = median("chain", "verify_step_ms"), median("tree", "verify_step_ms")
@@ -105,20 +118,11 @@ def bench_tree_oracle(
         ranks=ranks,
         tree_parents=[-1, *grown.parents],
         plain_decode_tok_s=plain,
-        chain={
-            "expected_acceptance_length": expected_acceptance_length(chain_profile),
-            "acceptance_length": median("chain", "acceptance_length"),
-            "decode_tok_s": median("chain", "spec_decode_tok_s"),
-            "verify_step_ms": chain_step,
-        },
-        tree={
-            "expected_acceptance_length": sum(grown.values),
-            "acceptance_length": median("tree", "acceptance_length"),
-            "decode_tok_s": median("tree", "spec_decode_tok_s"),
-            "verify_step_ms": tree_step,
-        },
+        chain=(chain := shape_report("chain", expected_acceptance_length(chain_profile))),
+        tree=(tree := shape_report("tree", sum(grown.values))),
         tree_step_over_chain_step=tree_step / chain_step,
-        tree_speedup_over_chain=median("tree", "spec_decode_tok_s") / median("chain", "spec_decode_tok_s"),
+        tree_speedup_over_chain=tree["decode_tok_s"] / chain["decode_tok_s"],
+        tree_round_rate_over_chain=tree["round_rate_tok_s"] / chain["round_rate_tok_s"],
         workspace=tree_memory(engine, grown),
         diverged_runs=sum(r[s]["diverged"] for r in per_run for s in ("chain", "tree")),
         per_run=per_run,
