@@ -8,6 +8,7 @@ import torch
 
 from deltaspec import LLM, SamplingParams
 from deltaspec.spec.drafter import Draft
+from deltaspec.spec.policy import FixedDraftLength
 from tests.tiny_models import write_checkpoint
 
 PATTERN = [5, 9, 14, 22, 31, 40, 57]
@@ -243,7 +244,7 @@ def six_token_models(tmp_path_factory):
 def test_speculative_sampling_matches_plain_sampling_in_distribution(six_token_models, speculative, tree):
     path, draft, plain = six_token_models
     n = DISTRIBUTION_SAMPLES
-    _, spec = run(
+    llm, spec = run(
         path,
         [DISTRIBUTION_PROMPT] * n,
         [SamplingParams(max_tokens=6, temperature=1.0, seed=10_000 + s, ignore_eos=True) for s in range(n)],
@@ -251,11 +252,13 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(six_token_m
         draft_tokens=3,
         speculative_tree=tree,
         draft_model=str(draft),
+        draft_policy=FixedDraftLength(3) if tree else None,  # trees as large as they grow, not sized by cost
         **DISTRIBUTION_OPTIONS,
     )
     rounds = sum(o.metrics.get("spec_rounds", 0) for o in spec)
     accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in spec)
     assert rounds > n // 3 and accepted > n // 20  # speculation shaped a good share of the samples
+    assert (llm.engine.speculator.tree_rounds > n // 10) == (tree > 0)  # branching trees, for a tree
     for position in range(6):
         a = torch.bincount(torch.tensor([o.outputs[0].token_ids[position] for o in plain]), minlength=6)
         b = torch.bincount(torch.tensor([o.outputs[0].token_ids[position] for o in spec]), minlength=6)

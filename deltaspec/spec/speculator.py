@@ -177,6 +177,8 @@ class Speculator:
         seq.draft, seq.draft_probs = list(tree.tokens), None
         seq.draft_parents = None if tree.is_chain else list(tree.parents)
         self.grown[seq.request_id] = (tree, list(draft.tokens))
+        if not tree.tokens:  # nothing was worth verifying: the drafting was wasted, as if its first token failed
+            self.policy.update(seq.request_id, len(draft.tokens), 0)
         if draft.candidates:
             self.calibrating[seq.request_id] = (draft.candidates, len(seq.output_ids))
 
@@ -286,7 +288,8 @@ class Speculator:
             accepted = min(accepted, len(verdict.tokens) - 1)
         seq.cut_draft(0)
         seq.acceptance.record(drafted, verdict.accepted)
-        self.policy.update(seq.request_id, drafted, verdict.accepted)
+        # the policy picks how deep the drafter drafts: with trees, its chain's depth, however much the tree kept
+        self.policy.update(seq.request_id, drafted if grown is None else len(grown[1]), verdict.accepted)
         append(seq, verdict.tokens, verdict.logprobs)
         if not seq.finished:
             self._notify(self.drafter.on_commit, seq.request_id, accepted, seq.num_tokens)
