@@ -235,8 +235,9 @@ class EngineConfig:
     speculative_tree_shape: str = field(
         default="dynamic",
         metadata={
-            "help": "how a tree is grown: dynamic (each round from the drafter's probabilities) or static (from the "
-            "measured acceptance of each depth and candidate rank, the same shape every round)"
+            "help": "how a tree is grown: dynamic (each round from the drafter's probabilities, as the rounds "
+            "calibrate them) or static (from the measured acceptance of each depth and candidate rank, the same shape "
+            "every round)"
         },
     )
     draft_model: str | None = field(
