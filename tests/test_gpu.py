@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deltaspec import LLM, SamplingParams
-from tests.branching_drafter import BranchingDrafter
 from tests.engine_helpers import forward_in_chunks
+from tests.tree_helpers import BranchingDrafter
 
 pytestmark = pytest.mark.gpu
 

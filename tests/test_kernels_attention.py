@@ -12,6 +12,7 @@ import torch
 from deltaspec.ops import attention as reference
 from deltaspec.ops.layout import SeqLayout
 from tests.conftest import triton_interpreted
+from tests.tree_helpers import TREE, random_parents, root_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
@@ -271,22 +272,6 @@ def test_attention_reads_quantized_rows(kernel_device, cache_dtype, query_lens, 
     _check_attention(q, k_cache, v_cache, layout)
 
 
-def _random_parents(rows: int, seed: int) -> list[int]:
-    """A random tree of `rows` rows in row order: each row's parent is an earlier row."""
-    generator = torch.Generator().manual_seed(seed)
-    return [-1] + [int(torch.randint(0, row, (1,), generator=generator)) for row in range(1, rows)]
-
-
-def _root_path(parents: list[int], row: int) -> list[int]:
-    """The rows from the root to `row`, in order."""
-    path = [row]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-# A tree with restarts and leaves (row 1 has two children that both have children).
-TREE = [-1, 0, 1, 1, 2, 3, 0, 6]
 # Tree passes (query_lens, context_lens, speculative, parents, table_width): a tree, a 40-row random tree whose
 # second row block (32 rows a block at group 2) would see unmasked tiles past its context, a speculative chain,
 # a decode row and a plain 5-row chunk (verify regime); a tree and a long context split over the KV (verify); and
@@ -296,15 +281,15 @@ TREE_PASSES = {
         [8, 40, 3, 1, 5],
         [200, 80, 50, 37, 129],
         [True, True, True, False, False],
-        [TREE, _random_parents(40, seed=1), None, None, None],
+        [TREE, random_parents(40, seed=1), None, None, None],
         None,
     ),
-    "verify_split": ([8, 5], [1000, 300], [True, True], [TREE, _random_parents(5, seed=2)], 64),
+    "verify_split": ([8, 5], [1000, 300], [True, True], [TREE, random_parents(5, seed=2)], 64),
     "prefill_split": (
         [100, 8, 20],
         [600, 300, 90],
         [False, True, True],
-        [None, TREE, _random_parents(20, seed=3)],
+        [None, TREE, random_parents(20, seed=3)],
         40,
     ),
 }
@@ -349,7 +334,7 @@ def test_tree_rows_are_their_paths_as_chains(kernel_device, implementation):
     q = rand(len(TREE), num_heads, head_dim)  # [L, Hq, D]
     context_k, context_v = rand(base, num_kv_heads, head_dim), rand(base, num_kv_heads, head_dim)  # [base, Hkv, D]
     new_k, new_v = rand(len(TREE), num_kv_heads, head_dim), rand(len(TREE), num_kv_heads, head_dim)  # [L, Hkv, D]
-    paths = [_root_path(TREE, row) for row in range(len(TREE))]
+    paths = [root_path(TREE, row) for row in range(len(TREE))]
     sequences = [list(range(len(TREE)))] + paths  # the tree's rows, then each path's
     pages_per_seq = [-(-(base + len(rows)) // block_size) for rows in sequences]
     k_cache = rand(sum(pages_per_seq), block_size, num_kv_heads, head_dim)  # stale values wherever nothing is written

@@ -11,6 +11,7 @@ from deltaspec.ops import conv as conv_reference
 from deltaspec.ops import gdn as gdn_reference
 from deltaspec.ops.gdn import GDNLog
 from deltaspec.ops.layout import SeqLayout
+from tests.tree_helpers import TREE, random_parents, root_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
@@ -34,24 +35,6 @@ def _layout(lens, slots, device, fold=None, speculative=None, parents=None, fold
     return SeqLayout.build(
         lens, lens, slots, device, fold, speculative, parents=parents, fold_rows=fold_rows, log_rows=log_rows
     )
-
-
-# A tree with restarts: row 1 has two children (2, 3) that both have children (4, 5); 4, 5 and 7 are leaves.
-TREE = [-1, 0, 1, 1, 2, 3, 0, 6]
-
-
-def _random_parents(rows: int, seed: int) -> list[int]:
-    """A random tree of `rows` rows in row order: each row's parent is an earlier row."""
-    gen = torch.Generator().manual_seed(seed)
-    return [-1] + [int(torch.randint(0, row, (1,), generator=gen)) for row in range(1, rows)]
-
-
-def _root_path(parents: list[int], row: int) -> list[int]:
-    """The rows from the root to `row`, in order."""
-    path = [row]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def _assert_close(actual, expected, what, tol):
@@ -249,7 +232,7 @@ TREE_PASS = dict(
     slots=[4, 8, 0, 2, 6],
     fold=[2, 0, 1, 3, 2],
     speculative=[True, True, False, True, False],
-    parents=[TREE, None, None, _random_parents(6, seed=1), None],
+    parents=[TREE, None, None, random_parents(6, seed=1), None],
     fold_rows=[None, None, None, [0, 2, 5], [1, 3]],
 )
 
@@ -270,7 +253,7 @@ def test_gdn_large_tree_beside_a_long_sequence(kernel_device):
         [2, 5],
         fold=[0, 3],
         speculative=[False, True],
-        parents=[None, _random_parents(40, seed=2)],
+        parents=[None, random_parents(40, seed=2)],
         fold_rows=[None, [4, 1, 7]],
         log_rows=40,
         hk=1,
@@ -295,7 +278,7 @@ def test_gdn_tree_rows_are_their_paths_as_chains(kernel_device, implementation, 
         getattr(log, name)[1 : 1 + chains] = getattr(log, name)[0]
     chain_state, chain_log = state.clone(), _clone_log(log)
     tree = rule(q, k, v, g, beta, state, _layout([chains], [0], kernel_device, [2], [True], [TREE], [[0, 1]]), log)
-    paths = [_root_path(TREE, row) for row in range(chains)]
+    paths = [root_path(TREE, row) for row in range(chains)]
     rows = torch.tensor([row for path in paths for row in path], device=kernel_device)
     layout = _layout([len(p) for p in paths], list(range(1, 1 + chains)), kernel_device, [2] * chains, [True] * chains)
     out = rule(q[rows], k[rows], v[rows], g[rows], beta[rows], chain_state, layout, chain_log)
@@ -416,7 +399,7 @@ def test_conv_tree_pass(kernel_device):
 
 def test_conv_large_tree_beside_a_long_sequence(kernel_device):
     """A random 40-row tree, whose rows past the first 32 still reach the window, beside a 70-row sequence."""
-    parents = _random_parents(40, seed=3)
+    parents = random_parents(40, seed=3)
     parents[35], parents[38] = 0, 1  # rows 1 and 2 deep: their taps reach 2 and 1 rows into the window
     _check_conv(
         kernel_device,
@@ -444,7 +427,7 @@ def test_conv_tree_rows_are_their_paths_as_chains(kernel_device, implementation)
     log = torch.randn(1, LOG_ROWS, channels, generator=gen).repeat(NUM_SLOTS, 1, 1).to(kernel_device)
     chain_state, chain_log = conv_state.clone(), log.clone()
     tree = conv(x, weight, conv_state, _layout([chains], [0], kernel_device, [2], [True], [TREE], [[0, 1]]), log)
-    paths = [_root_path(TREE, row) for row in range(chains)]
+    paths = [root_path(TREE, row) for row in range(chains)]
     rows = torch.tensor([row for path in paths for row in path], device=kernel_device)
     layout = _layout([len(p) for p in paths], list(range(1, 1 + chains)), kernel_device, [2] * chains, [True] * chains)
     out = conv(x[rows], weight, chain_state, layout, chain_log)

@@ -10,8 +10,8 @@ import torch
 
 from deltaspec import LLM, DeltaspecError, SamplingParams
 from deltaspec.spec.policy import FixedDraftLength
-from tests.branching_drafter import BranchingDrafter
 from tests.tiny_models import add_mtp_weights, write_block_drafter
+from tests.tree_helpers import BranchingDrafter
 
 PATTERN = [5, 9, 14, 22, 31, 40, 57]
 PROMPTS = [PATTERN * 3, [3, 4] + PATTERN * 2 + [8], PATTERN[:4] * 5, [11, 12, 13] * 4 + PATTERN]

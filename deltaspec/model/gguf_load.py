@@ -21,7 +21,7 @@ from tqdm import tqdm
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.gguf_raw import GGUFTensor, block_layout
-from deltaspec.model.hybrid import HybridModel, VocabParallelEmbedding
+from deltaspec.model.hybrid import HybridModel, VocabParallelEmbedding, fused_once_loaded
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.model.weights import target_name
 from deltaspec.ops.dispatch import OpTable
@@ -51,6 +51,7 @@ def quantized_tensor(tensor, device: torch.device) -> QuantizedWeight:
     return QuantizedWeight([(tensor.qtype, data.reshape(*tensor.shape[:-1], -1))], tensor.shape[-1], order)
 
 
+@fused_once_loaded
 def load_gguf_model(
     checkpoint,
     config: ModelConfig,
@@ -62,27 +63,7 @@ def load_gguf_model(
     tp: TensorParallel = SINGLE,
 ) -> HybridModel:
     """The model of `checkpoint` (a `GGUFCheckpoint`) on `device`: quantized weights kept as blocks, float ones in
-    `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share.
-
-    Fused once the loading's own references to the parts are gone: each group's parts are freed as it is fused,
-    so the peak is the weights plus one fused projection (a 27B model's parts held to the end cost 24 GB more).
-    """
-    model = _unfused_load_gguf_model(checkpoint, config, dtype, device, ops, progress, with_mtp, tp)
-    model.fuse_projections()
-    return model.eval()
-
-
-def _unfused_load_gguf_model(
-    checkpoint,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    ops: OpTable,
-    progress: bool = True,
-    with_mtp: bool = True,
-    tp: TensorParallel = SINGLE,
-) -> HybridModel:
-    """`load_gguf_model` before its projections are fused."""
+    `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share."""
     if not any(name.endswith("in_proj_qkvz.weight") for name in checkpoint.tensors):
         config = replace(config, gdn_layout="qwen3_5")  # a Qwen3-Next file's GDN projections read as separate ones
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.hybrid import HybridModel, fused_once_loaded
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.model.random_quant import quantized_config, random_blocks, tensor_types
 from deltaspec.ops.dispatch import OpTable
@@ -70,6 +70,7 @@ def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, 
         raise DeltaspecError(f"No random init is defined for parameter {name} {list(shape)}.")
 
 
+@fused_once_loaded
 def random_model(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -87,28 +88,7 @@ def random_model(
     blocks drawn from a pool of quantized unit-normal blocks, their scales multiplied by the matrix's std), so the
     float model never exists whole (and
     Qwen3-Next's GDN projections are separate, as a GGUF file's load). A rank of the tensor-parallel group `tp`
-    keeps its part of each float weight (`--quant` runs on one device).
-
-    Fused once the loading's own references to the parts are gone: each group's parts are freed as it is fused,
-    so the peak is the weights plus one fused projection (a 27B model's parts held to the end cost 24 GB more).
-    """
-    model = _unfused_random_model(config, dtype, device, ops, seed, progress, with_mtp, quant, tp)
-    model.fuse_projections()
-    return model.eval()
-
-
-def _unfused_random_model(
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    ops: OpTable,
-    seed: int = 0,
-    progress: bool = True,
-    with_mtp: bool = True,
-    quant: str | None = None,
-    tp: TensorParallel = SINGLE,
-) -> HybridModel:
-    """`random_model` before its projections are fused."""
+    keeps its part of each float weight (`--quant` runs on one device)."""
     if quant and tp.sharded:
         raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
     if quant:

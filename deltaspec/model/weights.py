@@ -25,7 +25,7 @@ from tqdm import tqdm
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hf_quant import Blocks, checkpoint_quantization
-from deltaspec.model.hybrid import HybridModel
+from deltaspec.model.hybrid import HybridModel, fused_once_loaded
 from deltaspec.model.layers import set_weight
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.checkpoint_layout import weight_name
@@ -190,6 +190,7 @@ def _listing(names: list[str]) -> str:
     return shown + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
 
 
+@fused_once_loaded
 def load_model(
     model_dir: Path,
     config: ModelConfig,
@@ -203,28 +204,7 @@ def load_model(
 ) -> HybridModel:
     """Build the model and fill every parameter from the checkpoint at `model_dir` (the MTP head, when the
     checkpoint has one, only `with_mtp`: it is a drafter's memory); a rank of a tensor-parallel group `tp` builds
-    and reads its share. A quantized checkpoint's matrices are kept as blocks.
-
-    Fused once the loading's own references to the parts are gone: each group's parts are freed as it is fused,
-    so the peak is the weights plus one fused projection (a 27B model's parts held to the end cost 24 GB more).
-    """
-    model = _unfused_load_model(model_dir, config, raw_config, dtype, device, ops, progress, with_mtp, tp)
-    model.fuse_projections()
-    return model.eval()
-
-
-def _unfused_load_model(
-    model_dir: Path,
-    config: ModelConfig,
-    raw_config: dict,
-    dtype: torch.dtype,
-    device: torch.device,
-    ops: OpTable,
-    progress: bool = True,
-    with_mtp: bool = True,
-    tp: TensorParallel = SINGLE,
-) -> HybridModel:
-    """`load_model` before its projections are fused."""
+    and reads its share. A quantized checkpoint's matrices are kept as blocks."""
     quantization = checkpoint_quantization(raw_config, model_dir)
     files = checkpoint_files(model_dir)
     num_mtp_layers = count_mtp_layers(files) if with_mtp else 0

@@ -1,10 +1,31 @@
-"""`BranchingDrafter`: a test drafter that hides the target's greedy continuation in a tree of drafts, so that every
-accepted path leaves the drafter's own chain (tree rows, restarts of the recurrence, folds of a path and KV moves
-all run)."""
+"""Trees of drafts in tests: a tree with restarts, random trees, root-to-row paths (the kernels' tests check each
+tree row against its path run as a chain), and `BranchingDrafter`, a drafter that hides the target's greedy
+continuation in a tree so that every accepted path leaves the drafter's own chain (tree rows, restarts of the
+recurrence, folds of a path and KV moves all run)."""
 
 from __future__ import annotations
 
+import torch
+
 from deltaspec.spec.drafter import Draft
+
+# Row parents of a tree with restarts: row 1 has two children (2, 3) that both have children (4, 5); 4, 5 and 7 are
+# leaves.
+TREE = [-1, 0, 1, 1, 2, 3, 0, 6]
+
+
+def random_parents(rows: int, seed: int) -> list[int]:
+    """A random tree of `rows` rows in row order: each row's parent is an earlier row."""
+    generator = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, row, (1,), generator=generator)) for row in range(1, rows)]
+
+
+def root_path(parents: list[int], row: int) -> list[int]:
+    """The rows from the root to `row`, in order."""
+    path = [row]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
 class BranchingDrafter:
