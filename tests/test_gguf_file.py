@@ -308,6 +308,46 @@ def test_qkvz_parts_of_a_float_and_a_quantized_type_are_not_grouped(tmp_path):
         read_gguf(path, grouped_qkvz=True)
 
 
+def test_matrices_stored_without_their_dimensions_of_one_read_at_their_rank(tmp_path):
+    """llama-quantize (ggml's gguf writer) stores a tensor's dimensions only up to the last one above 1: the shared
+    expert's gate [1, hidden] as [hidden], and an expert stack of one expert as a matrix. Both read back as the
+    model's parameters have them."""
+
+    def as_ggml_writes(name, data, qtype):  # the first row (expert) alone, its dimension of 1 left out
+        if name.endswith(("ffn_gate_inp_shexp.weight", "ffn_up_exps.weight")):
+            return [(name, data[:1].reshape(data.shape[1:]), qtype)]
+        return [(name, data, qtype)]
+
+    plain = read_gguf(DATA / "qwen35moe-q8_0.gguf").tensors
+    squeezed = rewrite(DATA / "qwen35moe-q8_0.gguf", tmp_path / "squeezed.gguf", as_ggml_writes)
+    shapes = {t.name: tuple(t.shape.tolist()) for t in gguf.GGUFReader(squeezed).tensors}
+    assert len(shapes["blk.0.ffn_gate_inp_shexp.weight"]) == 1 and len(shapes["blk.0.ffn_up_exps.weight"]) == 2
+    read = read_gguf(squeezed).tensors
+    gate = "model.layers.0.mlp.shared_expert_gate.weight"
+    assert read[gate].shape == plain[gate].shape == (1, 32)
+    np.testing.assert_array_equal(read[gate].data, plain[gate].data)
+    up = "model.layers.0.mlp.experts.up_proj"
+    assert read[up].shape == (1, *plain[up].shape[1:])  # the first expert alone, as a stack of one
+    np.testing.assert_array_equal(read[up].data[0], plain[up].data[0])
+
+
+def test_a_type_the_gguf_package_does_not_know_is_one_sentence(tmp_path):
+    """A file from a llama.cpp newer than the installed gguf package (e.g. its Q2_0, type 42)."""
+    reader = gguf.GGUFReader(DATA / "qwen35-f32.gguf")
+    tensor = reader.tensors[0]
+    type_at = tensor.field.offset + 8 + len(tensor.name.encode()) + 4 + 8 * len(tensor.shape)  # name, n_dims, dims
+    raw = bytearray((DATA / "qwen35-f32.gguf").read_bytes())
+    assert int.from_bytes(raw[type_at : type_at + 4], "little") == tensor.tensor_type
+    raw[type_at : type_at + 4] = (42).to_bytes(4, "little")
+    path = tmp_path / "newer.gguf"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(
+        DeltaspecError, match=r"ggml type 42, which the installed gguf package \(gguf [\d.]+\) does"
+    ) as e:
+        read_gguf(path)
+    assert "\n" not in str(e.value) and "IQ2_XXS" in str(e.value)
+
+
 def test_unknown_tensor_is_named(tmp_path):
     def extra(name, data, qtype):
         return [(name, data, qtype)] + ([("blk.0.mystery.weight", data, qtype)] if name == "output_norm.weight" else [])

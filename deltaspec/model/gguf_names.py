@@ -22,6 +22,11 @@ does to the names and values of Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints:
 - routed experts were stacked into `ffn_{gate,up,down}_exps` [E, rows, cols]: they stay stacked, as
   `mlp.experts.{gate,up,down}_proj`; optional fusions (`ffn_gate_up_exps`, an attention `attn_qkv`) are split
   back into row slices.
+
+Shapes: ggml ignores trailing dimensions of size 1 (torch's leading ones), and llama-quantize (like every file
+ggml's own gguf code writes) stores only the dimensions up to the last one above 1 — a single-row matrix such as
+`ffn_gate_inp_shexp` [1, hidden] arrives as [hidden], an expert stack of one expert as a matrix. Each tensor gets
+back the rank its Hugging Face parameter has (`rank_of`) before anything else reads it.
 """
 
 from __future__ import annotations
@@ -129,9 +134,29 @@ def hf_tensors(raw: RawGGUF, config: dict, grouped_qkvz: bool = False) -> dict[s
     layout = layout_of(raw, config)
     out: dict[str, GGUFTensor] = {}
     for name, tensor in raw.tensors.items():
-        for hf_name, hf_tensor in _convert(raw, layout, name, tensor, grouped_qkvz):
+        for hf_name, hf_tensor in _convert(raw, layout, name, with_rank(tensor, rank_of(name)), grouped_qkvz):
             out[hf_name] = hf_tensor
     return out
+
+
+def rank_of(name: str) -> int:
+    """The number of dimensions of the Hugging Face tensor(s) the GGUF tensor `name` holds: 3 for a routed-expert
+    stack, 1 for norms, biases and `ssm_a`, 2 for every other weight (matrices and the conv window)."""
+    if name.endswith("_exps.weight"):
+        return 3
+    if not name.endswith(".weight") or name.endswith("norm.weight"):
+        return 1
+    return 2
+
+
+def with_rank(tensor: GGUFTensor, rank: int) -> GGUFTensor:
+    """`tensor` with the leading dimensions of size 1 that ggml's writer left out put back up to `rank`."""
+    missing = rank - len(tensor.shape)
+    if missing <= 0:
+        return tensor
+    return replace(
+        tensor, shape=(1,) * missing + tensor.shape, data=tensor.data.reshape((1,) * missing + tensor.data.shape)
+    )
 
 
 def _convert(

@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from deltaspec.errors import DeltaspecError
+from deltaspec.ops.quant.formats import GGUF_TYPES
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +101,15 @@ def _gguf():
     return gguf
 
 
+def _version(gguf) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "gguf " + version("gguf")
+    except PackageNotFoundError:
+        return f"gguf-py at {Path(gguf.__file__).parent}"
+
+
 def block_layout(qtype: str) -> tuple[int, int]:
     """(values per block, bytes per block) of the ggml type `qtype`: (1, 2) for BF16, (32, 34) for Q8_0."""
     gguf = _gguf()
@@ -114,6 +125,13 @@ def _open(path: Path):
         raise DeltaspecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes).")
     try:
         reader = gguf.GGUFReader(path, "r")
+    except ValueError as exc:
+        if unknown := UNKNOWN_TYPE.search(str(exc)):
+            raise DeltaspecError(
+                f"{path} stores a tensor in ggml type {unknown[1]}, which the installed gguf package "
+                f"({_version(gguf)}) does not know (llama.cpp added it later); deltaspec reads {', '.join(GGUF_TYPES)}."
+            ) from None
+        raise DeltaspecError(f"{path} is truncated or corrupt and cannot be read as GGUF ({exc}).") from None
     except Exception as exc:  # noqa: BLE001 - the reader fails on broken files with assorted error types
         raise DeltaspecError(f"{path} is truncated or corrupt and cannot be read as GGUF ({exc}).") from None
     if reader.byte_order == "S":
