@@ -16,9 +16,9 @@ import torch
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
-from deltaspec.ops.quant.formats import FORMATS, format_of, row_bytes
+from deltaspec.ops.quant.formats import format_of, row_bytes
 from deltaspec.ops.quant.presets import DEFAULT_TYPE, preset_types
-from deltaspec.ops.quant.quantize import quantize
+from deltaspec.ops.quant.quantize import QUANTIZERS, quantize
 from deltaspec.ops.quant.weight import QuantizedWeight
 
 GGUF_SUFFIXES = {  # deltaspec parameter (within a layer) -> the GGUF tensor llama.cpp's converter writes
@@ -70,7 +70,7 @@ def gguf_name(name: str, config: ModelConfig) -> str | None:
 def parse_quant(quant: str) -> str:
     """A --quant value as presets and formats spell it (Q4_K_M, Q8_0, ...), or one sentence listing the choices."""
     key = {"FP8": "FP8_B128", "INT4": "I4_G128"}.get(quant.upper(), quant.upper())
-    if key in DEFAULT_TYPE or (key in FORMATS and not format_of(key).is_float):
+    if key in DEFAULT_TYPE or key in QUANTIZERS:  # the block types deltaspec can quantize random weights to
         return key
     choices = ", ".join(p.lower() for p in DEFAULT_TYPE)
     raise DeltaspecError(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from deltaspec.errors import DeltaspecError
+from deltaspec.ops.quant import dequant_iq
 from deltaspec.ops.quant.formats import QuantFormat, format_of
 
 # ggml's kvalues_iq4nl: the 16 non-linear levels of IQ4_NL and IQ4_XS.
@@ -238,4 +239,5 @@ _DEQUANTIZERS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "FP8_B128": _fp8_b128,
     "I4_G32": _int4_groups,
     "I4_G128": _int4_groups,
+    **dequant_iq.DEQUANTIZERS,
 }

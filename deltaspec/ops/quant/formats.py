@@ -5,7 +5,9 @@ A quantized row is a run of blocks; a block packs `block_size` elements into `ty
 laid out as the fields of ggml's `block_*` struct (ggml/src/ggml-common.h), in struct order and
 without padding. The float types are blocks of one element. Names are spelled as gguf spells them.
 Fields named `d`, `dmin` or `m` hold one little-endian float16 each (two bytes); `e` (MXFP4) is an
-E8M0 exponent byte; every other field is packed quants or packed sub-block scales.
+E8M0 exponent byte; every other field is packed quants, codebook indices, signs or packed sub-block scales (IQ1_M
+keeps its float16 scale in the top nibbles of `scales`). The codebook and ternary types are dequantized by
+`deltaspec.ops.quant.dequant_iq`.
 
 `FP8_B128` is not a GGUF type: it is how deltaspec keeps the weights of a Hugging Face FP8 checkpoint (float8
 e4m3 values, one float32 scale per 128 x 128 tile): each run of 128 values of a row as a block of its tile's
@@ -55,6 +57,16 @@ _ALL = (
     QuantFormat("IQ4_NL", 32, (("d", 2), ("qs", 16))),
     QuantFormat("IQ4_XS", QK_K, (("d", 2), ("scales_h", 2), ("scales_l", QK_K // 64), ("qs", QK_K // 2))),
     QuantFormat("MXFP4", 32, (("e", 1), ("qs", 16))),
+    QuantFormat("IQ2_XXS", QK_K, (("d", 2), ("qs", QK_K // 4))),
+    QuantFormat("IQ2_XS", QK_K, (("d", 2), ("qs", QK_K // 4), ("scales", QK_K // 32))),
+    QuantFormat("IQ2_S", QK_K, (("d", 2), ("qs", QK_K // 4), ("qh", QK_K // 32), ("scales", QK_K // 32))),
+    QuantFormat("IQ3_XXS", QK_K, (("d", 2), ("qs", 3 * QK_K // 8))),
+    QuantFormat("IQ3_S", QK_K, (("d", 2), ("qs", QK_K // 4), ("qh", QK_K // 32), ("signs", QK_K // 8), ("scales", 4))),
+    QuantFormat("IQ1_S", QK_K, (("d", 2), ("qs", QK_K // 8), ("qh", QK_K // 16))),
+    QuantFormat("IQ1_M", QK_K, (("qs", QK_K // 8), ("qh", QK_K // 16), ("scales", QK_K // 32))),
+    QuantFormat("TQ1_0", QK_K, (("qs", (QK_K - 4 * QK_K // 64) // 5), ("qh", QK_K // 64), ("d", 2))),
+    QuantFormat("TQ2_0", QK_K, (("qs", QK_K // 4), ("d", 2))),
+    QuantFormat("Q1_0", 128, (("d", 2), ("qs", 16))),
     QuantFormat("FP8_B128", 128, (("scale", 4), ("qs", 128)), in_gguf=False),
     QuantFormat("I4_G32", 32, (("scale", 2), ("zero", 1), ("scale_type", 1), ("qs", 16)), in_gguf=False),
     QuantFormat("I4_G128", 128, (("scale", 2), ("zero", 1), ("scale_type", 1), ("qs", 64)), in_gguf=False),
