@@ -7,8 +7,9 @@ writes: the presets, each block type with --pure, and some of them again with --
 synthetic one (`synthetic_importance`: seeded values, counts of 1 so llama-quantize uses the values as they are,
 one expert with count 0 so it uses ones there), which the tests rebuild. For the converter's own outtypes
 (f16, bf16, q8_0) its files are recorded as well. oracles.json.gz keeps, per checkpoint, the tensor names in file
-order, the f32 file's metadata, and per type each tensor's ggml type and the first 8 hex digits of the SHA-256
-of its bytes (the file's own `general.file_type` too).
+order, the f32 file's metadata, and per type each tensor's ggml type, its ggml shape and the first 8 hex digits of
+the SHA-256 of its bytes, in the file's order (llama-quantize orders tensors by layer, then by name), the file's own
+`general.file_type`, and the digest of the whole file.
 
 It also runs llama-imatrix on the default model's f32 file over calibration.txt (8 windows of 128 tokens) and
 keeps the mean squared inputs it measured (float16, imatrix-default.npz): the tests compare deltaspec's own
@@ -111,10 +112,15 @@ def write_imatrix(path: Path, importance: dict[str, np.ndarray]) -> None:
 
 
 def tensor_digests(path: Path) -> dict[str, str]:
-    """GGUF tensor -> "TYPE:sha8" of its bytes, and general.file_type."""
+    """GGUF tensor -> "TYPE:ne0xne1...:sha8" of its bytes, in the file's order; general.file_type; and "file": the
+    sha8 of the whole file."""
     reader = gguf.GGUFReader(path)
-    out = {t.name: f"{t.tensor_type.name}:{digest(t.data.tobytes())}" for t in reader.tensors}
+    out = {
+        t.name: f"{t.tensor_type.name}:{'x'.join(map(str, t.shape.tolist()))}:{digest(t.data.tobytes())}"
+        for t in reader.tensors
+    }
     out["general.file_type"] = int(reader.fields["general.file_type"].contents())
+    out["file"] = digest(path.read_bytes())
     return out
 
 

@@ -45,7 +45,7 @@ from deltaspec.model.gguf_write_meta import (
 from deltaspec.model.gguf_write_names import TensorConverter, layout_for
 from deltaspec.model.gguf_write_source import Source
 from deltaspec.ops.quant.formats import format_of, row_bytes
-from deltaspec.ops.quant.presets import DEFAULT_TYPE, FALLBACK, allows_quantization, preset_types
+from deltaspec.ops.quant.presets import DEFAULT_TYPE, FALLBACK, LAYER, allows_quantization, preset_types
 from deltaspec.ops.quant.quantize import quantize
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -178,6 +178,9 @@ def _writer(
         add_hf_tokenizer(writer, source.path, source.config.vocab_size)
     else:
         add_gguf_tokenizer(writer, source.gguf_metadata)
+    if kind not in FLOAT_TYPES:  # llama-quantize sets these two anew, which moves them after the converter's keys
+        kv = writer.kv_data[0]
+        kv |= {key: kv.pop(key) for key in ("general.quantization_version", "general.file_type")}
     if importance is not None:
         writer.add_string("quantize.imatrix.dataset", importance.dataset)
         writer.add_uint32("quantize.imatrix.entries_count", len(importance.values))
@@ -194,24 +197,31 @@ def write_gguf(
     progress: bool = True,
 ) -> Counter:
     """Write `source` to the GGUF file `path` with the tensor types of --type `kind`; returns how many tensors got
-    each type. The tensors are quantized on `device`."""
-    plan = [(name, tuple(tensor.shape)) for name, tensor in _converted(source, meta=True)]
+    each type. The tensors are quantized on `device`, in the converter's order, each written where the file's
+    order puts it."""
+    plan = _file_plan(kind, [(name, tuple(tensor.shape)) for name, tensor in _converted(source, meta=True)])
     moe = source.config.moe
     types = tensor_types(kind, plan, source.config.num_hidden_layers + source.num_mtp, moe.num_experts if moe else 0)
     writer = _writer(source, kind, [(name, shape, types[name]) for name, shape in plan], importance)
+    offsets, end = _data_offsets(writer)
     values = importance.values if importance is not None else {}
     partial = _partial(path)
     try:
         writer.write_header_to_file(partial)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        (out,) = writer.fout
+        writer.write_padding(out, out.tell())
+        start = out.tell()
         bar = tqdm(total=len(plan), desc=f"Writing {path.name}", unit="tensor", disable=not progress)
-        for (name, tensor), (planned, _) in zip(_converted(source, meta=False), plan, strict=True):
-            assert name == planned, f"{name} arrived where {planned} was planned"
+        for name, tensor in _converted(source, meta=False):
             bar.set_postfix_str(f"{name} {types[name]}", refresh=False)
-            writer.write_tensor_data(encode(tensor, types[name], values.get(name), device))
+            out.seek(start + offsets.pop(name))
+            encode(tensor, types[name], values.get(name), device).tofile(out)
             bar.update()
         bar.close()
+        assert not offsets, f"{sorted(offsets)} were planned but never converted"
+        out.truncate(start + end)  # the padding after the last tensor of the file
         writer.close()
         partial.replace(path)
     except OSError as exc:
@@ -220,3 +230,33 @@ def write_gguf(
         writer.close()
         partial.unlink(missing_ok=True)
     return Counter(types.values())
+
+
+def _file_plan(kind: str, plan: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors (name, torch shape) in the order and shapes the file stores them: the converter's for its own
+    types; llama-quantize's for the others — by layer (global tensors first), then by name (its model loader's
+    `weight_name_comparer`), each shape without the leading dimensions of 1 (ggml's `ggml_n_dims`, which its
+    gguf writer stores; e.g. `ffn_gate_inp_shexp` [1, hidden] as [hidden])."""
+    if kind in FLOAT_TYPES:
+        return plan
+
+    def layer(name: str) -> int:
+        return int(match[1]) if (match := LAYER.match(name)) else -1
+
+    def ggml_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        kept = len(shape)
+        while kept > 1 and shape[-kept] == 1:
+            kept -= 1
+        return shape[-kept:]
+
+    return [(name, ggml_shape(shape)) for name, shape in sorted(plan, key=lambda entry: (layer(entry[0]), entry[0]))]
+
+
+def _data_offsets(writer: gguf.GGUFWriter) -> tuple[dict[str, int], int]:
+    """Where each tensor's data starts after the start of the data section, and where the section ends (each
+    tensor padded to the alignment, as `GGUFWriter.write_ti_data_to_file` numbers them)."""
+    offsets, end = {}, 0
+    for name, info in writer.tensors[0].items():
+        offsets[name] = end
+        end += gguf.GGUFWriter.ggml_pad(info.nbytes, writer.data_alignment)
+    return offsets, end
