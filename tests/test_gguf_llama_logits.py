@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deltaspec import LLM
-from deltaspec.evaluate_kl import window_logits
+from tests.gguf_records import kl_over_kept, log_probs_of, scored_log_probs
 from tools.make_llama_logits import written_file
 
 DATA = Path(__file__).parent / "data" / "gguf"
@@ -37,47 +37,27 @@ BOUNDS = {
 }
 
 
+def record(name: str) -> dict[str, np.ndarray]:
+    return {key: RECORD[f"{name}/{key}"] for key in ("tokens", "quants", "scale", "min_log_prob")}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
     """The directory the GGUF files are written to, as the tool wrote them."""
     return tmp_path_factory.mktemp("llama_logits")
 
 
-def llama_log_probs(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's recorded log-softmax [windows, rows, vocab] (float64) and the mask of the entries it kept
-    (within 16 nats of the row's top; the rest were clamped to the row's minimum)."""
-    quants = torch.from_numpy(RECORD[f"{name}/quants"].astype(np.float64))
-    scale = torch.from_numpy(RECORD[f"{name}/scale"].astype(np.float64))[..., None]
-    low = torch.from_numpy(RECORD[f"{name}/min_log_prob"].astype(np.float64))[..., None]
-    return low + scale * quants, quants > 0
-
-
-def kl_over_kept(theirs: torch.Tensor, ours: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """KL(llama.cpp || deltaspec) per position [N] over the entries llama.cpp's record kept, both distributions
-    renormalised on them (the clamped tail holds under e**-16 of a row's top each)."""
-    theirs = torch.log_softmax(theirs.masked_fill(~kept, -torch.inf), dim=-1)
-    ours = torch.log_softmax(ours.masked_fill(~kept, -torch.inf), dim=-1)
-    return (theirs.exp() * (theirs - ours)).masked_fill(~kept, 0.0).sum(-1).flatten()
-
-
 def deltaspec_log_probs(path: Path, name: str) -> torch.Tensor:
     """deltaspec's float64 log-softmax at the positions llama-perplexity scored: c/2 .. c-2 of each window."""
     llm = LLM(str(path), dtype="float64", device="cpu", max_num_seqs=1, max_model_len=128)
-    tokens = RECORD[f"{name}/tokens"]
-    context = tokens.shape[1]
-    first = context // 2
-    rows = []
-    for window in tokens.tolist():
-        logits = window_logits(llm.engine, window)  # [context - 1, vocab]: row i predicts token i + 1
-        rows.append(torch.log_softmax(logits[first : context - 1].double(), dim=-1))
-    return torch.stack(rows)
+    return scored_log_probs(llm.engine, RECORD[f"{name}/tokens"])
 
 
 @pytest.mark.parametrize("name", list(BOUNDS))
 def test_next_token_distributions_match_llama_cpp(name, files):
     case, kind = name.rsplit("-", 1)
     path = written_file(files, case, kind.upper())
-    (theirs, kept), ours = llama_log_probs(name), deltaspec_log_probs(path, name)
+    (theirs, kept), ours = log_probs_of(record(name)), deltaspec_log_probs(path, name)
     assert theirs.shape == ours.shape
     kl = kl_over_kept(theirs, ours, kept)
     mean_bound, max_bound = BOUNDS[name]

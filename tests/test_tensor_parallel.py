@@ -142,6 +142,19 @@ def test_gguf_files_split_whole_blocks_among_ranks(tmp_path):
     assert_same_outputs(generate(written, 2, LOGPROBS, prompts, enable_expert_parallel=True), want_written)
 
 
+LLAMA_MADE = Path(__file__).parent / "data" / "gguf_llama"
+
+
+def test_a_llama_quantized_moe_file_splits_among_ranks():
+    """A file llama-quantize wrote and llama-gguf-split cut in parts (its Q8_0 preset of a Qwen3.5-MoE model with a
+    quantized NextN block): with two ranks, and with two ranks holding whole experts, the logprobs of one process
+    within 1e-9."""
+    path, prompts = LLAMA_MADE / "qwen35moe-q8_0-00001-of-00004.gguf", PROMPTS[:2]  # the vocabulary is 400 ids
+    want = generate(path, 1, LOGPROBS, prompts)
+    assert_same_outputs(generate(path, 2, LOGPROBS, prompts), want)
+    assert_same_outputs(generate(path, 2, LOGPROBS, prompts, enable_expert_parallel=True), want)
+
+
 def test_the_mtp_head_drafts_alike_and_speculation_stays_exact(with_mtp):
     """The sharded MTP head proposes what one process's does (the same acceptance, draft by draft), and greedy
     speculative output equals plain greedy output with rejected drafts rolled back on both ranks (a random head's

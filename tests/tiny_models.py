@@ -82,7 +82,8 @@ def write_checkpoint(directory: Path, kind: str, seed: int = 0, tokenizer: bool 
 
 
 def add_mtp_weights(directory: Path, num_layers: int = 1, seed: int = 1) -> None:
-    """Add random `mtp.*` tensors (the layout Qwen3.5 checkpoints ship) to a saved checkpoint."""
+    """Add random `mtp.*` tensors (the layout Qwen3.5 checkpoints ship) to a saved checkpoint; the MTP layer's MLP is
+    the model's kind (a MoE model's has routed experts, one tensor per expert, and a shared expert)."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((directory / "config.json").read_text())
@@ -115,16 +116,37 @@ def add_mtp_weights(directory: Path, num_layers: int = 1, seed: int = 1) -> None
                 p + "self_attn.o_proj.weight": rand(h, heads * d),
                 p + "self_attn.q_norm.weight": rand(d),
                 p + "self_attn.k_norm.weight": rand(d),
-                p + "mlp.gate_proj.weight": rand(config["intermediate_size"], h),
-                p + "mlp.up_proj.weight": rand(config["intermediate_size"], h),
-                p + "mlp.down_proj.weight": rand(h, config["intermediate_size"]),
             }
         )
+        tensors.update(_mtp_mlp(config, p + "mlp.", rand))
     weights = load_file(directory / "model.safetensors")
     weights.update(tensors)
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     config["mtp_num_hidden_layers"] = num_layers
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _mtp_mlp(config: dict, p: str, rand) -> dict[str, torch.Tensor]:
+    """The MTP layer's MLP tensors under prefix `p`: SwiGLU, or the model's MoE as released checkpoints store it."""
+    h = config["hidden_size"]
+    if not config.get("num_experts"):
+        i = config["intermediate_size"]
+        return {
+            p + "gate_proj.weight": rand(i, h),
+            p + "up_proj.weight": rand(i, h),
+            p + "down_proj.weight": rand(h, i),
+        }
+    i, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    tensors = {
+        p + "gate.weight": rand(config["num_experts"], h, scale=0.5),
+        p + "shared_expert_gate.weight": rand(1, h),
+    }
+    for e in range(config["num_experts"]):
+        tensors |= {f"{p}experts.{e}.{n}_proj.weight": rand(i, h) for n in ("gate", "up")}
+        tensors[f"{p}experts.{e}.down_proj.weight"] = rand(h, i)
+    tensors |= {f"{p}shared_expert.{n}_proj.weight": rand(shared, h) for n in ("gate", "up")}
+    tensors[p + "shared_expert.down_proj.weight"] = rand(h, shared)
+    return tensors
 
 
 def write_block_drafter(
