@@ -88,13 +88,15 @@ def read_record(path: Path) -> dict[str, np.ndarray]:
     }
 
 
-def record(bin_dir: Path, path: Path, tmp: Path) -> dict[str, np.ndarray]:
+def perplexity_record(bin_dir: Path, path: Path, text: Path, context: int, windows: int, work: Path) -> dict:
+    """llama-perplexity's `--kl-divergence-base` record of `path` over `windows` windows of `context` tokens of
+    `text` (`read_record`'s arrays); the file's tokenizer must add no BOS."""
     import gguf
 
-    base = tmp / f"{path.stem}.kld"
+    base = work / f"{path.stem}.kld"
     run(
         bin_dir / "llama-perplexity",
-        "-m", path, "-f", TEXT, "-c", CONTEXT, "-b", CONTEXT, "--chunks", WINDOWS, "-t", "2",
+        "-m", path, "-f", text, "-c", context, "-b", context, "--chunks", windows, "-t", "2",
         "--kl-divergence-base", base,
     )  # fmt: skip
     fields = gguf.GGUFReader(path).fields
@@ -112,7 +114,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         for case, kind in FILES:
             path = written_file(tmp, case, kind)
-            for key, value in record(args.bin_dir, path, tmp).items():
+            for key, value in perplexity_record(args.bin_dir, path, TEXT, CONTEXT, WINDOWS, tmp).items():
                 arrays[f"{path.stem}/{key}"] = value
             print(f"{path.stem}: {arrays[f'{path.stem}/quants'].shape}", flush=True)
     np.savez_compressed(OUT, **arrays)

@@ -19,13 +19,14 @@ near-ties, and 8-bit activations (llama.cpp's) flip their top token where a trai
 - manifest.json: how each file was made (commands, llama.cpp build), its tensor types, the training run.
 
 `--report FILE` instead quantizes each case with every preset llama-quantize lists (an imatrix where the preset
-needs one), loads each file in deltaspec and writes, per file, whether it loads and its agreement with
-llama-perplexity on the same file (top-1 and KL over `REPORT_WINDOWS` windows; as deltaspec runs it, and with
-llama.cpp's 8-bit activations reproduced) — the survey behind the README's list of supported files. Usage, with
-a llama.cpp source tree and its build's bin/:
+needs one; where llama-quantize refuses a very low-bit type for the NextN blocks, whose importance llama-imatrix
+does not measure, the file converted without them), loads each file in deltaspec and writes, per file, whether
+it loads and its agreement with llama-perplexity on the same file (top-1 and KL over `REPORT_WINDOWS` windows; as
+deltaspec runs it, and with llama.cpp's 8-bit activations reproduced) — the survey behind the README's list of
+supported files. Usage, with a llama.cpp source tree and its build's bin/:
 
     .venv/bin/python tools/make_llama_made_fixtures.py /path/to/llama.cpp /path/to/llama.cpp/build/bin
-    .venv/bin/python tools/make_llama_made_fixtures.py LLAMA_CPP BIN --report benchmarks/cpu/llama-quantize.json
+    .venv/bin/python tools/make_llama_made_fixtures.py LLAMA_CPP BIN --report benchmarks/llama-quantize-presets-cpu.json
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import re
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -48,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.make_gguf_fixtures import convert, give_qwen_pre_tokenizer  # noqa: E402
 from tools.make_gguf_write_oracles import run  # noqa: E402
-from tools.make_llama_logits import read_record  # noqa: E402
+from tools.make_llama_logits import perplexity_record  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "gguf_llama"
 CALIBRATION = ROOT / "tests" / "data" / "gguf_write" / "calibration.txt"
@@ -165,14 +167,8 @@ def llama_version(bin_dir: Path) -> str:
 
 
 def record(bin_dir: Path, path: Path, work: Path, windows: int) -> dict[str, np.ndarray]:
-    """llama-perplexity's record of `path` (see tools/make_llama_logits.py)."""
-    base = work / f"{path.stem}.kld"
-    run(
-        bin_dir / "llama-perplexity",
-        "-m", path, "-f", CALIBRATION, "-c", CONTEXT, "-b", CONTEXT, "--chunks", windows, "-t", "2",
-        "--kl-divergence-base", base,
-    )  # fmt: skip
-    return read_record(base)
+    """llama-perplexity's record of `path` over `windows` windows of calibration.txt."""
+    return perplexity_record(bin_dir, path, CALIBRATION, CONTEXT, windows, work)
 
 
 def tensor_types(path: Path) -> dict[str, int]:
@@ -182,16 +178,19 @@ def tensor_types(path: Path) -> dict[str, int]:
     return {name: names.count(name) for name in sorted(set(names))}
 
 
-def prepare(llama_cpp: Path, bin_dir: Path, case: str, work: Path) -> tuple[Path, Path, dict]:
-    """`case`'s trained checkpoint, its f32 file (the converter's) and its imatrix (llama-imatrix's), made once in
-    `work` (a later run with the same --work reuses them)."""
-    hf_dir, f32, imatrix = work / case / "hf", work / case / "f32.gguf", work / case / "imatrix.gguf"
-    trained = work / case / "training.json"
+def prepare(llama_cpp: Path, bin_dir: Path, case: str, work: Path, nextn: bool = True) -> tuple[Path, Path, dict]:
+    """`case`'s trained checkpoint, its f32 file (the converter's; with its MTP layers as NextN blocks unless
+    `nextn` is False) and that file's imatrix (llama-imatrix's), made once in `work` (a later run with the same
+    --work reuses them)."""
+    hf_dir, trained = work / case / "hf", work / case / "training.json"
+    dropped = CASES[case][2] > 0 and not nextn
+    f32, imatrix = (work / case / f"{name}{'-no-nextn' if dropped else ''}.gguf" for name in ("f32", "imatrix"))
     if not trained.exists():
         trained.parent.mkdir(parents=True, exist_ok=True)
         trained.write_text(json.dumps(train_checkpoint(case, hf_dir)))
     if not f32.exists():
-        convert(llama_cpp, hf_dir.resolve(), CASES[case][3], f32, "f32", *(() if CASES[case][2] else ("--no-mtp",)))
+        no_mtp = ("--no-mtp",) if dropped or not CASES[case][2] else ()
+        convert(llama_cpp, hf_dir.resolve(), CASES[case][3], f32, "f32", *no_mtp)
     if not imatrix.exists():
         run(bin_dir / "llama-imatrix", "-m", f32, "-f", CALIBRATION, "-c", CONTEXT, "--chunks", 8, "-t", "2",
             "-o", imatrix)  # fmt: skip
@@ -235,9 +234,12 @@ def make_fixtures(llama_cpp: Path, bin_dir: Path, work: Path) -> None:
 
 
 def presets(bin_dir: Path) -> list[str]:
-    """The quantization types llama-quantize lists in its help, but the copy and float ones."""
-    listed = re.findall(r"^\s+\d+\s+or\s+(\w+)\s+:", run(bin_dir / "llama-quantize", "--help"), flags=re.M)
-    return [p for p in dict.fromkeys(listed) if p not in ("F32", "F16", "BF16", "COPY")]
+    """The quantization types llama-quantize lists in its help, but the float ones and the aliases (Q4_K is
+    Q4_K_M)."""
+    shown = subprocess.run([str(bin_dir / "llama-quantize"), "--help"], capture_output=True, text=True)  # exits 1
+    listed = re.findall(r"^\s+\d+\s+or\s+(\w+)\s+:\s*(.*)$", shown.stdout + shown.stderr, flags=re.M)
+    skipped = ("F32", "F16", "BF16", "COPY")
+    return list(dict.fromkeys(p for p, what in listed if p not in skipped and not what.startswith("alias")))
 
 
 def agreement(path: Path, theirs: dict[str, np.ndarray]) -> dict:
@@ -266,22 +268,27 @@ def survey(llama_cpp: Path, bin_dir: Path, work: Path, report: Path) -> None:
     result: dict = {"tool": "tools/make_llama_made_fixtures.py --report", "llama_cpp": llama_version(bin_dir)}
     result |= {"presets": every, "windows": REPORT_WINDOWS, "context": CONTEXT, "cases": {}}
     for case in CASES:
-        f32, imatrix, training = prepare(llama_cpp, bin_dir, case, work)
         files = result["cases"][case] = {}
         for preset in every:
+            files[preset] = entry = {}
             path = work / case / f"{preset}.gguf"
-            entry = files[preset] = {}
-            try:
-                entry["command"] = quantize(
-                    bin_dir, f32, path, preset, imatrix if NEEDS_IMATRIX.match(preset) else None
-                )
-            except SystemExit as exc:
-                entry["llama_quantize_refused"] = str(exc).strip().splitlines()[-1][:300]
+            for nextn in (True, False) if CASES[case][2] else (False,):
+                f32, imatrix, _ = prepare(llama_cpp, bin_dir, case, work, nextn)
+                try:
+                    needs = imatrix if NEEDS_IMATRIX.match(preset) else None
+                    entry["command"] = quantize(bin_dir, f32, path, preset, needs)
+                    break
+                except SystemExit as exc:  # very low-bit types want importance for the NextN blocks too, which
+                    reason = re.search(r"failed to quantize: (.+)", str(exc))  # llama-imatrix does not run: then
+                    refusal = reason[1].strip() if reason else str(exc).strip().splitlines()[-1][:300]  # without
+                    entry["with_nextn_refused" if nextn else "llama_quantize_refused"] = refusal
+            if "command" not in entry:
                 print(f"{case} {preset}: llama-quantize refused", flush=True)
                 continue
-            entry["types"] = tensor_types(path)
+            entry["nextn_blocks"] = "with_nextn_refused" not in entry and CASES[case][2] > 0
             try:
                 entry |= agreement(path, record(bin_dir, path, work / case, REPORT_WINDOWS))
+                entry["types"] = tensor_types(path)
             except DeltaspecError as exc:
                 entry["deltaspec_refused"] = str(exc)
             print(f"{case} {preset}: {json.dumps(entry)}", flush=True)
