@@ -1,7 +1,11 @@
 """The skinny-GEMM routing table on the CPU (F.linear is the only candidate there): measuring, the
 JSON cache, routing, and the verify-cost curve."""
 
+import errno
 import json
+import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +169,59 @@ def test_expected_distinct_experts_is_what_uniform_routings_select():
     gen = torch.Generator().manual_seed(0)
     drawn = [torch.rand(16, 64, generator=gen).topk(4).indices.unique().numel() for _ in range(2000)]
     assert sum(drawn) / len(drawn) == pytest.approx(expected_distinct_experts(16, 64, 4), rel=0.01)
+
+
+def fail_writing_the_table(monkeypatch):
+    """The disk fills up when the table is written."""
+    write_text = Path.write_text
+
+    def full(path, *args, **kwargs):
+        if path.name.endswith(".json.tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+
+
+def cache_under_a_file(monkeypatch, tmp_path):
+    """The cache directory's parent is a regular file (as a read-only cache, mkdir fails, even for root)."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DELTASPEC_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+
+
+@pytest.mark.parametrize(
+    ("break_cache", "reason"),
+    [(fail_writing_the_table, "No space left on device"), (cache_under_a_file, "Not a directory")],
+    ids=["full", "not a directory"],
+)
+def test_a_cache_that_cannot_be_written_costs_only_the_saving(cache_root, monkeypatch, caplog, break_cache, reason):
+    if break_cache is cache_under_a_file:
+        break_cache(monkeypatch, cache_root)
+    else:
+        break_cache(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="deltaspec.ops"):
+        router = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)  # the engine's start: no raise
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "deltaspec.ops"]
+    assert warning.startswith(f"Cannot save the GEMM routing table to {router.path} ({reason}); this run uses")
+    assert router.measured and set(router.table) == set(SHAPES)
+    weight, x = torch.randn(24, 40), torch.randn(3, 40)
+    torch.testing.assert_close(router.linear(x, weight), F.linear(x, weight))
+    assert not list(cache_root.rglob("*.json*"))  # nothing half-written left behind
+    assert GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False).measured  # measured again next time
+
+
+def test_an_unreadable_cached_table_is_measured_again(cache_root, monkeypatch, caplog):
+    first = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    read_text = Path.read_text
+
+    def failing_disk(path, *args, **kwargs):
+        if path == first.path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", failing_disk)
+    with caplog.at_level(logging.WARNING, logger="deltaspec.ops"):
+        again = GemmRouter(SHAPES, torch.float32, "cpu", show_progress=False)
+    assert again.measured and set(again.table) == set(SHAPES)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "deltaspec.ops"]
+    assert warnings == [f"Cannot read the GEMM routing table {first.path} (Input/output error); it is measured again."]

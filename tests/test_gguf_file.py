@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import gguf
@@ -354,6 +355,30 @@ def test_unknown_tensor_is_named(tmp_path):
 
     with pytest.raises(DeltaspecError, match=r"has a tensor blk\.0\.mystery\.weight that deltaspec does not know"):
         read_gguf(rewrite(DATA / "qwen35-q8_0.gguf", tmp_path / "extra.gguf", extra))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("block_count", 10**9, "sets qwen35.block_count to 1000000000, but qwen35.block_count must be a whole number"),
+        ("embedding_length", 10**9, "sets hidden_size to 1000000000, but hidden_size must be a whole number"),
+        ("attention.head_count", 0, "has metadata of the wrong type or value (integer division or modulo by zero)"),
+    ],
+)
+def test_absurd_metadata_is_refused_at_once(tmp_path, key, value, words):
+    """Sizes that would build lists of 10**9 layers, or divide by zero, are one sentence within a second."""
+    path = rewrite(
+        DATA / "qwen35-q8_0.gguf",
+        tmp_path / "absurd.gguf",
+        drop_keys=f"qwen35.{key}",
+        **{f"qwen35__{key.replace('.', '__')}": (value, gguf.GGUFValueType.UINT32)},
+    )
+    start = time.monotonic()
+    with pytest.raises(DeltaspecError) as error:
+        parse_model_config(read_gguf(path).config)
+    assert time.monotonic() - start < 1
+    message = str(error.value)
+    assert words in message and "\n" not in message and message.endswith("."), message
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 drafts); speculative output on CUDA is a greedy decode of the model (every token the argmax given its prefix, up to
 float32 near-ties)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -242,3 +244,19 @@ def test_cuda_structured_output_validates_with_graphs_and_drafters(speculative, 
         for out in llm.generate(CODE_PROMPTS, params):
             value = json.loads(out.outputs[0].text)
             assert set(value) == {"name", "n"} and isinstance(value["n"], int) and value["n"] >= 0
+
+
+def test_a_gemm_routing_cache_that_cannot_be_written_costs_a_warning_not_the_start(tmp_path, monkeypatch, caplog):
+    """The embedded model's LM head is routed in bf16: its table is measured, the save fails (the cache's parent is
+    a file, as a read-only cache fails even for root), and the engine starts and generates all the same."""
+    from deltaspec.ops import gemm_routing
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DELTASPEC_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setattr(gemm_routing, "SHIPPED_TABLES", tmp_path / "no-shipped-tables")  # measured, then saved
+    with caplog.at_level(logging.WARNING, logger="deltaspec.ops"):
+        llm = LLM(dtype="bfloat16", device="cuda")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "deltaspec.ops"]
+    assert len(warnings) == 1 and warnings[0].startswith("Cannot save the GEMM routing table to "), warnings
+    [out] = llm.generate(CODE_PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 8

@@ -134,7 +134,7 @@ def test_the_plan_counts_fp8_blocks(fp8):
     """The plan's weight bytes (from the safetensors headers) are what a bf16 engine holds: the e4m3 values with a
     float32 scale per 128 of them, the float tensors in bf16."""
     from deltaspec.cache.memory_plan import weight_bytes
-    from deltaspec.model.weights import checkpoint_files
+    from deltaspec.model.safetensors_files import checkpoint_files
 
     quantized, dequantized = fp8["qwen3_5"]
     planned = weight_bytes(checkpoint_files(quantized), torch.bfloat16, lambda name: False)
@@ -170,7 +170,7 @@ def test_int4_under_tensor_parallelism(int4):
 def test_the_plan_counts_int4_blocks(int4, case):
     """A group of G values takes G / 2 bytes of nibbles and a 4-byte header: the plan says what the engine holds."""
     from deltaspec.cache.memory_plan import weight_bytes
-    from deltaspec.model.weights import checkpoint_files
+    from deltaspec.model.safetensors_files import checkpoint_files
 
     quantized, _ = int4[case]
     planned = weight_bytes(checkpoint_files(quantized), torch.bfloat16, lambda name: False)

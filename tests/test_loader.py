@@ -161,13 +161,6 @@ def test_config_that_is_not_an_object(checkpoints, tmp_path):
     assert "must hold a JSON object" in load_error(directory)
 
 
-def test_corrupt_safetensors_file(checkpoints, tmp_path):
-    directory = copy_checkpoint(checkpoints, "qwen3_5_r2", tmp_path)
-    (directory / "model.safetensors").write_bytes(b"\x01\x02")
-    message = load_error(directory)
-    assert "model.safetensors is not a readable safetensors file" in message
-
-
 def test_index_naming_a_missing_shard(checkpoints, tmp_path):
     directory = copy_checkpoint(checkpoints, "qwen3_5_r2", tmp_path)
     with safe_open(directory / "model.safetensors", "pt") as f:
@@ -200,10 +193,11 @@ def test_missing_tensor_is_named(checkpoints, tmp_path, tensor):
 
 def test_many_missing_tensors_are_summarised(checkpoints, tmp_path):
     path = copy_checkpoint(checkpoints, "qwen3_5_r2", tmp_path)
-    edit_weights(path, lambda w: [w.pop(n) for n in list(w) if n.startswith("model.layers.3.")])
+    kept = "model.layers.3.post_attention_layernorm.weight"  # (a checkpoint without layer 3 has too few layers)
+    edit_weights(path, lambda w: [w.pop(n) for n in list(w) if n.startswith("model.layers.3.") and n != kept])
     message = load_error(path)
-    assert "lacks 11 tensors" in message
-    assert message.endswith("(and 6 more).")
+    assert "lacks 10 tensors" in message
+    assert message.endswith("(and 5 more).")
     assert "model.layers.3.input_layernorm.weight" in message
 
 

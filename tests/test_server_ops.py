@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import openai
 import pytest
@@ -381,6 +382,26 @@ def test_without_max_tokens_near_the_end_of_the_context_and_on_chat(tmp_path, mo
         assert out.usage.completion_tokens == 256 - out.usage.prompt_tokens  # chat: the rest of the context
         time.sleep(3 * STATS_S)
     assert not messages(caplog, "Avg prompt throughput")  # --disable-log-stats
+
+
+# ---- the request log on a full disk ----
+
+
+def test_a_full_disk_under_the_request_log_fails_no_request(caplog):
+    """/dev/full opens like a file and fails every write with ENOSPC: each request still gets its 200 and its
+    tokens, and the log says once that records are dropped."""
+    with caplog.at_level(logging.WARNING, logger="deltaspec.server"), serving(Path("/dev/full")) as server:
+        client = server.client()
+        for _ in range(2):
+            chat = client.chat.completions.create(
+                model=NAME, messages=USER, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert chat.usage.completion_tokens == 4 and chat.choices[0].finish_reason == "length"
+            body = {"prompt": "def f(", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+            status, _, body = send(server.port, "POST", "/v1/completions", body)
+            assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    dropped = messages(caplog, "Cannot write the request log /dev/full (No space left on device)")
+    assert len(dropped) == 1, messages(caplog)
 
 
 # ---- a real `deltaspec serve` process ----

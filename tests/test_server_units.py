@@ -3,6 +3,12 @@ logprob formats, validation messages, vote wiring, and the `serve` command line.
 
 from __future__ import annotations
 
+import errno
+import io
+import json
+import logging
+import os
+import shutil
 import socket
 from types import SimpleNamespace
 
@@ -12,15 +18,17 @@ from pydantic import ValidationError
 from deltaspec.cli import build_parser, config_from_args, engine_config, main
 from deltaspec.config import ServerConfig
 from deltaspec.engine.async_engine import RequestDelta
+from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.model.weights import default_model_path
 from deltaspec.sample.logprobs import Logprob
 from deltaspec.sample.params import SamplingParams
+from deltaspec.server import metrics
 from deltaspec.server.chat import ChatFormat, voted_choice
 from deltaspec.server.detokenizer import IncrementalDetokenizer, stop_hold_start
 from deltaspec.server.errors import validation_error
 from deltaspec.server.logprobs import chat_logprobs, completion_logprobs
-from deltaspec.server.metrics import TokenTally
+from deltaspec.server.metrics import RequestLog, TokenTally
 from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest
 from deltaspec.server.respond import Submitted
 from deltaspec.server.samples import Sample
@@ -340,3 +348,62 @@ def test_usage_reports_the_prompt_tokens_resumed_from_a_prefix_checkpoint():
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 6, 46)
     assert usage.prompt_tokens_details.cached_tokens == 31
     assert usage_of(40, [Sample(0, "r", None, SamplingParams(), 40)]).prompt_tokens_details.cached_tokens == 0
+
+
+# ---- the request log on a failing disk ----
+
+
+def request_log_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "deltaspec.server" and "request log" in r.getMessage()]
+
+
+def test_a_full_disk_drops_request_log_records_with_one_warning_per_run_of_failures(tmp_path, caplog):
+    log = RequestLog("/dev/full")  # opens like any file; every write fails with ENOSPC
+    with caplog.at_level(logging.WARNING, logger="deltaspec.server"):
+        for i in range(3):
+            log.write({"request_id": f"lost-{i}"})  # never raises: the request it records still succeeds
+        [warning] = request_log_warnings(caplog)
+        assert warning == (
+            "Cannot write the request log /dev/full (No space left on device); requests are served without it "
+            "until writing works."
+        )
+        log.path = tmp_path / "requests.jsonl"  # space again
+        log.write({"request_id": "kept"})
+        log.write({"request_id": "kept-too"})
+    assert request_log_warnings(caplog)[1:] == [f"The request log {log.path} is written again; 3 records were dropped."]
+    assert [json.loads(line)["request_id"] for line in log.path.read_text().splitlines()] == ["kept", "kept-too"]
+
+
+def test_a_request_log_write_cut_short_leaves_only_whole_lines(tmp_path, monkeypatch, caplog):
+    log = RequestLog(str(tmp_path / "requests.jsonl"))
+    log.write({"request_id": "before"})
+
+    class FillsUp(io.FileIO):
+        """Writes half of what it is given, then the disk is full."""
+
+        def write(self, data):
+            if len(data) > 1:
+                return super().write(bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(metrics, "open", lambda path, mode, buffering: FillsUp(path, mode), raising=False)
+    with caplog.at_level(logging.WARNING, logger="deltaspec.server"):
+        log.write({"request_id": "cut"})
+    monkeypatch.undo()
+    log.write({"request_id": "after"})
+    assert [json.loads(line)["request_id"] for line in log.path.read_text().splitlines()] == ["before", "after"]
+    assert "No space left on device" in request_log_warnings(caplog)[0]
+
+
+def test_a_removed_request_log_directory_is_a_warning(tmp_path, caplog):
+    log = RequestLog(str(tmp_path / "logs" / "requests.jsonl"))
+    shutil.rmtree(tmp_path / "logs")
+    with caplog.at_level(logging.WARNING, logger="deltaspec.server"):
+        log.write({"request_id": "lost"})
+    assert "No such file or directory" in request_log_warnings(caplog)[0]
+
+
+def test_a_request_log_that_cannot_be_created_is_refused_at_start(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(DeltaspecError, match=r"^Cannot write the request log .*a-file/requests\.jsonl \(.+\)\.$"):
+        RequestLog(str(tmp_path / "a-file" / "requests.jsonl"))

@@ -42,8 +42,9 @@ from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_quant import parse_quant, quantized_bytes, quantized_config, tensor_types
+from deltaspec.model.safetensors_files import checkpoint_files
 from deltaspec.model.shapes import parameter_counts, shape_config
-from deltaspec.model.weights import checkpoint_files, count_mtp_layers, model_dir_for, target_name
+from deltaspec.model.weights import count_mtp_layers, model_dir_for, target_name
 from deltaspec.ops.dispatch import REFERENCE
 from deltaspec.parallel.group import TensorParallel
 from deltaspec.parallel.shard import Shard, shard_config

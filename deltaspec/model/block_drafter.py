@@ -393,7 +393,7 @@ def load_block_drafter(
     path: Path, target: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device
 ) -> BlockDrafterModel:
     """The DFlash-layout drafter in directory `path`, checked against the target, in `dtype` on `device`."""
-    from deltaspec.model.weights import checkpoint_files, open_safetensors
+    from deltaspec.model.safetensors_files import checkpoint_files, open_safetensors
 
     config = block_drafter_config(path)
     config.check_target(target, str(path))

@@ -16,6 +16,7 @@ import numpy as np
 
 from deltaspec.config import FULL_ATTENTION, LINEAR_ATTENTION
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.config_sizes import SIZE_RANGES, checked_size
 from deltaspec.model.gguf_raw import RawGGUF
 
 # GGUF architecture -> (transformers model_type, transformers class)
@@ -25,6 +26,9 @@ ARCHITECTURES = {
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
 }
 MOE_ARCHITECTURES = ("qwen35moe", "qwen3next")
+# decoder and MTP blocks together, checked before any per-layer list is built (the other sizes are checked by
+# `parse_model_config`)
+BLOCK_RANGE = (1, SIZE_RANGES["num_hidden_layers"][1] + SIZE_RANGES["mtp_num_hidden_layers"][1])
 
 
 def architecture_of(raw: RawGGUF) -> str:
@@ -38,8 +42,20 @@ def architecture_of(raw: RawGGUF) -> str:
 
 
 def config_from_gguf(raw: RawGGUF) -> dict[str, Any]:
-    """The config.json (text model) of the checkpoint `raw` was converted from."""
+    """The config.json (text model) of the checkpoint `raw` was converted from; metadata of the wrong type, or
+    sizes that would make it build absurd lists, in one sentence."""
     arch = architecture_of(raw)
+    try:
+        return _config(raw, arch)
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DeltaspecError(
+            f"{raw.path} has metadata of the wrong type or value ({reason}); the file is corrupt."
+        ) from None
+
+
+def _config(raw: RawGGUF, arch: str) -> dict[str, Any]:
+    """`config_from_gguf` of the file `raw` of architecture `arch`."""
     model_type, hf_class = ARCHITECTURES[arch]
 
     def key(name: str, default: Any = ...) -> Any:
@@ -48,8 +64,9 @@ def config_from_gguf(raw: RawGGUF) -> dict[str, Any]:
             raise DeltaspecError(f"{raw.path} lacks the metadata key {arch}.{name} that a {arch} model needs.")
         return value
 
-    num_mtp = int(key("nextn_predict_layers", 0))
-    num_layers = int(key("block_count")) - num_mtp
+    block_count = checked_size(BLOCK_RANGE, f"{arch}.block_count", key("block_count"))
+    num_mtp = checked_size((0, block_count - 1), f"{arch}.nextn_predict_layers", key("nextn_predict_layers", 0))
+    num_layers = block_count - num_mtp
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // heads))

@@ -26,7 +26,8 @@ from deltaspec.model.gguf_load import float_tensor
 from deltaspec.model.gguf_raw import read_raw
 from deltaspec.model.gguf_write_names import hf_name
 from deltaspec.model.hf_config import parse_model_config, read_config_json
-from deltaspec.model.weights import checkpoint_files, count_mtp_layers, model_dir_for, open_safetensors
+from deltaspec.model.safetensors_files import checkpoint_files, open_safetensors
+from deltaspec.model.weights import count_mtp_layers, model_dir_for
 
 ARCH_OF_MODEL_TYPE = {model_type: arch for arch, (model_type, _) in ARCHITECTURES.items()}
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -2,8 +2,10 @@
 
 `resolve_model_path` turns a directory or a Hugging Face hub id into a local directory (`model_dir_for`:
 the embedded default model when none is given).
-`load_model` builds the model on the meta device, then reads each safetensors tensor on its own
-(never a whole file), converts it to the requested dtype on the target device, and assigns it.
+`load_model` first checks the config's sizes against the tensors the checkpoint's headers list
+(`deltaspec.model.config_sizes`; the files and headers are checked by `deltaspec.model.safetensors_files`), then
+builds the model on the meta device, reads each safetensors tensor on its own (never a whole file), converts it
+to the requested dtype on the target device, and assigns it.
 Checkpoint names are mapped to the model's parameter names here: the multimodal wrapper prefix
 `model.language_model.` is dropped (the vision tower is skipped), GDN conv and norm weights are
 renamed, and per-expert MoE tensors are packed into the fused expert tensors. A tensor-parallel rank reads
@@ -13,20 +15,20 @@ A quantized checkpoint's matrices (FP8 block-scaled, int4 W4A16) become blocks (
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from deltaspec.config import ModelConfig
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.config_sizes import check_config_against_tensors
 from deltaspec.model.hf_quant import Blocks, checkpoint_quantization
 from deltaspec.model.hybrid import HybridModel, fused_once_loaded
 from deltaspec.model.layers import set_weight
+from deltaspec.model.safetensors_files import checkpoint_tensors, open_safetensors
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.checkpoint_layout import weight_name
 from deltaspec.parallel.group import SINGLE, TensorParallel
@@ -89,35 +91,6 @@ def resolve_model_path(model: str) -> Path:
         ) from None
 
 
-def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name of the checkpoint to the safetensors file that holds it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            mapping = {name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise DeltaspecError(f"{index} is not a valid safetensors index ({type(exc).__name__}: {exc}).") from None
-        if absent := sorted({f.name for f in mapping.values() if not f.is_file()}):
-            raise DeltaspecError(f"{index} names shard files that are missing: {', '.join(absent)}.")
-        return mapping
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise DeltaspecError(f"{model_dir} has no *.safetensors weights; deltaspec loads safetensors checkpoints.")
-    names = {}
-    for file in files:
-        with open_safetensors(file) as f:
-            names.update({name: file for name in f.keys()})
-    return names
-
-
-def open_safetensors(file: Path):
-    """`safe_open` with a clear error for an unreadable file."""
-    try:
-        return safe_open(file, framework="pt", device="cpu")
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise DeltaspecError(f"{file} is not a readable safetensors file ({exc}); download it again.") from None
-
-
 def target_name(name: str, with_mtp: bool = True) -> str | None:
     """The model parameter a checkpoint tensor name maps to (None: skipped on purpose; the MTP head's
     tensors too unless `with_mtp`)."""
@@ -140,8 +113,15 @@ def checkpoint_name(param: str) -> str:
 
 
 def count_mtp_layers(names) -> int:
+    """How many MTP layers the checkpoint tensor `names` hold: `mtp.layers.0.` up to the last, none missing (so a
+    name cannot make the model build more layers than the checkpoint has)."""
     layers = {int(m.group(1)) for n in names if (m := MTP_LAYER_RE.match(n))}
-    return max(layers) + 1 if layers else 0
+    if layers and len(layers) != max(layers) + 1:  # distinct numbers from 0: all of 0..max only then
+        raise DeltaspecError(
+            f"The checkpoint's MTP tensors name layers {_listing([str(i) for i in layers])} but MTP layers are "
+            "numbered from 0 with none missing; the checkpoint is corrupt."
+        )
+    return len(layers)
 
 
 def _layout(name: str, stored: list[int] | torch.Size, shape: torch.Size) -> str:
@@ -206,7 +186,10 @@ def load_model(
     checkpoint has one, only `with_mtp`: it is a drafter's memory); a rank of a tensor-parallel group `tp` builds
     and reads its share. A quantized checkpoint's matrices are kept as blocks."""
     quantization = checkpoint_quantization(raw_config, model_dir)
-    files = checkpoint_files(model_dir)
+    tensors = checkpoint_tensors(model_dir)
+    by_param = {target: t for name, t in tensors.items() if (target := target_name(weight_name(name))) is not None}
+    check_config_against_tensors(config, by_param)
+    files = {name: tensor.file for name, tensor in tensors.items()}
     num_mtp_layers = count_mtp_layers(files) if with_mtp else 0
     with torch.device("meta"):
         model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)

@@ -15,15 +15,19 @@ The table is cached as JSON in `$DELTASPEC_CACHE_DIR` (default `~/.cache/deltasp
 A file written with other buckets or another candidate list is measured again; shapes missing from
 a file are measured and added. Tables measured on the development H200 ship in `gemm_tables/` and are
 read when the cache has no file for the same device and versions. The same timings give `pass_cost_ms`
-and `relative_costs`, which the draft-length policy reads as the device's verify-cost curve.
+and `relative_costs`, which the draft-length policy reads as the device's verify-cost curve. A cache that
+cannot be read or written (read-only, full) never stops an engine from starting: a warning, and the table is
+measured for this run.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import re
@@ -47,6 +51,8 @@ Shape = tuple[int, int]  # (N, K) of a weight [N, K]
 # kernel configs: an identical device and software stack skips the first-run measurement (the user's
 # own cache still wins, and any other stack measures).
 SHIPPED_TABLES = Path(__file__).resolve().parent / "gemm_tables"
+
+log = logging.getLogger("deltaspec.ops")
 
 
 def cache_dir() -> Path:
@@ -254,7 +260,10 @@ class GemmRouter:
         for path in (self.path, SHIPPED_TABLES / self.path.name):
             try:
                 data = json.loads(path.read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
+            except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):  # absent, or not JSON
+                continue
+            except (OSError, UnicodeDecodeError) as exc:  # unreadable: measured again, as if absent
+                log.warning("Cannot read the GEMM routing table %s (%s); it is measured again.", path, _reason(exc))
                 continue
             if {key: data.get(key) for key in self._header()} == self._header():
                 return self._table_of(data)
@@ -269,14 +278,32 @@ class GemmRouter:
         return table
 
     def _save(self) -> None:
+        """Write the table to the cache (a temporary file renamed into place). A cache that cannot be written
+        (read-only, full, not a directory) costs only the saving: one warning, the engine runs on the table it
+        measured, and the next start measures again."""
         shapes = {
             f"{n}x{k}": {str(bucket): entry for bucket, entry in by_bucket.items()}
             for (n, k), by_bucket in sorted(self.table.items())
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_suffix(".json.tmp")
-        partial.write_text(json.dumps({**self._header(), "shapes": shapes}, indent=1))
-        partial.replace(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({**self._header(), "shapes": shapes}, indent=1))
+            partial.replace(self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            log.warning(
+                "Cannot save the GEMM routing table to %s (%s); this run uses the table it measured and the next "
+                "start measures again (point DELTASPEC_CACHE_DIR at a writable directory to keep it).",
+                self.path,
+                _reason(exc),
+            )
+
+
+def _reason(exc: Exception) -> str:
+    """An OS error's own words ("No space left on device"), else the exception's message."""
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
 
 def _agrees(got: torch.Tensor, expected: torch.Tensor) -> bool:

@@ -4,12 +4,16 @@
 request, prompt-token and generated-token counters, TTFT and TPOT histograms, and gauges read
 from `AsyncEngine.usage` at scrape time (running and waiting sequences, KV pages, GDN state
 slots, preemptions, engine steps). `TokenTally` counts tokens as the engine's deltas arrive, for the
-throughput lines of the log. `RequestLog` appends one JSON line per finished request.
+throughput lines of the log. `RequestLog` appends one JSON line per finished request; a write the disk refuses
+costs the record and a warning, never the request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
@@ -21,6 +25,8 @@ from prometheus_client.registry import Collector
 
 from deltaspec.engine.async_engine import RequestDelta
 from deltaspec.errors import DeltaspecError
+
+log = logging.getLogger("deltaspec.server")
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -145,11 +151,18 @@ class ServerMetrics:
 
 
 class RequestLog:
-    """Appends one JSON object per line to a file; safe to call from any thread."""
+    """Appends one JSON object per line to a file; safe to call from any thread.
+
+    A path that cannot be written at start is refused there (a configuration mistake, fixed before serving, as
+    Python's logging refuses a log file it cannot open when uvicorn or vLLM start). Once serving, the log never
+    fails a request: a write that fails (a full disk, an I/O error, a removed directory) drops that record and
+    is cut back off the file, so every line stays one whole record; one warning says so when writes start
+    failing, and one line counts the dropped records when they work again."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._dropped = 0  # records dropped since writes last worked
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a", encoding="utf-8"):
@@ -158,6 +171,33 @@ class RequestLog:
             raise DeltaspecError(f"Cannot write the request log {self.path} ({exc.strerror}).") from exc
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False)
-        with self._lock, self.path.open("a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        """Append `record` as one line, or drop it with a warning (the first of a run of failures only)."""
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        with self._lock:
+            try:
+                self._append(line)
+            except OSError as exc:
+                if not self._dropped:
+                    log.warning(
+                        "Cannot write the request log %s (%s); requests are served without it until writing works.",
+                        self.path,
+                        exc.strerror or exc,
+                    )
+                self._dropped += 1
+                return
+            if self._dropped:
+                log.warning("The request log %s is written again; %d records were dropped.", self.path, self._dropped)
+                self._dropped = 0
+
+    def _append(self, line: bytes) -> None:
+        """Append `line` whole or not at all: a write cut short (the disk filled) is truncated back off."""
+        with open(self.path, "ab", buffering=0) as f:
+            start = f.seek(0, os.SEEK_END)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[f.write(view) :]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(f.fileno(), start)
+                raise

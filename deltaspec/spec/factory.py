@@ -13,7 +13,8 @@ from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.block_drafter import BlockDrafterConfig, block_drafter_config
 from deltaspec.model.gguf_load import gguf_weight_bytes
-from deltaspec.model.weights import checkpoint_files, resolve_model_path, target_name
+from deltaspec.model.safetensors_files import checkpoint_files
+from deltaspec.model.weights import resolve_model_path, target_name
 from deltaspec.spec.combined import CombinedDrafter
 from deltaspec.spec.draft_model import DraftModelDrafter, draft_checkpoint
 from deltaspec.spec.drafter import Drafter
