@@ -8,6 +8,7 @@ CLI generates its flags. "auto" values are resolved in `resolve_engine_config`, 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -379,13 +380,73 @@ class ServerConfig:
         default=False,
         metadata={"help": "log one line per HTTP request: method, path, status, duration and request id"},
     )
+    allowed_hosts: str | None = field(
+        default=None,
+        metadata={
+            "help": "Host header names answered besides those of --host, e.g. a proxy's 'llm.example.com' "
+            "(comma-separated or a JSON list; '*': any); default: loopback names when --host is a loopback "
+            "address, --host itself when it is another address, any for 0.0.0.0 or :: (with this flag: its "
+            "names and the loopback ones)"
+        },
+    )
+    allowed_origins: str | None = field(
+        default=None,
+        metadata={
+            "help": "origins whose web pages may call the server (CORS), as vLLM's JSON list or comma-separated; "
+            "'*': any (default: none, no CORS headers)"
+        },
+    )
+    allowed_methods: str = field(
+        default="*", metadata={"help": "HTTP methods those pages may use (with --allowed-origins)"}
+    )
+    allowed_headers: str = field(
+        default="*", metadata={"help": "request headers those pages may send (with --allowed-origins)"}
+    )
+    allow_credentials: bool = field(
+        default=False, metadata={"help": "let those pages send cookies and credentials (with --allowed-origins)"}
+    )
+    structured_outputs_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a request waits for its output constraint (JSON schema, regex, grammar) to compile; "
+            "past them it gets 400 (the compile goes on, and the same constraint is then answered at once)"
+        },
+    )
+    structured_outputs_workers: int = field(
+        default=2, metadata={"help": "threads that compile output constraints, apart from request handling"}
+    )
+    max_constraint_bytes: int = field(
+        default=256 << 10, metadata={"help": "largest output constraint (schema, regex, choices, grammar) in bytes"}
+    )
 
     def __post_init__(self) -> None:
+        for name in ("structured_outputs_timeout", "structured_outputs_workers", "max_constraint_bytes"):
+            if not getattr(self, name) > 0:
+                flag = "--" + name.replace("_", "-")
+                raise DeltaspecError(f"{flag} must be more than 0, got {getattr(self, name)}.")
         if not self.log_stats_interval > 0:
             raise DeltaspecError(
                 f"--log-stats-interval must be more than 0 seconds, got {self.log_stats_interval}; "
                 "use --disable-log-stats to log no throughput lines."
             )
+        for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
+            if getattr(self, name) is not None:
+                flag_list(getattr(self, name), "--" + name.replace("_", "-"))
+
+
+def flag_list(value: str, flag: str) -> tuple[str, ...]:
+    """The items of a list-valued flag, given as vLLM's JSON list (`'["a", "b"]'`) or comma-separated (`a,b`)."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise DeltaspecError(f"{flag} must be a JSON list of strings or comma-separated values, got {value!r}.")
+    else:
+        items = text.split(",")
+    return tuple(item.strip() for item in items if item.strip())
 
 
 CHECKPOINTS_PER_STREAM = 3  # a long request leaves up to three: 512 and 64 tokens before its prompt's end, its end

@@ -21,6 +21,7 @@ from deltaspec.sample.sampler import apply_penalties, make_generator, processed_
         ("n", {"n": 0}),
         ("temperature", {"temperature": -1}),
         ("temperature", {"temperature": float("nan")}),
+        ("temperature", {"temperature": 2.5}),
         ("top_p", {"top_p": 0.0}),
         ("top_p", {"top_p": 1.5}),
         ("top_k", {"top_k": -2}),
@@ -40,6 +41,8 @@ from deltaspec.sample.sampler import apply_penalties, make_generator, processed_
         ("logprobs", {"logprobs": -1}),
         ("prompt_logprobs", {"prompt_logprobs": -1}),
         ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("repetition_penalty", {"repetition_penalty": 1e-300}),
+        ("repetition_penalty", {"repetition_penalty": 101.0}),
         ("presence_penalty", {"presence_penalty": 2.5}),
         ("frequency_penalty", {"frequency_penalty": -3}),
         ("skip_special_tokens", {"skip_special_tokens": None}),
@@ -134,10 +137,10 @@ def test_filters_by_hand(kwargs: dict, expected: list[float]) -> None:
 
 def test_temperature_scales_logits() -> None:
     logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(4))  # [2, 20]
-    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=3.0)]
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=2.0)]
     probs = processed_probs(logits, params)
     assert torch.allclose(probs[0], torch.softmax(logits[0] / 0.5, -1), atol=1e-6)
-    assert torch.allclose(probs[1], torch.softmax(logits[1] / 3.0, -1), atol=1e-6)
+    assert torch.allclose(probs[1], torch.softmax(logits[1] / 2.0, -1), atol=1e-6)
 
 
 def test_processed_probs_rows_sum_to_one_and_zero_where_filtered() -> None:

@@ -31,6 +31,7 @@ MODEL = "tiny"
 CTX = 2048
 MAX_SEQS = 4
 USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
+JSON_WITH_KEY = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 TOOLS = [
@@ -465,7 +466,7 @@ def test_engine_failures_are_a_500_for_that_request_only(live, monkeypatch):
         "POST",
         "/v1/completions",
         body=json.dumps({"prompt": "x", "stream": True}),
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers=JSON_WITH_KEY,
     )
     events = conn.getresponse().read().decode().split("\n\n")
     conn.close()
@@ -570,7 +571,7 @@ def wait_until_idle(live: Live, timeout: float = 5.0) -> dict[str, float]:
 def test_a_client_that_disconnects_frees_its_sequence(live):
     body = {"messages": USER, "max_tokens": CTX - 100, "ignore_eos": True, "temperature": 0, "stream": True}
     conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {KEY}"})
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=JSON_WITH_KEY)
     response = conn.getresponse()
     first = response.readline()
     assert first.startswith(b"data: ")
@@ -586,7 +587,7 @@ def test_a_client_that_disconnects_frees_its_sequence(live):
     # a non-streamed request whose client leaves before the answer
     body["stream"] = False
     conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {KEY}"})
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=JSON_WITH_KEY)
     deadline = time.monotonic() + 5
     while live.metrics()["deltaspec_num_requests_running"] == 0:
         assert time.monotonic() < deadline

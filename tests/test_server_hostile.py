@@ -14,6 +14,7 @@ import time
 import openai
 import pytest
 
+from deltaspec.config import EngineConfig
 from tests.test_server import CTX, KEY, MODEL, TOOLS, USER, Live, one_sentence, serving
 
 LIMIT = 2 << 20  # the hostile server's --max-request-bytes
@@ -251,7 +252,12 @@ def test_malformed_requests_get_a_clear_4xx(hostile, path, body, status, fragmen
 
 @pytest.mark.parametrize(
     "content_type, status",
-    [("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("application/json; charset=utf-8", 200)],
+    [
+        ("text/plain", 415),
+        ("application/x-www-form-urlencoded", 415),
+        (None, 415),  # as vLLM: a body must say it is JSON, with an API key too
+        ("application/json; charset=utf-8", 200),
+    ],
 )
 def test_the_body_must_be_sent_as_json(hostile, content_type, status):
     got, reply = hostile.request("POST", COMPLETIONS, {"prompt": "x", "max_tokens": 1}, content_type=content_type)
@@ -317,11 +323,24 @@ def test_error_bodies_name_no_path_and_the_models_root_is_the_served_name(hostil
     assert (models["data"][0]["speculative"], models["data"][0]["draft_tokens"]) == ("none", None)
 
 
-def test_a_long_prompt_tokenizes_while_health_answers(hostile):
-    prompt = "hello world, this is some text with words 123 " * 30_000  # 1.4 MB
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory) -> Live:
+    """A server of an 8192-token context, whose prompts may be 1.4 MB before they are refused untokenized."""
+    config = EngineConfig(
+        dtype="float32", device="cpu", max_num_seqs=1, max_model_len=8192, allow_long_max_model_len=True
+    )
+    with serving(tmp_path_factory.mktemp("long") / "requests.jsonl", config, api_key=KEY) as server:
+        yield server
+
+
+def test_a_long_prompt_tokenizes_while_health_answers(long_context):
+    # 1.4 MB: under the bytes 8192 tokens could cover (2 x 8192 x 86, the longest token's), so it is tokenized
+    # before it is found too long (a longer one is refused before tokenizing: test_server_dos.py)
+    hostile = long_context
+    prompt = "hello world, this is some text with words 123 " * 30_000
     started = time.monotonic()
     hostile.tokenizer.encode(prompt)
-    alone = time.monotonic() - started  # what tokenizing it takes on this machine (around a second)
+    alone = time.monotonic() - started  # what tokenizing it takes on this machine (a quarter of a second)
     result = {}
 
     def send() -> None:
@@ -344,7 +363,7 @@ def test_a_long_prompt_tokenizes_while_health_answers(hostile):
 def test_an_oversized_body_is_a_413(hostile):
     with socket.create_connection(("127.0.0.1", hostile.port), timeout=10) as sock:  # told by Content-Length
         head = (
-            f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {LIMIT + 1}\r\n\r\n"
         )
         sock.sendall(head.encode() + b'{"prompt": "')  # the rest is never sent: the answer must not wait for it

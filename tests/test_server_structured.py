@@ -155,3 +155,46 @@ def test_xml_tool_call_grammar_accepts_qwen35_calls_only(live):
         ids = xml.encode(text)
         matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         assert (matcher.validate_tokens(ids) == len(ids)) is ok
+
+
+# a recursive parameter schema: legal JSON Schema, accepted in response_format, so accepted in tools too
+TREE = {
+    "type": "object",
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "required": ["v"],
+        }
+    },  # fmt: skip
+    "properties": {"root": {"$ref": "#/$defs/node"}},
+    "required": ["root"],
+}
+
+
+@pytest.mark.parametrize("xml", [False, True])
+def test_recursive_parameter_schemas_constrain_tool_calls(live, xml):
+    """Each tool's parameters sit under the grammar's `$defs`, their `#/...` references moved with them, in both
+    call formats: a nested call is accepted, one missing a required field deep inside refused."""
+    import llguidance
+
+    base: Tokenizer = live.engine.tokenizer
+    template = "{{ '<tool_call>\\n<function=' }}" if xml else "{{ '<tool_call>' }}"
+    tokenizer = Tokenizer(
+        base._backend,
+        source="test",
+        special_tokens=base._special_tokens,
+        eos_token_ids=base.eos_token_ids,
+        chat_templates={"default": template},
+    )
+    tools = [{"type": "function", "function": {"name": "walk", "parameters": TREE}}]
+    grammar = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(tokenizer, tools, one_call=True, thinking=False))
+    if xml:
+        call = "<tool_call>\n<function=walk>\n<parameter=root>\n{root}\n</parameter>\n</function>\n</tool_call>"
+    else:
+        call = '<tool_call>\n{{"name": "walk", "arguments": {{"root": {root}}}}}\n</tool_call>'
+    lltok = live.engine.structured._llg_tokenizer()
+    for root, ok in (('{"v": 1, "kids": [{"v": 2, "kids": []}]}', True), ('{"v": 1, "kids": [{"kids": []}]}', False)):
+        ids = tokenizer.encode(call.format(root=root))
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        assert (matcher.validate_tokens(ids) == len(ids)) is ok, (xml, root)

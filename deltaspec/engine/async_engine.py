@@ -80,6 +80,7 @@ class AsyncEngine:
         self._sent: dict[str, int] = {}
         self._stop = False
         self.accepting = True
+        self.drain_cut = False  # `cut_drain` was called: the drain stops waiting for requests in flight
         self._thread = threading.Thread(target=self._run, name="deltaspec-engine", daemon=True)
         self.usage = engine.usage()
 
@@ -115,12 +116,12 @@ class AsyncEngine:
         return len(self._streams) + self._commands.qsize()
 
     async def drain(self, timeout: float) -> None:
-        """Admit no new request; give those in flight up to `timeout` seconds, then end the rest with
-        `SHUTDOWN_ERROR`; return once every request has had its last delta."""
+        """Admit no new request; give those in flight up to `timeout` seconds (less once `cut_drain` is called),
+        then end the rest with `SHUTDOWN_ERROR`; return once every request has had its last delta."""
         self.accepting = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.in_flight and loop.time() < deadline:
+        while self.in_flight and loop.time() < deadline and not self.drain_cut:
             await asyncio.sleep(0.05)
         if self.in_flight:
             log.warning("ending %d request(s) still running after %.1f s of shutdown", self.in_flight, timeout)
@@ -128,6 +129,10 @@ class AsyncEngine:
             self._wake.set()
         while self.in_flight:
             await asyncio.sleep(0.01)
+
+    def cut_drain(self) -> None:
+        """End the drain's waiting now (a second Ctrl-C): the requests still in flight end at once."""
+        self.drain_cut = True
 
     def _apply_commands(self) -> None:
         while True:

@@ -20,8 +20,8 @@ import torch
 
 from deltaspec.cache.memory_plan import require_fit
 from deltaspec.config import EngineConfig, parse_dtype
-from deltaspec.engine.admission import check_prompt
-from deltaspec.engine.isolation import each_or_alone, error_text, guarded
+from deltaspec.engine.admission import check_request
+from deltaspec.engine.isolation import each_or_alone, guarded
 from deltaspec.engine.logprob_text import LogprobText
 from deltaspec.engine.next_tokens import next_tokens
 from deltaspec.engine.planning import plan_for
@@ -38,7 +38,7 @@ from deltaspec.engine.setup import (
 )
 from deltaspec.engine.stopping import StopChecker
 from deltaspec.engine.workers import SOLO, Group, Solo, launch
-from deltaspec.errors import DeltaspecError
+from deltaspec.errors import DeltaspecError, error_text
 from deltaspec.execution.runner import Runner, SeqOutput
 from deltaspec.execution.sequence import Sequence
 from deltaspec.ops.dispatch import ops_for
@@ -130,7 +130,7 @@ class Engine:
         `history_len`: the prompt's first tokens that a follow-up will share (a chat's history), kept as a prefix
         checkpoint; `seed`: its sampling seed when neither the request nor the engine's counter gives it (a
         tensor-parallel worker takes rank 0's)."""
-        check_prompt(prompt_ids, params.max_tokens, self.max_model_len, self.model_config.vocab_size)
+        check_request(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
         if seed is None:
             seed = params.seed if params.seed is not None else next(self._seed_counter)
         return Sequence(

@@ -8,14 +8,12 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
+from deltaspec.errors import RequestError
+
 log = logging.getLogger("deltaspec.engine")
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
-
-
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def each_or_alone(
@@ -27,12 +25,18 @@ def each_or_alone(
         return []
     try:
         return run(items)
+    except RequestError as exc:  # a request's own doing: no traceback
+        log.warning("a batched step over %d sequences failed (%s); retrying one at a time", len(items), exc)
     except Exception:  # noqa: BLE001 - find the item at fault
         log.exception("a batched step over %d sequences failed; retrying one at a time", len(items))
     results: list[Result | None] = []
     for item in items:
         try:
             results.append(run([item])[0])
+        except RequestError as exc:
+            log.warning("a request failed while generating: %s", exc)
+            fail(item, exc)
+            results.append(None)
         except Exception as exc:  # noqa: BLE001 - this item alone fails
             log.exception("a sequence failed on its own")
             fail(item, exc)
@@ -44,6 +48,9 @@ def guarded(item: Item, action: Callable[[], None], fail: Callable[[Item, BaseEx
     """Run one sequence's `action`; if it raises, that sequence fails."""
     try:
         action()
+    except RequestError as exc:  # the request's own doing (its constraint gave out): no traceback
+        log.warning("a request failed while generating: %s", exc)
+        fail(item, exc)
     except Exception as exc:  # noqa: BLE001 - this sequence alone fails
         log.exception("a sequence failed while its tokens were appended")
         fail(item, exc)

@@ -5,6 +5,7 @@ end-of-sequence ids named by `tokenizer_config.json` and `generation_config.json
 chat template exactly as Hugging Face `apply_chat_template(..., tokenize=False)` does.
 """
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -185,6 +186,13 @@ class Tokenizer:
         batch entry point of `tokenizers`, which releases the GIL while it runs (plain `encode` holds it), so a
         long text tokenizing on a worker thread leaves the server's event loop free."""
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the bytes of text one token stands for: the longest vocabulary entry in UTF-8 (a
+        byte-level BPE entry writes each byte as one character of one or two bytes), so a text of n bytes is at
+        least n / max_token_bytes tokens."""
+        return max(len(token.encode("utf-8", "surrogatepass")) for token in self._backend.get_vocab(True))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; `skip_special_tokens` drops special tokens such as `<|im_end|>` (not `<think>`)."""

@@ -1,7 +1,12 @@
 """Per-request sampling parameters: vLLM's names and defaults, normalised and validated when built.
 
-This module owns `SamplingParams` and the rules for what a valid request is. A bad value raises
-`DeltaspecError` with one sentence naming the field, the value and the valid range.
+This module owns `SamplingParams` and the rules for what a valid request is, with vLLM's ranges
+(`SamplingParams._verify_args`): temperature in [0, 2], top_p in (0, 1], top_k 0 or -1 (off) or at least 1,
+min_p in [0, 1], presence and frequency penalties in [-2, 2], max_tokens at least 1, 64-bit seeds, and, needing
+the model (`check_token_ids`), top_k and stop_token_ids within the vocabulary. Where vLLM takes any positive
+repetition_penalty, this one stays in [0.01, 100]: dividing logits by less overflows them (vLLM clamps a
+temperature below 0.01 for the same reason). A bad value raises `DeltaspecError` with one sentence naming the
+field, the value and the valid range.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ GREEDY_EPS = 1e-5
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+MAX_TEMPERATURE = 2.0  # vLLM's and OpenAI's
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def _is_int(value: object) -> bool:
@@ -28,7 +35,25 @@ def _is_number(value: object) -> bool:
 
 def _require(ok: bool, field: str, rule: str, value: object) -> None:
     if not ok:
-        raise DeltaspecError(f"{field} must be {rule}, got {value!r}.")
+        raise DeltaspecError(f"{field} must be {rule}, got {_shown(value)}.")
+
+
+def _shown(value: object) -> str:
+    """A value for an error message: its repr, cut to about 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_token_ids(vocab_size: int, top_k: int | None = None, stop_token_ids: list[int] | None = None) -> None:
+    """The rules that need the model: top_k at most the vocabulary's size, stop_token_ids inside the vocabulary."""
+    _require(
+        top_k is None or top_k <= vocab_size,
+        "top_k",
+        f"0 or -1 (off) or an integer from 1 to {vocab_size} (the vocabulary's size)",
+        top_k,
+    )
+    outside = next((t for t in stop_token_ids or () if not 0 <= t < vocab_size), None)
+    _require(outside is None, "stop_token_ids", f"token ids in [0, {vocab_size}) (the vocabulary)", outside)
 
 
 @dataclass(frozen=True)
@@ -113,9 +138,9 @@ class SamplingParams:
     def _validate(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
         _require(
-            _is_number(self.temperature) and self.temperature >= 0,
+            _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
             "temperature",
-            "a finite number >= 0",
+            f"a number in [0, {MAX_TEMPERATURE:g}] (0: greedy)",
             self.temperature,
         )
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
@@ -163,10 +188,11 @@ class SamplingParams:
                 "an integer >= 0 or None",
                 value,
             )
+        low, high = REPETITION_PENALTY_RANGE
         _require(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high,
             "repetition_penalty",
-            "a finite number > 0",
+            f"a number in [{low:g}, {high:g}] (1: off)",
             self.repetition_penalty,
         )
         for field in ("presence_penalty", "frequency_penalty"):

@@ -21,15 +21,16 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from deltaspec.errors import DeltaspecError
+from deltaspec.errors import DeltaspecError, RequestError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.params import StructuredOutputsParams
 
-CACHE_SIZE = 256  # compiled constraints kept
+CACHE_SIZE = 64  # compiled constraints kept (each holds its lexer: megabytes for a large grammar)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -57,12 +58,36 @@ def grammar_text(spec: StructuredOutputsParams) -> tuple[str, str]:
             return "grammar", llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
+def parser_limits():
+    """llguidance's limits, its defaults but for errors that name the grammar and the parser's state (which a
+    client must not see)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def reason(matcher) -> str:
+    """The matcher's error on one line, without llguidance's marker of a shortened message or a trailing period."""
+    return " ".join(matcher.get_error().replace("<non-verbose/>", "").split()).rstrip(".")
+
+
 class GrammarState:
     """One sequence's place in its constraint."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]):
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], forget: Callable[[], None] = lambda: None):
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
+        self.forget = forget  # drops the compiled constraint, whose copies share a lexer that gave out
         self.drafted = 0  # tokens a drafter moved the state past (`draft_step`), undone by `end_draft`
+
+    def _check(self) -> None:
+        """A RequestError once the matcher gave out (llguidance's lexer or parser ran past its limits): its masks
+        would then allow only the end of the output, a silent wrong answer."""
+        if self.matcher.is_error():
+            self.forget()
+            raise RequestError(
+                f"The output constraint gave out while generating ({reason(self.matcher)}); simplify the JSON schema, "
+                "regex, choice list or grammar."
+            )
 
     def _masks(self, rows: int) -> np.ndarray:
         import llguidance.numpy as llgnp
@@ -75,6 +100,7 @@ class GrammarState:
 
         masks = self._masks(1)
         llgnp.fill_next_token_bitmask(self.matcher, masks, 0)
+        self._check()
         return masks
 
     def draft_masks(self, draft: list[int]) -> np.ndarray:
@@ -92,6 +118,7 @@ class GrammarState:
                     break
                 consumed += 1
             llgnp.fill_next_token_bitmask(self.matcher, masks, i + 1)
+        self._check()
         self.matcher.rollback(consumed)
         return masks
 
@@ -111,6 +138,7 @@ class GrammarState:
                         break
                     consumed += 1
             llgnp.fill_next_token_bitmask(self.matcher, masks, i)
+            self._check()
             self.matcher.rollback(consumed)
         return masks
 
@@ -135,12 +163,15 @@ class GrammarState:
         """The output grew by `token` (end-of-sequence tokens are not fed)."""
         if token in self.eos_ids:
             return
-        if not self.matcher.consume_token(token) or self.matcher.is_error():
-            raise DeltaspecError(f"Token {token} left the request's constraint ({self.matcher.get_error()}).")
+        accepted = self.matcher.consume_token(token)
+        self._check()
+        if not accepted:
+            raise DeltaspecError(f"Token {token} left the request's constraint, which allowed only other tokens.")
 
     @property
     def finished(self) -> bool:
         """The constraint is complete and nothing may follow: the output ends here."""
+        self._check()
         return self.matcher.is_stopped()
 
 
@@ -167,28 +198,38 @@ class StructuredCompiler:
             )
         return self._lltokenizer
 
+    def cached(self, spec: StructuredOutputsParams):
+        """The constraint's template matcher if it was compiled (None if not); its DeltaspecError if it failed."""
+        with self._lock:
+            found = self._cache.get(repr(spec))
+            if found is not None:
+                self._cache.move_to_end(repr(spec))
+        if isinstance(found, DeltaspecError):
+            raise found
+        return found
+
     def compile(self, spec: StructuredOutputsParams):
-        """The constraint's template matcher (cached); DeltaspecError naming what is wrong with it."""
+        """The constraint's template matcher (cached); DeltaspecError naming what is wrong with it (also cached: a
+        constraint that failed once fails again at once)."""
         import llguidance
 
-        key = repr(spec)
+        if (found := self.cached(spec)) is not None:
+            return found
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
             lltokenizer = self._llg_tokenizer()
-        kind, text = grammar_text(spec)
-        error, matcher = llguidance.LLMatcher.validate_grammar(text, lltokenizer), None
-        if not error:
-            matcher = llguidance.LLMatcher(lltokenizer, text, log_level=0)
-            error = matcher.get_error() if matcher.is_error() else ""
-        if error:
-            reason = " ".join(error.split()).rstrip(".")
-            raise DeltaspecError(f"The {kind} the output is constrained to is invalid: {reason}.")
+        try:
+            kind, text = grammar_text(spec)
+            matcher = llguidance.LLMatcher(lltokenizer, text, log_level=0, limits=parser_limits())
+            if matcher.is_error():
+                raise DeltaspecError(f"The {kind} the output is constrained to is invalid: {reason(matcher)}.")
+        except DeltaspecError as exc:
+            matcher = exc
         with self._lock:
-            self._cache[key] = matcher
+            self._cache[repr(spec)] = matcher
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
+        if isinstance(matcher, DeltaspecError):
+            raise matcher
         return matcher
 
     def state(self, spec: StructuredOutputsParams) -> GrammarState:
@@ -196,7 +237,12 @@ class StructuredCompiler:
         template = self.compile(spec)
         with self._lock:
             matcher = template.deep_copy()
-        return GrammarState(matcher, self.vocab_size, self.eos_ids)
+        return GrammarState(matcher, self.vocab_size, self.eos_ids, lambda: self.forget(spec))
+
+    def forget(self, spec: StructuredOutputsParams) -> None:
+        """Drop the compiled constraint (the next request compiles it afresh)."""
+        with self._lock:
+            self._cache.pop(repr(spec), None)
 
 
 def mask_next(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The FastAPI app of `deltaspec serve` (`build_app`) and the process around it (`run_server`).
 
-Owns routing (which key guards which endpoint is `auth.py`), request-body parsing (the body's own checks
-are in `body.py`; parsing and validation run on a worker thread; bad JSON or bad field types are a 400
-with one sentence, never FastAPI's 422), turning every failure into an OpenAI-style error body without
+Owns routing (which key guards which endpoint is `auth.py`; what a web page may do, the Host check and CORS,
+is `browsers.py`), request-body parsing (the body's own checks are in `body.py`, the rules types cannot say in
+`checks.py`; parsing and validation run on a worker thread; bad JSON or bad field types are a 400 with one
+sentence, never FastAPI's 422), turning every failure into an OpenAI-style error body without
 the server's file paths (`APIError` as itself, logged with the request's id; anything unexpected is a 500
 for that request only, `request_ids.py`), the throughput lines' background task while the app runs, and
 the start-up summary. The endpoint logic lives in `chat.py` and `completions.py`.
@@ -22,7 +23,7 @@ from types import FrameType
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,14 +34,16 @@ from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.server.auth import api_key_of, bearer_check
 from deltaspec.server.body import check_content_type, parse_json, read_body
+from deltaspec.server.browsers import add_browser_protections
 from deltaspec.server.chat import create_chat_completion
-from deltaspec.server.checks import reject_unimplemented
+from deltaspec.server.checks import check_fields, reject_unimplemented
 from deltaspec.server.completions import create_completion
 from deltaspec.server.context import ServerContext
 from deltaspec.server.errors import APIError, validation_error
 from deltaspec.server.logs import configure_logging, log_stats, startup_summary
+from deltaspec.server.memory import TrimAfterLargeBodies
 from deltaspec.server.metrics import RequestLog, ServerMetrics
-from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from deltaspec.server.request_ids import RequestIds, log_error
 
 log = logging.getLogger("deltaspec.server")
@@ -61,20 +64,23 @@ def served_model_name(engine: Engine, config: ServerConfig) -> str:
     return Path(model).name if Path(model).exists() else model  # a directory or a GGUF file: its name, no path
 
 
-def _decode(raw: bytes, model: type[BaseModel]) -> BaseModel:
+def _decode(raw: bytes, model: type[SamplingFields], vocab_size: int) -> SamplingFields:
     data = parse_json(raw)
     reject_unimplemented(data)
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    check_fields(body, vocab_size)
+    return body
 
 
-async def _parse(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
-    """The body as a `model`: Content-Type and size checked first, then parsed and validated on a worker thread."""
+async def _parse(request: Request, model: type[SamplingFields], max_bytes: int, vocab_size: int) -> SamplingFields:
+    """The body as a `model`: Content-Type and size checked first, then parsed and validated on a worker thread
+    (token ids against the model's `vocab_size`)."""
     check_content_type(request)
     raw = await read_body(request, max_bytes)
-    return await asyncio.to_thread(_decode, raw, model)
+    return await asyncio.to_thread(_decode, raw, model, vocab_size)
 
 
 def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
@@ -102,7 +108,9 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
 
     app = FastAPI(title="deltaspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.ctx = ctx
-    app.add_middleware(RequestIds, access_log=server_config.access_log, redact=ctx.redact)
+    add_browser_protections(app, server_config)
+    app.add_middleware(TrimAfterLargeBodies)
+    app.add_middleware(RequestIds, access_log=server_config.access_log, redact=ctx.redact)  # the outermost
 
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         log_error(exc.status, exc.message)
@@ -126,15 +134,16 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     api = APIRouter(dependencies=[Depends(bearer_check(api_key_of(server_config), "API key"))])
+    max_bytes, vocab_size = server_config.max_request_bytes, engine.model_config.vocab_size
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest, server_config.max_request_bytes)
+        body = await _parse(request, ChatCompletionRequest, max_bytes, vocab_size)
         return await create_chat_completion(ctx, body, request)
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest, server_config.max_request_bytes)
+        body = await _parse(request, CompletionRequest, max_bytes, vocab_size)
         return await create_completion(ctx, body, request)
 
     @api.get("/v1/models")
@@ -178,18 +187,22 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, app: FastAPI):
         ctx = app.state.ctx
-        self.async_engine, self.drain_s = ctx.engine, ctx.config.shutdown_timeout
+        self.async_engine, self.constraints, self.drain_s = ctx.engine, ctx.constraints, ctx.config.shutdown_timeout
         super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(self.drain_s) + 10))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """A signal starts the drain (a second Ctrl-C forces the exit). A drained shutdown is a clean one, so the
-        process then exits 0: the signal is not raised again afterwards, as uvicorn's own handler would."""
+        """A signal starts the drain; a second Ctrl-C ends it at once (the requests in flight end with the shutdown
+        error, uvicorn stops waiting for connections). A drained shutdown is a clean one, so the process then exits
+        0: the signal is not raised again afterwards, as uvicorn's own handler would."""
         if self.should_exit and sig == signal.SIGINT:
+            log.warning("second interrupt: ending the requests in flight now")
             self.force_exit = True
+            self.async_engine.cut_drain()
         else:
             self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
+        self.constraints.close()  # requests waiting for a constraint's compile end now, with a 503
         drain = asyncio.create_task(self.async_engine.drain(self.drain_s))
         await super().shutdown(sockets)  # stops listening, then waits for the handlers, which the drain ends
         await drain

@@ -1,6 +1,7 @@
 """Reading a request body as a JSON object, with the checks a hostile body needs before anything else sees it.
 
-Owns, in order: the Content-Type (JSON or absent, else 415), the size limit (413, from Content-Length
+Owns, in order: the Content-Type (JSON, else 415: as vLLM does, a body must say it is JSON, which also keeps
+web pages from posting to the server: `browsers.py`), the size limit (413, from Content-Length
 when the client sends one and while reading otherwise), and, in `parse_json` (which the app runs on a
 worker thread), what Python's `json` accepts but the server must not: `NaN` and `Infinity`, numbers
 that overflow to infinity or underflow to zero, nesting deeper than `MAX_DEPTH` (a body nested
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from deltaspec.server.errors import APIError, shown
 
@@ -26,10 +27,12 @@ class _BadNumber(ValueError):
 
 
 def check_content_type(request: Request) -> None:
-    """415 unless the body is declared as JSON (`application/json`, any parameters) or not declared at all."""
+    """415 unless the body is declared as JSON (`application/json`, any parameters, or a `+json` type)."""
     declared = request.headers.get("content-type")
     if declared is None:
-        return
+        raise APIError(
+            415, "The request has no Content-Type header; send the JSON body with 'Content-Type: application/json'."
+        )
     media_type = declared.split(";", 1)[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise APIError(
@@ -53,11 +56,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length is not None and length.isascii() and length.isdigit() and int(length) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "The client closed the connection before it sent the whole request body.") from None
     return b"".join(chunks)
 
 

@@ -49,7 +49,7 @@ from deltaspec.server.reasoning import ReasoningStream, split_reasoning
 from deltaspec.server.respond import Submitted
 from deltaspec.server.samples import Sample, engine_error, merged, sampling_params, submit, usage_of
 from deltaspec.server.streaming import DONE, sse
-from deltaspec.server.structured import compile_or_400, forced_tool_calls, structured_outputs
+from deltaspec.server.structured import forced_tool_calls, structured_outputs
 from deltaspec.server.tool_calls import ToolCallStream, parse_tool_calls
 
 ENDPOINT = "chat"
@@ -259,6 +259,7 @@ class ChatPlan:
     params: SamplingParams
     format: ChatFormat
     history_len: int  # prompt tokens the next turn will share: the messages rendered without the generation prompt
+    constraint_param: str | None  # the field an invalid output constraint is blamed on ("tool_choice" when forced)
 
 
 def _check_template_kwargs(kwargs: dict) -> None:
@@ -309,7 +310,7 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
         prompt = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=req.add_generation_prompt, **options
         )
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = ctx.encode_prompt(tokenizer, prompt)
         history_len = tokenizer.history_length(prompt_ids, messages, tools=tools, **options)
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
@@ -326,10 +327,9 @@ def plan_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatPlan:
             "tool_choice forces a tool call and the request also constrains its output; give one.",
             param="tool_choice",
         )
-    compile_or_400(ctx.engine.engine.structured, structured or forced, "tool_choice" if forced else None)
     params = sampling_params(req, max_tokens, top, ctx.sampling_defaults, structured or forced)
     fmt = ChatFormat(tokenizer, thinking, tools, top)
-    return ChatPlan(req, prompt, prompt_ids, params, fmt, history_len)
+    return ChatPlan(req, prompt, prompt_ids, params, fmt, history_len, "tool_choice" if forced else None)
 
 
 def voted_choice(fmt: ChatFormat) -> Callable[[Sample], tuple[ChatChoice, str]]:
@@ -344,6 +344,7 @@ def voted_choice(fmt: ChatFormat) -> Callable[[Sample], tuple[ChatChoice, str]]:
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request) -> Response:
     plan = await asyncio.to_thread(plan_chat, ctx, req)
+    await ctx.constraints.compile(plan.params.structured_outputs, plan.constraint_param, request)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     arrival = time.time()
     samples = submit(

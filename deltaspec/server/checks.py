@@ -1,17 +1,23 @@
-"""Request rules shared by both endpoints that pydantic types cannot say: n and the per-request sequence cap,
-`max_tokens`, seeds that stay 64-bit for every sample, and fields that would change what a request means but
-are not implemented (`logit_bias`, `suffix`, `functions`), which are refused rather than ignored. Each broken
-rule is a 400 naming the field and what would work.
+"""Request rules that pydantic types cannot say: n and the per-request sequence cap, `max_tokens`, seeds that stay
+64-bit for every sample, token ids within the model's vocabulary (`top_k`, `stop_token_ids`; the rule is
+`sample/params.py`'s), and fields that would change what a request means but are not implemented (`logit_bias`,
+`suffix`, `functions`; on chat, vLLM's `echo` and `return_token_ids`), which are refused rather than ignored.
+Each broken rule is a 400 naming the field and what would work.
 """
 
 from __future__ import annotations
 
+from deltaspec.errors import DeltaspecError
+from deltaspec.sample.params import check_token_ids
 from deltaspec.server.errors import APIError, shown
+from deltaspec.server.protocol import ChatCompletionRequest, SamplingFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Fields that, ignored, would silently give another answer than the one asked for; empty values are accepted.
 _NOT_IMPLEMENTED = ("logit_bias", "suffix", "functions")
+# vLLM's chat flags this server does not implement; false is accepted.
+_CHAT_FLAGS_NOT_IMPLEMENTED = ("echo", "return_token_ids")
 
 
 def reject_unimplemented(data: dict) -> None:
@@ -19,6 +25,23 @@ def reject_unimplemented(data: dict) -> None:
     for name in _NOT_IMPLEMENTED:
         if data.get(name) not in (None, "", [], {}):
             raise APIError(400, f"{name} is not supported by this server; send the request without it.", param=name)
+
+
+def check_fields(req: SamplingFields, vocab_size: int) -> None:
+    """400 for a validated body's token id outside the vocabulary or a chat flag this server does not implement."""
+    for name, value in (("top_k", req.top_k), ("stop_token_ids", req.stop_token_ids)):
+        try:
+            check_token_ids(vocab_size, **{name: value})
+        except DeltaspecError as exc:
+            raise APIError(400, str(exc), param=name) from None
+    if isinstance(req, ChatCompletionRequest):
+        for name in _CHAT_FLAGS_NOT_IMPLEMENTED:
+            if getattr(req, name):
+                raise APIError(
+                    400,
+                    f"{name} is not supported on /v1/chat/completions; send the request with {name} false.",
+                    param=name,
+                )
 
 
 def check_max_tokens(value: int | None, name: str) -> None:

@@ -31,7 +31,7 @@ from deltaspec.server.protocol import CompletionChoice, CompletionRequest, Compl
 from deltaspec.server.respond import Submitted
 from deltaspec.server.samples import Sample, abort_unfinished, engine_error, merged, sampling_params, submit, usage_of
 from deltaspec.server.streaming import DONE, sse
-from deltaspec.server.structured import compile_or_400, structured_outputs
+from deltaspec.server.structured import structured_outputs
 
 ENDPOINT = "completions"
 DEFAULT_MAX_TOKENS = 16
@@ -61,7 +61,7 @@ def prompts_of(ctx: ServerContext, prompt: str | list) -> list[Prompt]:
     if isinstance(prompt[0], list):
         return [Prompt(None, list(ids)) for ids in prompt]
     tokenizer = ctx.require_tokenizer("text prompts cannot be encoded")
-    return [Prompt(text, tokenizer.encode(text)) for text in prompt]
+    return [Prompt(text, ctx.encode_prompt(tokenizer, text)) for text in prompt]
 
 
 def max_tokens_of(ctx: ServerContext, req: CompletionRequest, prompt: Prompt) -> int:
@@ -120,7 +120,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
     check_completion(ctx, req)
     prompts = await asyncio.to_thread(prompts_of, ctx, req.prompt)
     structured = structured_outputs(req)
-    await asyncio.to_thread(compile_or_400, ctx.engine.engine.structured, structured, None)
+    await ctx.constraints.compile(structured, None, request)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     arrival = time.time()
     samples: list[Sample] = []

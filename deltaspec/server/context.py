@@ -1,6 +1,6 @@
-"""`ServerContext`: what every endpoint needs (engine, settings, metrics, request log), tokenizing off the
-event loop, hiding the server's file paths from clients, and the bookkeeping done when a request ends
-(Prometheus counters and histograms, one request-log line).
+"""`ServerContext`: what every endpoint needs (engine, settings, metrics, request log, the compiles of output
+constraints), tokenizing off the event loop, hiding the server's file paths from clients, and the bookkeeping
+done when a request ends (Prometheus counters and histograms, one request-log line).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from deltaspec.config import ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.model.weights import default_model_path
+from deltaspec.server.constraints import ConstraintCompiles
 from deltaspec.server.errors import APIError, shown
 from deltaspec.server.metrics import RequestLog, ServerMetrics
 from deltaspec.server.samples import Sample
@@ -25,9 +26,17 @@ class ServerContext:
     metrics: ServerMetrics
     request_log: RequestLog | None
     private_paths: tuple[str, ...] = field(init=False)
+    constraints: ConstraintCompiles = field(init=False)
 
     def __post_init__(self) -> None:
         engine = self.engine.engine
+        config = self.config
+        self.constraints = ConstraintCompiles(
+            engine.structured,
+            config.structured_outputs_workers,
+            config.structured_outputs_timeout,
+            config.max_constraint_bytes,
+        )
         dirs = {engine.model_dir, engine.config.model, engine.config.draft_model, default_model_path()}
         paths = {str(p) for d in dirs if d is not None for p in (Path(d), Path(d).resolve()) if p.is_absolute()}
         self.private_paths = tuple(sorted(paths, key=len, reverse=True))
@@ -65,6 +74,19 @@ class ServerContext:
         if self.tokenizer is None:
             raise APIError(400, f"The model has no tokenizer, so {what}; send token-id prompts to /v1/completions.")
         return self.tokenizer
+
+    def encode_prompt(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        """The prompt's token ids (on a worker thread), or a 400 before any tokenizing when the text is surely
+        longer than the context: more than twice the bytes its tokens could cover (tokenizing megabytes takes
+        seconds, and normalization may shorten a text, hence the margin)."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > 2 * self.max_model_len * tokenizer.max_token_bytes:
+            raise APIError(
+                400,
+                f"The prompt is {size} bytes, far more than the context of {self.max_model_len} tokens holds; "
+                "send a shorter prompt.",
+            )
+        return tokenizer.encode(text)
 
     def record(
         self,

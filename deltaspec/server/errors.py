@@ -39,12 +39,20 @@ def shown(value: object, limit: int = 60) -> str:
 class APIError(Exception):
     """A request the server answers with an error status and a one-sentence message."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self, redact: Callable[[str], str] = str) -> dict:
         info = ErrorInfo(
@@ -56,7 +64,7 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self, redact: Callable[[str], str] = str) -> JSONResponse:
-        return JSONResponse(self.body(redact), status_code=self.status)
+        return JSONResponse(self.body(redact), status_code=self.status, headers=self.headers)
 
 
 def _field_path(loc: tuple) -> tuple[str, bool]:

@@ -156,6 +156,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     vote: bool = False
+    # vLLM's, not implemented on chat: typed, and refused when true (checks.py)
+    echo: bool = False
+    return_token_ids: bool = False
 
 
 class CompletionRequest(SamplingFields):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from starlette.requests import Request
 
 from deltaspec.engine.async_engine import SHUTDOWN_ERROR, AsyncEngine, EngineStopping, RequestDelta, RequestStream
-from deltaspec.errors import DeltaspecError
+from deltaspec.errors import DeltaspecError, request_error_message
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.params import SamplingParams, StructuredOutputsParams
 from deltaspec.server.errors import APIError
@@ -141,12 +141,15 @@ def abort_unfinished(engine: AsyncEngine, samples: list[Sample]) -> None:
 
 
 def engine_error(samples: list[Sample]) -> APIError | None:
-    """The error of the first sample the engine failed on (a 503 when shutdown ended it, else a 500), or None."""
+    """The error of the first sample the engine failed on (a 503 when shutdown ended it, a 400 when the request
+    caused it, as a constraint that gave out while generating; else a 500), or None."""
     failed = next((s for s in samples if s.finish_reason == "error"), None)
     if failed is None:
         return None
     if failed.error == SHUTDOWN_ERROR:
         return APIError(503, SHUTDOWN_ERROR)
+    if (message := request_error_message(failed.error)) is not None:
+        return APIError(400, message)
     return APIError(500, f"The engine failed while generating this request ({failed.error}).")
 
 

@@ -14,14 +14,12 @@ in thinking may think first. Grammar text is llguidance's Lark dialect.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.params import StructuredOutputsParams
-from deltaspec.sample.structured import StructuredCompiler
 from deltaspec.server.errors import APIError
 from deltaspec.server.protocol import SamplingFields
 
@@ -92,13 +90,30 @@ def _token(tokenizer: Tokenizer, text: str) -> str:
     return text if tokenizer.token_to_id(text) is not None else json.dumps(text)
 
 
-def _json_call(tool: dict) -> dict:
-    """The JSON schema of one `{"name": ..., "arguments": {...}}` call of `tool`."""
-    function = tool["function"]
-    arguments = copy.deepcopy(function.get("parameters") or {"type": "object"})
+def rooted(schema: Any, name: str) -> Any:
+    """A copy of `schema` whose local references (`#`, `#/...`) point into `#/$defs/<name>`: where the schema stands
+    once it is moved under another schema's `$defs` (recursive parameter schemas keep working)."""
+    if isinstance(schema, list):
+        return [rooted(item, name) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: rooted(value, name) for key, value in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = f"#/$defs/{name}{ref[1:]}"
+    return out
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def _json_call(index: int, tool: dict) -> dict:
+    """The JSON schema of one `{"name": ..., "arguments": {...}}` call of `tool`, its arguments referring to the
+    tool's parameters at `#/$defs/tool<index>` (`tool_call_grammar` puts them there)."""
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": arguments},
+        "properties": {"name": {"const": tool["function"]["name"]}, "arguments": {"$ref": f"#/$defs/tool{index}"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -112,12 +127,14 @@ def _xml_call(index: int, tool: dict, start: str, end: str) -> str:
     parameters = function.get("parameters") or {}
     required = set(parameters.get("required") or [])
     closing = json.dumps("\n</parameter>\n")
+    defs = {"$defs": {"tool": rooted(parameters, "tool")}} if "$ref" in json.dumps(parameters) else {}
     rules, items = [], []
     for j, (name, schema) in enumerate((parameters.get("properties") or {}).items()):
         if schema.get("type") == "string":
             value = r"/([^<]|<[^\/])*<\/parameter>\n/"
         else:
-            value = f"%json {json.dumps({**schema, 'x-guidance': JSON_CALL_LAYOUT})} {closing}"
+            schema = {**rooted(schema, "tool"), **defs, "x-guidance": JSON_CALL_LAYOUT}
+            value = f"%json {json.dumps(schema)} {closing}"
         rules.append(f"p{index}_{j}: {json.dumps(f'<parameter={name}>' + chr(10))} {value}")
         items.append(f"p{index}_{j}" if name in required else f"p{index}_{j}?")
     head, tail = json.dumps(f"\n<function={function['name']}>\n"), json.dumps("</function>\n")
@@ -133,7 +150,9 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict], one_call: bool, t
         rules = [_xml_call(i, tool, start, end) for i, tool in enumerate(tools)]
         call = "call: " + " | ".join(f"call{i}" for i in range(len(tools)))
     else:
-        schema = {"anyOf": [_json_call(tool) for tool in tools], "x-guidance": JSON_CALL_LAYOUT}
+        defs = {f"tool{i}": rooted(_parameters(tool), f"tool{i}") for i, tool in enumerate(tools)}
+        calls = [_json_call(i, tool) for i, tool in enumerate(tools)]
+        schema = {"anyOf": calls, "$defs": defs, "x-guidance": JSON_CALL_LAYOUT}
         rules, call = [], f'call: {start} "\\n" %json {json.dumps(schema)} "\\n" {end}'
     calls = "call" if one_call else 'call ("\\n" call)*'
     think = f"(/(.|\\n)*/ {_token(tokenizer, '</think>')} /\\n*/)? " if thinking else ""
@@ -148,13 +167,3 @@ def forced_tool_calls(
         return None
     one_call = choice != "required"
     return StructuredOutputsParams(grammar=tool_call_grammar(tokenizer, tools, one_call, thinking))
-
-
-def compile_or_400(compiler: StructuredCompiler, spec: StructuredOutputsParams | None, param: str | None) -> None:
-    """Compile `spec` now (on the caller's worker thread; the engine then finds it cached): a 400 when invalid."""
-    if spec is None:
-        return
-    try:
-        compiler.compile(spec)
-    except DeltaspecError as exc:
-        raise APIError(400, str(exc), param=param) from None
