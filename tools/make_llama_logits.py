@@ -90,8 +90,9 @@ def read_record(path: Path) -> dict[str, np.ndarray]:
 
 def perplexity_record(bin_dir: Path, path: Path, text: Path, context: int, windows: int, work: Path) -> dict:
     """llama-perplexity's `--kl-divergence-base` record of `path` over `windows` windows of `context` tokens of
-    `text` (`read_record`'s arrays); the file's tokenizer must add no BOS."""
-    import gguf
+    `text` (`read_record`'s arrays); the file's tokenizer must add no BOS (deltaspec reads the file for that, so a
+    file it cannot read is its one-sentence DeltaspecError)."""
+    from deltaspec.model.gguf_raw import read_raw
 
     base = work / f"{path.stem}.kld"
     run(
@@ -99,8 +100,7 @@ def perplexity_record(bin_dir: Path, path: Path, text: Path, context: int, windo
         "-m", path, "-f", text, "-c", context, "-b", context, "--chunks", windows, "-t", "2",
         "--kl-divergence-base", base,
     )  # fmt: skip
-    fields = gguf.GGUFReader(path).fields
-    if "tokenizer.ggml.add_bos_token" in fields and fields["tokenizer.ggml.add_bos_token"].contents():
+    if read_raw(path).metadata.get("tokenizer.ggml.add_bos_token"):
         sys.exit(f"{path} adds a BOS token, which llama-perplexity writes over each window's first token")
     return read_record(base)
 

@@ -89,7 +89,7 @@ FILES = {
 }
 SPLIT_TENSORS = 16
 TRAIN = dict(steps=1500, batch=16, length=128, lr=3e-3, warmup=50, seed=0, files=60)
-NEEDS_IMATRIX = re.compile(r"^(IQ1|IQ2|IQ3_XXS|Q2_K_S|TQ|Q1_0|Q2_0)")
+NEEDS_IMATRIX = re.compile(r"^(IQ1|IQ2|IQ3_XXS|IQ3_XS|Q2_K_S|TQ|Q1_0|Q2_0)")
 
 
 def sha256(path: Path) -> str:
