@@ -82,7 +82,7 @@ def test_slow_schemas_stall_neither_the_server_nor_their_own_retry(impatient, ca
         slow = [pool.submit(post, live.port, body) for body in bodies]
         time.sleep(0.2)
         status, payload, seconds = post(live.port, CANARY)
-        assert status == 200 and payload["choices"][0]["text"] == canary and seconds < 5
+        assert status == 200 and payload["choices"][0]["text"] == canary and seconds < 2  # measured 0.2-0.3 s
         for future in slow:
             status, payload, seconds = future.result()
             assert_clean_error(status, payload, (400,), "took longer than 0.5 s")
