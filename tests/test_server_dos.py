@@ -169,41 +169,38 @@ def in_background(port: int, body: dict) -> tuple[threading.Thread, list]:
     return thread, result
 
 
-def test_sigterm_while_a_constraint_compiles_exits_within_the_drain_time():
-    """A compile of about 10 s is running when SIGTERM comes: its request ends with the shutdown's 503 and the
-    process exits 0 within the drain time, the compile thread abandoned."""
-    server, port = serve_process("--shutdown-timeout", "2", "--structured-outputs-timeout", "60")
+def assert_shutdown_ends_request(flags: tuple[str, ...], body: dict, wait: float, signals: list, within: float) -> None:
+    """Serve with `flags`, send `body`, `wait`, send `signals` (0.3 s apart): the process exits 0 within `within`
+    seconds of the last one, and the request got the shutdown's 503."""
+    server, port = serve_process(*flags)
     try:
-        thread, result = in_background(port, {**CANARY, "response_format": json_format(slow_schema(400, "t"))})
-        time.sleep(1.0)
-        server.send_signal(signal.SIGTERM)
-        began = time.monotonic()
+        thread, result = in_background(port, body)
+        time.sleep(wait)
+        for sig in signals:
+            server.send_signal(sig)
+            time.sleep(0.3)
+        began = time.monotonic() - 0.3
         assert server.wait(timeout=30) == 0
-        assert time.monotonic() - began < 2 + 3
+        assert time.monotonic() - began < within
         thread.join(timeout=10)
         assert_clean_error(result[0][0], result[0][1], (503,), "shutting down")
     finally:
         if server.poll() is None:
             server.kill()
         server.communicate(timeout=30)
+
+
+def test_sigterm_while_a_constraint_compiles_exits_within_the_drain_time():
+    """A compile of about 10 s is running when SIGTERM comes: its request ends with the shutdown's 503 and the
+    process exits 0 within the drain time (2 s), the compile thread abandoned."""
+    body = {**CANARY, "response_format": json_format(slow_schema(400, "t"))}
+    flags = ("--shutdown-timeout", "2", "--structured-outputs-timeout", "60")
+    assert_shutdown_ends_request(flags, body, wait=1.0, signals=[signal.SIGTERM], within=2 + 3)
 
 
 def test_a_second_ctrl_c_ends_the_drain_at_once():
     """With a 30 s drain and a long generation in flight, the first Ctrl-C starts the drain and the second ends it:
     the request gets the shutdown's 503 and the process exits 0 in seconds, not after the drain."""
-    server, port = serve_process("--shutdown-timeout", "30")
-    try:
-        thread, result = in_background(port, {**CANARY, "max_tokens": 3000, "ignore_eos": True})
-        time.sleep(1.5)
-        server.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        server.send_signal(signal.SIGINT)
-        began = time.monotonic()
-        assert server.wait(timeout=30) == 0
-        assert time.monotonic() - began < 5
-        thread.join(timeout=10)
-        assert_clean_error(result[0][0], result[0][1], (503,), "shutting down")
-    finally:
-        if server.poll() is None:
-            server.kill()
-        server.communicate(timeout=30)
+    body = {**CANARY, "max_tokens": 3000, "ignore_eos": True}
+    signals = [signal.SIGINT, signal.SIGINT]
+    assert_shutdown_ends_request(("--shutdown-timeout", "30"), body, wait=1.5, signals=signals, within=5)
