@@ -9,7 +9,9 @@ CLI generates its flags. "auto" values are resolved in `resolve_engine_config`, 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -142,7 +144,11 @@ class EngineConfig:
     """What the user chooses about running a model. "auto" fields are resolved on load."""
 
     model: str | None = field(
-        default=None, metadata={"help": "checkpoint directory or Hugging Face hub id (default: the embedded model)"}
+        default=None,
+        metadata={
+            "help": "checkpoint directory or Hugging Face hub id (default: the embedded model)",
+            "aliases": ("-m",),
+        },
     )
     dtype: str = field(
         default="auto", metadata={"help": "weight and activation dtype: auto, float64, float32, bfloat16, float16"}
@@ -174,7 +180,7 @@ class EngineConfig:
         metadata={
             "help": "most sequences that run at once (GDN state slots); 0: 8, or with --gpu-memory-utilization as "
             "many as fit (at most 256)",
-            "aliases": ("--max-streams",),
+            "aliases": ("--max-streams", "-np", "--parallel"),
         },
     )
     max_model_len: int = field(
@@ -182,7 +188,7 @@ class EngineConfig:
         metadata={
             "help": "longest sequence, prompt + output; 0: the model's max_position_embeddings, or as much as "
             "90 percent of the free memory holds for the streams",
-            "aliases": ("--ctx",),
+            "aliases": ("--ctx", "-c", "--ctx-size"),
         },
     )
     allow_long_max_model_len: bool = field(
@@ -211,6 +217,21 @@ class EngineConfig:
         metadata={"help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"},
     )
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU threads for the engine (default: physical cores the process may use)",
+            "type": int,
+            "aliases": ("-t",),
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "Jinja chat template used instead of the model's: a file, or the template itself",
+            "aliases": ("--chat-template-file",),
+        },
+    )
     speculative: str = field(
         default="none",
         metadata={
@@ -223,6 +244,21 @@ class EngineConfig:
         default=4,
         metadata={
             "help": "most draft tokens per sequence per pass; each sequence's length adapts to its acceptance below it"
+        },
+    )
+    prompt_lookup_min: int = field(
+        default=2,
+        metadata={
+            "help": "the n-gram drafter's shortest match: it drafts what followed the longest suffix of at least this "
+            "many tokens that occurred before",
+            "aliases": ("--ngram-prompt-lookup-min",),
+        },
+    )
+    prompt_lookup_max: int = field(
+        default=5,
+        metadata={
+            "help": "the n-gram drafter's longest match (at least --prompt-lookup-min)",
+            "aliases": ("--ngram-prompt-lookup-max",),
         },
     )
     speculative_tree: int = field(
@@ -269,8 +305,8 @@ class EngineConfig:
         default=0,
         metadata={
             "help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end and may evict "
-            "older ones for them; shorter chat prompts leave one where their history ends, into a free slot only "
-            "(0: the length whose KV takes the memory of one checkpoint's state)"
+            "older ones for them (a chat prompt's checkpoint where its next turn parts may evict whatever its "
+            "length) (0: the length whose KV takes the memory of one checkpoint's state)"
         },
     )
     tensor_parallel_size: int = field(
@@ -334,6 +370,9 @@ class EngineConfig:
         return max(self.draft_tokens + 1, self.speculative_tree) if self.speculative != "none" else 0
 
 
+MAX_PORT = 65535
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How `deltaspec serve` listens and what it accepts."""
@@ -353,6 +392,13 @@ class ServerConfig:
     )
     served_model_name: str | None = field(
         default=None, metadata={"help": "model name clients must use (default: the checkpoint directory's name)"}
+    )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={
+            "help": "render a request's chat_template in place of the model's (off unless given, as in vLLM: a "
+            "template is code the server runs)"
+        },
     )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
     max_sequences_per_request: int = field(
@@ -420,6 +466,8 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= MAX_PORT:
+            raise DeltaspecError(f"--port must be 0 to {MAX_PORT} (0: any free port), got {self.port}.")
         for name in ("structured_outputs_timeout", "structured_outputs_workers", "max_constraint_bytes"):
             if not getattr(self, name) > 0:
                 flag = "--" + name.replace("_", "-")
@@ -454,6 +502,30 @@ CHECKPOINTS_PER_STREAM = 3  # a long request leaves up to three: 512 and 64 toke
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_threads() -> int:
+    """CPU threads when --threads is not given: OMP_NUM_THREADS when the environment sets it (as torch reads it),
+    else the physical cores the process may use."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else physical_cores()
+
+
+def physical_cores() -> int:
+    """The physical cores among the CPUs this process may run on (its affinity mask): logical CPUs that share a
+    core (hyper-threads) count once; every allowed CPU where the kernel does not say which core it is."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS, Windows)
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
 
 
 def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> EngineConfig:
@@ -498,6 +570,13 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         )
     if cfg.speculative_tree_shape not in ("dynamic", "static"):
         raise DeltaspecError(f"Unknown speculative_tree_shape {cfg.speculative_tree_shape!r}; use dynamic or static.")
+    if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+        raise DeltaspecError(
+            "The n-gram drafter needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+            f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}."
+        )
+    if cfg.threads is not None and cfg.threads < 1:
+        raise DeltaspecError(f"threads must be at least 1, got {cfg.threads}; leave it out for the physical cores.")
     if cfg.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
     if not 0 <= cfg.gpu_memory_utilization <= 1:
@@ -519,7 +598,32 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     ):
         if getattr(cfg, name) < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
-    return replace(cfg, device=device, dtype=dtype_name, state_dtype=state_dtype, kv_cache_dtype=kv_cache_dtype)
+    chat_template = None if cfg.chat_template is None else chat_template_text(cfg.chat_template)
+    return replace(
+        cfg,
+        device=device,
+        dtype=dtype_name,
+        state_dtype=state_dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        chat_template=chat_template,
+        threads=cfg.threads or default_threads(),
+    )
+
+
+def chat_template_text(template: str) -> str:
+    """The Jinja source `--chat-template` gives, read as vLLM reads it: text with a brace or a newline is the
+    template itself, anything else names its file."""
+    if any(char in template for char in "{}\n"):
+        return template
+    try:
+        return Path(template).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DeltaspecError(
+            f"--chat-template {template!r} is neither a file nor a Jinja template; give a template file or its text "
+            "(deltaspec ships no named templates, and without the flag it uses the model's own)."
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DeltaspecError(f"Could not read the chat template file {template} ({exc}).") from None
 
 
 def check_context(cfg: EngineConfig, positions: int) -> None:

@@ -16,9 +16,11 @@ from deltaspec.execution.sequence import Sequence
 from deltaspec.outputs import CompletionOutput, RequestOutput
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.drafter import Drafter
+from deltaspec.spec.speculative_config import speculative_fields
 from deltaspec.spec.speculator import DraftLength
 
 PromptType = str | dict
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "history_len")  # of a dict prompt: vLLM's TextPrompt / TokensPrompt
 
 
 @dataclass
@@ -43,15 +45,25 @@ class LLM:
         progress: bool = False,
         drafter: Drafter | None = None,
         draft_policy: DraftLength | None = None,
+        speculative_config: dict | None = None,
         **engine_options,
     ):
-        """`engine_options` are `EngineConfig` fields; `drafter` and `draft_policy` replace the drafter and the
-        draft-length policy the configuration would build (see `Engine`)."""
+        """`engine_options` are `EngineConfig` fields; `speculative_config` is vLLM's dict (method,
+        num_speculative_tokens, model, prompt_lookup_min / prompt_lookup_max), the same as the `speculative`,
+        `draft_tokens`, `draft_model` and `prompt_lookup_*` options; `drafter` and `draft_policy` replace the drafter
+        and the draft-length policy the configuration would build (see `Engine`)."""
         known = {f.name for f in fields(EngineConfig)}
         if unknown := sorted(set(engine_options) - known):
             raise DeltaspecError(
                 f"Unknown LLM option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}."
             )
+        if speculative_config is not None:
+            if not isinstance(speculative_config, dict):
+                raise DeltaspecError(
+                    f"speculative_config is a dict such as {{'method': 'ngram', 'num_speculative_tokens': 3}}, not "
+                    f"{type(speculative_config).__name__}."
+                )
+            engine_options |= speculative_fields(speculative_config, engine_options, "speculative_config")
         self.engine = Engine(
             EngineConfig(model=model, **engine_options), progress=progress, drafter=drafter, draft_policy=draft_policy
         )
@@ -76,8 +88,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Complete each prompt: a string, or {"prompt_token_ids": [...]} (optionally with "prompt", and
-        "history_len": the prompt tokens a follow-up will share, kept as a prefix checkpoint; see `chat_prompt`)."""
+        """Complete each prompt: a string, {"prompt": text} (vLLM's TextPrompt), or {"prompt_token_ids": [...]}
+        (optionally with "prompt", and "history_len": the prompt tokens a follow-up will share, kept as a prefix
+        checkpoint; see `chat_prompt`)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = sampling_params or self.get_default_sampling_params()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
@@ -152,18 +165,24 @@ class LLM:
         finally:
             self.engine.abort(seq)
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> list[Sequence]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise DeltaspecError("A dict prompt needs a 'prompt_token_ids' list.")
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            history_len = prompt.get("history_len", 0)  # prompt tokens a follow-up will share (chat_prompt's)
-        elif isinstance(prompt, str):
-            text, ids, history_len = prompt, self.engine.encode(prompt), 0
-        else:
+    def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int], int]:
+        """A prompt's text (None for bare token ids), token ids, and the tokens a follow-up will share."""
+        if isinstance(prompt, str):
+            return prompt, self.engine.encode(prompt), 0
+        if not isinstance(prompt, dict):
+            raise DeltaspecError(f"A prompt is a string or a dict, not {type(prompt).__name__}.")
+        if unknown := sorted(set(prompt) - set(PROMPT_KEYS)):
             raise DeltaspecError(
-                f"A prompt is a string or a dict with 'prompt_token_ids', not {type(prompt).__name__}."
+                f"A dict prompt has unknown key(s) {', '.join(unknown)}; deltaspec reads {', '.join(PROMPT_KEYS)}."
             )
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), prompt.get("history_len", 0)
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.engine.encode(prompt["prompt"]), prompt.get("history_len", 0)
+        raise DeltaspecError("A dict prompt needs a 'prompt' string or a 'prompt_token_ids' list.")
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> list[Sequence]:
+        text, ids, history_len = self._prompt(prompt)
         request_id = str(next(self._ids))
         samples = []
         for i in range(params.n):

@@ -303,9 +303,15 @@ def test_speculative_config_agrees_with_the_flags(capsys):
         (["--speculative-config", '{"method": "ngram",'], ["not valid JSON", "num_speculative_tokens"]),
         (["--speculative-config", '["ngram"]'], ["JSON object"]),
         (
-            ["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}'],
-            ["prompt_lookup_max", "2 to 5", "method, model, num_speculative_tokens"],
+            ["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 4}'],
+            ["disable_by_batch_size", "method, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max"],
         ),
+        (["--speculative-config", '{"method": "mtp", "prompt_lookup_max": 4}'], ["n-gram", "'mtp'", "mtp+ngram"]),
+        (
+            ["--prompt-lookup-min", "3", "--speculative-config", '{"method": "ngram", "prompt_lookup_min": 2}'],
+            ["--prompt-lookup-min 2", "--prompt-lookup-min 3"],
+        ),
+        (["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}'], ["<="]),
         (["--speculative-config", '{"method": "eagle3"}'], ["'eagle3'", "draft_model"]),
         (["--speculative-config", '{"num_speculative_tokens": 3}'], ["needs a method"]),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], ["at least 1", "0"]),

@@ -5,6 +5,7 @@ resume where its history ends, and the prefix-checkpoint threshold comes from th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,8 +117,9 @@ def test_a_bad_generation_config_is_one_sentence(tmp_path, config, message):
 
 
 def test_a_four_turn_chat_prefills_only_each_turns_new_tokens(tmp_path):
-    """Each follow-up resumes where the previous prompt's history ended: it prefills the re-rendered answer and
-    the new user turn, nothing before (turns far shorter than the long-prompt threshold)."""
+    """Each follow-up resumes where it parts from the previous prompt (the previous turn rendered as this one
+    renders it: up to the reply's markup): it prefills the re-rendered answer and the new user turn, nothing before
+    (turns far shorter than the long-prompt threshold)."""
     with serving(tmp_path / "log.jsonl", api_key=KEY) as live:
         client, tokenizer = live.client(), live.tokenizer
         assert live.engine.config.prefix_checkpoint_min_prompt > 300  # every turn here is a short prompt
@@ -130,9 +132,9 @@ def test_a_four_turn_chat_prefills_only_each_turns_new_tokens(tmp_path):
             )
             details = reply.usage.prompt_tokens_details
             cached.append(details.cached_tokens if details else 0)
-            # the previous request's messages, rendered without the generation prompt: where this one resumes
-            rendered = tokenizer.apply_chat_template(asked, add_generation_prompt=False) if asked else ""
-            expected.append(len(tokenizer.encode(rendered)))
+            # where this prompt parts from the previous request's: where it resumes
+            asked_ids = tokenizer.encode(tokenizer.apply_chat_template(asked)) if asked else []
+            expected.append(tokenizer.history_length(asked_ids, asked) if asked else 0)
             asked = list(history)
             history.append({"role": "assistant", "content": reply.choices[0].message.content})
         assert cached == expected and all(c > 0 for c in cached[1:])
@@ -145,20 +147,23 @@ def _run(engine: Engine, request_id: str, ids: list[int], history_len: int = 0, 
         passes = None if passes is None else passes - 1
 
 
-def test_a_short_prompts_history_checkpoint_takes_only_a_free_slot():
-    """A short chat prompt leaves its history checkpoint into a free slot, never evicting another for it; a long
-    prompt's checkpoints may evict."""
+def test_a_chats_parting_checkpoint_may_evict_and_its_end_checkpoint_only_takes_a_free_slot():
+    """Where a chat's next turn parts from it is where the conversation resumes: that checkpoint may evict another
+    whatever the prompt's length (others of a short prompt only take a free slot); a chat turn's end checkpoint
+    only takes a free slot (its next turn resumes where it parts), and is evicted first."""
     config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=1, prefix_checkpoints=1)
     short = [5, 6, 7, 8, 9, 10, 11, 12]
     engine = Engine(config, progress=False)
     assert engine.config.prefix_checkpoint_min_prompt == engine.plan.state_in_tokens()
-    _run(engine, "short", short, history_len=5, passes=1)
-    assert {c.tokens for c in engine.cache.prefix.checkpoints.values()} == {tuple(short[:5])}
-
-    engine = Engine(config, progress=False)
     long_ids = list(range(10, 10 + engine.config.prefix_checkpoint_min_prompt + 20))
     _run(engine, "long", long_ids)
     kept = {c.tokens for c in engine.cache.prefix.checkpoints.values()}
     assert len(kept) == 1 and len(next(iter(kept))) == len(long_ids)  # its end checkpoint evicted the -64 one
-    _run(engine, "short", short, history_len=5, passes=1)
-    assert {c.tokens for c in engine.cache.prefix.checkpoints.values()} == kept
+    _run(engine, "chat", short, history_len=5)  # its parting checkpoint evicts; its end one finds no free slot
+    assert {c.tokens for c in engine.cache.prefix.checkpoints.values()} == {tuple(short[:5])}
+
+    engine = Engine(replace(config, prefix_checkpoints=2), progress=False)
+    _run(engine, "chat", short, history_len=5)  # the parting and the end checkpoint, each in a free slot
+    _run(engine, "long", long_ids, passes=1)  # a long prompt's first checkpoint evicts the chat's end one first
+    kept = {c.tokens for c in engine.cache.prefix.checkpoints.values()}
+    assert tuple(short[:5]) in kept and len(kept) == 2

@@ -68,11 +68,35 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+GGUF_SAMPLING_KEYS = {  # generation_config.json key -> the GGUF key llama.cpp's converter writes it as
+    "temperature": "general.sampling.temp",
+    "top_p": "general.sampling.top_p",
+    "top_k": "general.sampling.top_k",
+    "min_p": "general.sampling.min_p",
+    "repetition_penalty": "general.sampling.penalty_repeat",
+}
+DELTASPEC_ONLY = ("do_sample", "max_new_tokens")  # generation defaults the converter drops and deltaspec writes
+
+
+def as_the_oracle_saw_it(hf_dir: Path, root: Path) -> Path:
+    """A copy of the embedded model (same directory name) whose generation_config.json holds no sampling default
+    the oracle's file lacks: neither what deltaspec writes beyond the converter
+    (test_generation_defaults_the_converter_drops_travel_too) nor what was added after the oracles were made."""
+    recorded = ORACLES["default"]["metadata"]
+    copy = shutil.copytree(hf_dir, root / "as-converted" / hf_dir.name)
+    generation = json.loads((copy / "generation_config.json").read_text())
+    dropped = set(DELTASPEC_ONLY) | {key for key, gguf_key in GGUF_SAMPLING_KEYS.items() if gguf_key not in recorded}
+    kept = {key: value for key, value in generation.items() if key not in dropped}
+    (copy / "generation_config.json").write_text(json.dumps(kept))
+    return copy
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Each oracle case's Hugging Face checkpoint (the embedded model's own directory for "default")."""
+    """Each oracle case's Hugging Face checkpoint (for "default", the embedded model's, as the oracle saw it)."""
     root = tmp_path_factory.mktemp("gguf_write_hf")
-    return {case: write_case(root, case)[0] for case in ORACLES}
+    cases = {case: write_case(root, case)[0] for case in ORACLES}
+    return cases | {"default": as_the_oracle_saw_it(cases["default"], root)}
 
 
 def written(checkpoints, tmp_path, case: str, kind: str, importance: Importance | None = None) -> Path:
@@ -321,6 +345,37 @@ def test_the_sampling_defaults_travel_in_the_file(checkpoints, tmp_path):
         params = llm.get_default_sampling_params()
         assert params.temperature == pytest.approx(0.6) and params.top_p == pytest.approx(0.95)
         assert params.top_k == 20 and params.min_p == 0.0
+
+
+@pytest.mark.parametrize("greedy", [{"do_sample": False}, {"do_sample": False, "temperature": 0.7}, {"temperature": 0}])
+def test_generation_defaults_the_converter_drops_travel_too(greedy, checkpoints, tmp_path):
+    """A greedy checkpoint (`do_sample: false`, which llama.cpp's converter drops, or temperature 0) gives a file
+    whose `general.sampling.temp` is 0, where the converter writes it (llama.cpp samples greedily at 0 too),
+    `repetition_penalty` travels as `general.sampling.penalty_repeat` (as llama.cpp's own gguf-py writes it) and
+    `max_new_tokens` as `deltaspec.sampling.max_tokens`: deltaspec loads the file, and the file quantized again,
+    with the checkpoint's sampling defaults."""
+    model = tmp_path / "model"
+    shutil.copytree(checkpoints["qwen35"], model)
+    defaults = {"top_p": 0.5, "repetition_penalty": 1.25, "max_new_tokens": 33}
+    (model / "generation_config.json").write_text(json.dumps(greedy | defaults))
+    first, again = tmp_path / "first.gguf", tmp_path / "again.gguf"
+    assert main(["quantize", str(model), str(first), "--type", "f32"]) == 0
+    assert main(["quantize", str(first), str(again), "--type", "q8_0"]) == 0
+    from_checkpoint = LLM(str(model), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64)
+    want = from_checkpoint.get_default_sampling_params()
+    assert (want.temperature, want.repetition_penalty, want.max_tokens) == (0.0, 1.25, 33)
+    for path in (first, again):
+        fields = gguf.GGUFReader(path).fields
+        assert [key for key in fields if "sampling" in key] == [
+            "general.sampling.top_p",
+            "general.sampling.temp",
+            "general.sampling.penalty_repeat",
+            "deltaspec.sampling.max_tokens",
+        ]
+        assert fields["general.sampling.temp"].contents() == 0.0
+        assert fields["general.sampling.temp"].types == [gguf.GGUFValueType.FLOAT32]
+        llm = LLM(str(path), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64)
+        assert llm.get_default_sampling_params() == want
 
 
 def test_gguf_sampling_keys_map_to_sampling_params():

@@ -140,8 +140,10 @@ def live(tmp_path_factory) -> Iterator[Live]:
 
 
 def chat(live: Live, messages=USER, **kwargs):
+    """A chat completion through the openai client: greedy and without the model's default penalty unless asked."""
     kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("temperature", 0.0)
+    kwargs.setdefault("repetition_penalty", 1.0)
     extra = {
         k: kwargs.pop(k)
         for k in ("chat_template_kwargs", "vote", "top_k", "repetition_penalty", "stop_token_ids", "ignore_eos")
@@ -151,8 +153,10 @@ def chat(live: Live, messages=USER, **kwargs):
 
 
 def complete(live: Live, prompt, **kwargs):
+    """A completion through the openai client: greedy and without the model's default penalty unless asked."""
     kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("temperature", 0.0)
+    kwargs.setdefault("repetition_penalty", 1.0)
     extra = {k: kwargs.pop(k) for k in ("stop_token_ids", "ignore_eos", "repetition_penalty", "vote") if k in kwargs}
     return live.client().completions.create(model=MODEL, prompt=prompt, extra_body=extra or None, **kwargs)
 
@@ -307,7 +311,15 @@ def test_vote_stops_sampling_once_decided(live):
     status, body = live.request(
         "POST",
         "/v1/chat/completions",
-        {"messages": USER, "n": n, "vote": True, "temperature": 0, "max_tokens": 40, **NO_THINK},
+        {
+            "messages": USER,
+            "n": n,
+            "vote": True,
+            "temperature": 0,
+            "repetition_penalty": 1.0,
+            "max_tokens": 40,
+            **NO_THINK,
+        },
     )
     assert status == 200, body
     [choice] = body["choices"]
@@ -324,7 +336,9 @@ def test_completion_vote_stops_sampling_once_decided(live):
     prompt = "def add(a, b):"
     n = MAX_SEQS + 2
     status, body = live.request(
-        "POST", "/v1/completions", {"prompt": prompt, "n": n, "vote": True, "temperature": 0, "max_tokens": 40}
+        "POST",
+        "/v1/completions",
+        {"prompt": prompt, "n": n, "vote": True, "temperature": 0, "repetition_penalty": 1.0, "max_tokens": 40},
     )
     assert status == 200, body
     [choice] = body["choices"]
@@ -622,7 +636,7 @@ def test_metrics_and_request_log(live):
     assert record["endpoint"] == "chat" and record["n"] == 2 and record["finish_reason"] == "length"
     assert record["prompt_tokens"] == out.usage.prompt_tokens
     assert record["generated_tokens"] == out.usage.completion_tokens == 10
-    assert record["cached_tokens"] == 0
+    assert record["cached_tokens"] == out.usage.prompt_tokens_details.cached_tokens
     assert 0 < record["ttft_s"] < 30 and 0 < record["tpot_s"] < 30
     assert abs(record["arrival_time"] - time.time()) < 120
 

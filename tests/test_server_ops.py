@@ -423,7 +423,8 @@ def test_serve_logs_its_summary_throughput_and_access_lines(tmp_path):
     finally:
         if server.poll() is None:
             server.kill()
-        _, log = server.communicate(timeout=30)
+        rest, log = server.communicate(timeout=30)
+    assert rest.splitlines().count("deltaspec: shut down") == 1
     records = [re.sub(r"^INFO \d\d-\d\d \d\d:\d\d:\d\d deltaspec\.server: ", "", r) for r in log.splitlines()]
     rows = summary_rows(
         [r for r in records if re.match(r"(model|format|device|weights|KV cache|GDN states|streams|drafter):", r)]

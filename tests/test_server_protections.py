@@ -281,8 +281,9 @@ def test_accepted_spellings_mean_what_they_should(open_server):
     sampled = completion_text(open_server, temperature=1.0, seed=7, top_k=0)
     assert completion_text(open_server, temperature=1.0, seed=7, top_k=-1) == sampled  # -1 is off, as 0
     assert completion_text(open_server, temperature=1.0, seed=7, top_k=VOCAB) == sampled  # the whole vocabulary
-    greedy = completion_text(open_server, temperature=0)
-    assert completion_text(open_server, temperature=0, repetition_penalty=1) == greedy  # 1 is off
+    greedy = completion_text(open_server, temperature=0)  # with the model's own repetition penalty
+    off = completion_text(open_server, temperature=0, repetition_penalty=1.0)
+    assert completion_text(open_server, temperature=0, repetition_penalty=1) == off  # the integer 1 is 1.0: off
     assert completion_text(open_server, temperature=1.0, seed=7, top_k=1) == greedy  # top_k 1 is the argmax
     assert open_server.request("POST", CHAT, request_body(CHAT, {"echo": False}), key=None)[0] == 200
 

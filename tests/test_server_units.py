@@ -24,7 +24,8 @@ from deltaspec.model.weights import default_model_path
 from deltaspec.sample.logprobs import Logprob
 from deltaspec.sample.params import SamplingParams
 from deltaspec.server import metrics
-from deltaspec.server.chat import ChatFormat, voted_choice
+from deltaspec.server.chat import voted_choice
+from deltaspec.server.chat_format import ChatFormat
 from deltaspec.server.detokenizer import IncrementalDetokenizer, stop_hold_start
 from deltaspec.server.errors import validation_error
 from deltaspec.server.logprobs import chat_logprobs, completion_logprobs

@@ -4,7 +4,8 @@ Benchmarks drive the server over HTTP exactly as users do; this client records w
 was sent, when each content chunk arrived, and the server's usage numbers. It owns the server's
 address as the user gives it (`--url`, with or without the trailing `/v1` that `deltaspec serve`
 prints), the check that a server answers there before a benchmark starts (`Client.check`, one
-GET /v1/models), and turning every way that can fail into one `DeltaspecError` sentence.
+GET /v1/models), reading the server's own /metrics where it publishes them (`Client.metrics`, for the benchmark's
+sanity checks), and turning every way that can fail into one `DeltaspecError` sentence.
 """
 
 from __future__ import annotations
@@ -155,6 +156,19 @@ class Client:
         self.card = cards[names.index(self.model)] if self.model is not None else cards[0]
         self.model = self.card["id"]
         return self.card
+
+    def metrics(self) -> str | None:
+        """The server's /metrics text, or None where it publishes none (or needs another key, or is unreachable)."""
+        conn = self.connection(min(self.timeout, CHECK_TIMEOUT_S))
+        try:
+            conn.request("GET", f"{self.prefix}/metrics", headers=self.headers)
+            response = conn.getresponse()
+            status, raw = response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            return None
+        finally:
+            conn.close()
+        return raw.decode(errors="replace") if status == 200 else None
 
     def stream(self, endpoint: str, body: dict) -> Timing:
         """POST `body` with stream=True to `/v1/{endpoint}` and time every chunk that carries text."""

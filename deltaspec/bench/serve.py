@@ -2,8 +2,10 @@
 
 For each concurrency C the report gives TTFT and TPOT percentiles and the aggregate decode rate
 `C x 1000 / mean TPOT (ms)` (DESIGN §6), with TPOT taken from the server's request log when the
-server runs in-process and from the client's token timings otherwise (`tpot_source`). Each level
-runs `runs` times; the level's headline numbers are the medians over runs, and every run is kept.
+server runs in-process and from the client's token timings otherwise (`tpot_source`). One warm-up request,
+not measured, runs first (a server's first request pays for its lazy set-up: compiling, allocating, caching).
+Each level runs `runs` times; the level's headline numbers are the medians over runs, and every run is kept.
+A run that the server's own counts or times contradict is refused (`sanity.py`).
 """
 
 from __future__ import annotations
@@ -16,17 +18,28 @@ from pathlib import Path
 
 from deltaspec.bench.client import Client, Timing
 from deltaspec.bench.prompts import requests
+from deltaspec.bench.sanity import check_run, server_tpot
 from deltaspec.bench.stats import percentiles
+
+WARM_UP_TOKENS = 16
+
+
+def body_of(base: dict, max_tokens: int) -> dict:
+    """A benchmark request: `max_tokens` tokens, greedy, whatever the model would rather end with."""
+    return {**base, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def warm_up(client: Client, max_tokens: int) -> None:
+    """One request that is not measured, as long as a measured one or shorter."""
+    endpoint, base = requests(1)[0]
+    client.stream(endpoint, body_of(base, min(max_tokens, WARM_UP_TOKENS)))
 
 
 def run_level(client: Client, concurrency: int, per_client: int, max_tokens: int) -> list[Timing]:
     work = requests(concurrency * per_client)
 
     def worker(k: int) -> list[Timing]:
-        return [
-            client.stream(endpoint, {**body, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
-            for endpoint, body in work[k::concurrency]
-        ]
+        return [client.stream(endpoint, body_of(body, max_tokens)) for endpoint, body in work[k::concurrency]]
 
     with ThreadPoolExecutor(concurrency) as pool:
         return [t for timings in pool.map(worker, range(concurrency)) for t in timings]
@@ -44,10 +57,13 @@ def log_tpots(request_log: Path | None, since_line: int) -> tuple[list[float], i
 def measure_level(
     client: Client, concurrency: int, per_client: int, max_tokens: int, request_log: Path | None, logged: int
 ) -> tuple[dict, int]:
-    """One run of one concurrency level, and the request-log line count after it."""
+    """One run of one concurrency level, and the request-log line count after it; a run the server's own counts or
+    times contradict is a DeltaspecError."""
+    scraped = client.metrics()
     start = time.perf_counter()
     timings = run_level(client, concurrency, per_client, max_tokens)
     wall = time.perf_counter() - start
+    check_run(timings, concurrency, server_tpot(scraped, client.metrics()))
     server_tpots, logged = log_tpots(request_log, logged)
     tpots = server_tpots or [t.tpot for t in timings if t.tpot]
     ttft = percentiles([t.ttft for t in timings if t.ttft is not None])
@@ -74,6 +90,7 @@ def bench_serve(
     request_log: Path | None = None,
     progress=print,
 ) -> list[dict]:
+    warm_up(client, max_tokens)
     results, logged = [], log_tpots(request_log, 0)[1]
     for concurrency in levels:
         measured = []

@@ -10,10 +10,11 @@ tokens from p on are prefilled.
 
 Checkpoints are addressed by content: a hash chain over the token blocks of the page size (each
 block's hash covers every token before it), plus the tokens of the partial last block; a match is
-confirmed token by token. The pool holds `capacity` checkpoints and evicts the least recently used
-one when it is full, or when pages run short (a checkpoint's pages go back to the pool once no
-sequence shares them), into host memory when `offload_bytes` allows (`deltaspec.cache.host_checkpoints`).
-Running sequences never lose pages to eviction.
+confirmed token by token. The pool holds `capacity` checkpoints and evicts one when it is full, or when pages
+run short (a checkpoint's pages go back to the pool once no sequence shares them), into host memory when
+`offload_bytes` allows (`deltaspec.cache.host_checkpoints`): the least recently used of those that were saved
+into a free slot only, then of the others (the places a request said it will resume from: where a chat's next
+turn parts, a long prompt's tail). Running sequences never lose pages to eviction.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Checkpoint:
     slot: int  # its slot in the state cache
     blocks: list[int]  # KV pages of tokens [0, len(tokens)), one reference each
     last_used: int
+    resume_point: bool  # saved with the right to evict others (evicted only after those saved without it)
 
 
 class PrefixCache:
@@ -124,11 +126,12 @@ class PrefixCache:
 
     def save(self, tokens: list[int], slot: int, blocks: list[int], evict: bool = True) -> None:
         """Checkpoint the state in `slot`, which has consumed exactly `tokens`, with the pages holding them; when
-        no slot is free, evict the least recently used checkpoint for it (or, without `evict`, keep nothing)."""
+        no slot is free, evict one for it (`_evict_one`; or, without `evict`, keep nothing)."""
         length = len(tokens)
         key = prefix_key(tokens, length, self.block_size, block_hashes(tokens, self.block_size))
         if key in self.checkpoints and self.checkpoints[key].tokens == tuple(tokens):
             self.checkpoints[key].last_used = next(self._clock)
+            self.checkpoints[key].resume_point |= evict
             return
         if not self._free_slots and evict and self.checkpoints:
             self._evict_one()
@@ -138,7 +141,7 @@ class PrefixCache:
         self.gdn.copy_slot(slot, checkpoint_slot)
         pages = blocks[: -(-length // self.block_size)]
         self.kv.allocator.share(pages)
-        self.checkpoints[key] = Checkpoint(key, tuple(tokens), checkpoint_slot, list(pages), next(self._clock))
+        self.checkpoints[key] = Checkpoint(key, tuple(tokens), checkpoint_slot, list(pages), next(self._clock), evict)
 
     def evict_for_pages(self, needed: int, keep: Checkpoint | None = None) -> None:
         """Evict least recently used checkpoints (but `keep`) until `needed` pages are free or none is left."""
@@ -146,9 +149,9 @@ class PrefixCache:
             self._evict_one(keep)
 
     def _evict_one(self, keep: Checkpoint | None = None) -> None:
-        key = min(
-            (k for k, c in self.checkpoints.items() if c is not keep), key=lambda k: self.checkpoints[k].last_used
-        )
+        """Evict the least recently used checkpoint (but `keep`) of those saved into a free slot only, else of all."""
+        candidates = (k for k, c in self.checkpoints.items() if c is not keep)
+        key = min(candidates, key=lambda k: (self.checkpoints[k].resume_point, self.checkpoints[k].last_used))
         victim = self.checkpoints[key]
         self.host.offload(key, victim.tokens, victim.slot, victim.blocks)
         self._drop(key)

@@ -4,11 +4,14 @@ and chat live in `deltaspec.cli.generation`, the bench scenarios in `deltaspec.b
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
 from deltaspec.bench.commands import add_bench_parser
+from deltaspec.cli.dialects import SERVER_FLAGS, add_foreign_flags
 from deltaspec.cli.flags import add_config_flags, add_engine_flags, add_sampling_flags, config_from_args, engine_config
 from deltaspec.cli.generation import CHAT_MAX_TOKENS, GENERATE_MAX_TOKENS, cmd_chat, cmd_generate
+from deltaspec.cli.parser import CommandParser
 from deltaspec.config import ServerConfig
 from deltaspec.errors import DeltaspecError
 
@@ -83,8 +86,32 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_server(engine_config(args), config_from_args(args, ServerConfig))
 
 
+def version_text() -> str:
+    """`deltaspec VERSION`, the installed package's version (as vLLM's --version reads it)."""
+    try:
+        return f"deltaspec {importlib.metadata.version('deltaspec')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "deltaspec (version unknown: not installed as a package)"
+
+
+def cmd_version(args: argparse.Namespace) -> None:
+    print(version_text())
+
+
+class PrintVersion(argparse.Action):
+    """--version: print `version_text()` and exit, looked up only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltaspec", description="Inference for hybrid GDN / attention LLMs.")
+    parser = CommandParser(prog="deltaspec", description="Inference for hybrid GDN / attention LLMs.")
+    parser.add_argument("--version", action=PrintVersion, help="print deltaspec's version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
         "generate", help="complete one prompt, streaming the text to stdout, then print decode stats on stderr"
@@ -97,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     chat = commands.add_parser("chat", help="answer chat messages with the model's chat template, streaming")
-    chat.add_argument("--message", default=None, help="answer this one message and exit (default: read stdin)")
+    chat.add_argument("message_text", nargs="?", metavar="MESSAGE", help="answer this one message and exit")
+    chat.add_argument("--message", default=None, help="the message, as a flag (default: a conversation on stdin)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument(
         "--thinking",
@@ -196,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model_tag", nargs="?", metavar="MODEL", help="checkpoint directory or Hugging Face hub id (or --model)"
     )
     add_engine_flags(serve)
-    add_config_flags(serve, ServerConfig, "server options")
+    add_foreign_flags(add_config_flags(serve, ServerConfig, "server options"), SERVER_FLAGS)
     serve.set_defaults(func=cmd_serve)
 
     add_bench_parser(commands, add_engine_flags, engine_config)
+    commands.add_parser("version", help="print deltaspec's version (as --version)").set_defaults(func=cmd_version)
     return parser

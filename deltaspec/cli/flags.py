@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields, replace
 
-from deltaspec.cli.speculative_config import SPECULATIVE_CONFIG_HELP, speculative_fields
+from deltaspec.cli.dialects import ENGINE_FLAGS, add_foreign_flags
 from deltaspec.config import EngineConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams
+from deltaspec.spec.speculative_config import SPECULATIVE_CONFIG_HELP, parse_speculative_json, speculative_fields
 
 GENERATION_CONFIG = "the model's generation_config.json"
 
@@ -29,8 +30,9 @@ def help_with_default(help_text: str, default: object) -> str:
 
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type, title: str) -> argparse._ArgumentGroup:
     """One flag per field of the dataclass `config_cls` (`api_key` -> `--api-key`), help from its metadata, in an
-    argument group named `title`. Boolean fields get `--name` / `--no-name`; fields with metadata `cli: False` are
-    Python-only; names in metadata `aliases` work too but stay out of --help."""
+    argument group named `title`. Boolean fields get `--name` / `--no-name`; the value's type is metadata `type`, else
+    the default's (str for None); fields with metadata `cli: False` are Python-only; names in metadata `aliases`
+    work too but stay out of --help."""
     group = parser.add_argument_group(title)
     for f in fields(config_cls):
         if not f.metadata.get("cli", True):
@@ -39,7 +41,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type, title: s
         if isinstance(default, bool):
             kind = {"action": argparse.BooleanOptionalAction}
         else:
-            kind = {"type": type(default) if default is not None else str}
+            kind = {"type": f.metadata.get("type") or (type(default) if default is not None else str)}
         help_text = help_with_default(f.metadata.get("help", ""), default)
         flag = "--" + f.name.replace("_", "-")
         group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=help_text, **kind)
@@ -58,8 +60,11 @@ def config_from_args(args: argparse.Namespace, config_cls: type):
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig flags, --speculative-config, and llama-server's and vLLM's engine flags that are no
+    setting here (`deltaspec.cli.dialects`)."""
     group = add_config_flags(parser, EngineConfig, "engine options")
     group.add_argument("--speculative-config", metavar="JSON", default=None, help=SPECULATIVE_CONFIG_HELP)
+    add_foreign_flags(group, ENGINE_FLAGS)
 
 
 def one_value(what: str, positional: str | None, flag_name: str, flag_value: str | None) -> str | None:
@@ -79,7 +84,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if model is not None:
         given["model"] = model
     if args.speculative_config is not None:
-        given.update(speculative_fields(args.speculative_config, given))
+        given.update(speculative_fields(parse_speculative_json(args.speculative_config), given))
     return EngineConfig(**given)
 
 
@@ -87,9 +92,16 @@ def _default(name: str):
     return next(f.default for f in fields(SamplingParams) if f.name == name)
 
 
+LLAMA_SAMPLING_ALIASES = {  # llama-cli's spellings of the sampling flags, hidden from --help
+    "--max-tokens": ("-n", "--predict", "--n-predict"),
+    "--temperature": ("--temp",),
+    "--repetition-penalty": ("--repeat-penalty",),
+}
+
+
 def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    """--max-tokens, --temperature, --top-p, --top-k, --repetition-penalty, --sample-seed: unset, each falls back to
-    the model's generation config, then to `max_tokens` (for --max-tokens) or SamplingParams' default."""
+    """--max-tokens, --temperature, --top-p, --top-k, --repetition-penalty, --stop, --sample-seed: unset, each falls
+    back to the model's generation config, then to `max_tokens` (for --max-tokens) or SamplingParams' default."""
     group = parser.add_argument_group("sampling options")
     group.add_argument(
         "--max-tokens",
@@ -107,6 +119,17 @@ def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None
         group.add_argument(
             flag, type=kind, default=None, help=f"{meaning} (default: {GENERATION_CONFIG}, else {_default(name):g})"
         )
+    for flag, aliases in LLAMA_SAMPLING_ALIASES.items():
+        dest = flag.removeprefix("--").replace("-", "_")
+        kind = int if flag == "--max-tokens" else float
+        group.add_argument(*aliases, dest=dest, type=kind, default=None, help=argparse.SUPPRESS)
+    group.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        default=None,
+        help="end the answer before this text (may be given several times)",
+    )
     group.add_argument(
         "--sample-seed",
         type=int,
@@ -126,6 +149,8 @@ def sampling_params(llm, args: argparse.Namespace, max_tokens: int) -> SamplingP
     }
     if args.sample_seed is not None:
         chosen["seed"] = args.sample_seed
+    if args.stop is not None:
+        chosen["stop"] = args.stop
     if getattr(args, "ignore_eos", False):
         chosen["ignore_eos"] = True
     if "max_tokens" not in chosen and "max_tokens" not in llm.engine.sampling_defaults:

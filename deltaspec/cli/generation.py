@@ -122,15 +122,16 @@ def print_answer(deltas: Iterator[str], in_thinking: bool, out: TextIO, err: Tex
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    """One answer to --message, or a conversation on stdin (an empty line or EOF ends it). The chat template's
-    own thinking default holds unless --thinking or --no-thinking is given."""
+    """One answer to the message (the argument or --message), or a conversation on stdin (an empty line or EOF
+    ends it). The chat template's own thinking default holds unless --thinking or --no-thinking is given."""
+    one_message = one_value("message", args.message_text, "--message", args.message)
     llm = load_llm(args)
     if llm.tokenizer is None:
         raise DeltaspecError("This checkpoint has no tokenizer, so chat cannot render messages; use generate.")
     params = sampling_params(llm, args, CHAT_MAX_TOKENS)
     options = {} if args.thinking is None else {"enable_thinking": args.thinking}
     history = [{"role": "system", "content": args.system}] if args.system else []
-    turns = [args.message] if args.message is not None else iter(lambda: input("> "), "")
+    turns = [one_message] if one_message is not None else iter(lambda: input("> "), "")
     try:
         for message in turns:
             history.append({"role": "user", "content": message})

@@ -236,7 +236,7 @@ class Engine:
             seq.isolated_until = 0  # past the failed pass: it runs with the others again
         if seq.checkpoint_at and seq.checkpoint_at[0] == seq.num_computed and not out.verifying:
             seq.checkpoint_at.pop(0)
-            self.cache.checkpoint(seq, evict=self.scheduler.long_prompt(seq))
+            self.cache.checkpoint(seq, evict=self.scheduler.may_evict_for(seq, seq.num_computed))
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
         """Append new tokens one by one, stopping at the first stop condition."""
@@ -253,8 +253,8 @@ class Engine:
                 return
 
     def _finish(self, seq: Sequence) -> None:
-        if seq.finish_reason in ("stop", "length") and seq.state_slot is not None:
-            self.cache.checkpoint(seq)  # where its state stands
+        if seq.finish_reason in ("stop", "length") and seq.state_slot is not None:  # where its state stands; a
+            self.cache.checkpoint(seq, evict=not seq.history_len)  # chat's next turn resumes where it parts instead
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.finish(seq)

@@ -111,9 +111,14 @@ class Scheduler:
         """Whether `seq`'s prompt is long enough to leave checkpoints before its end and evict older ones for them."""
         return bool(self.checkpoint_min_prompt) and len(seq.prompt_ids) >= self.checkpoint_min_prompt
 
+    def may_evict_for(self, seq: Sequence, position: int) -> bool:
+        """Whether `seq`'s checkpoint at `position` may evict an older one: where its chat's next turn parts from it
+        (however short the turns: that is where a conversation resumes), and anywhere in a long prompt."""
+        return position == seq.history_len or self.long_prompt(seq)
+
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
-        """Where a prompt leaves prefix checkpoints, past what is computed: where its chat history ends, and for a
-        long prompt 512 and 64 tokens before its end."""
+        """Where a prompt leaves prefix checkpoints, past what is computed: where its chat's next turn will part from
+        it (`Sequence.history_len`), and for a long prompt 512 and 64 tokens before its end."""
         length = len(seq.prompt_ids)
         if self.cache.prefix is None:
             return []

@@ -41,8 +41,9 @@ ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf
 
 def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE) -> HybridModel:
     """The engine's model (a tensor-parallel rank's share of it): random weights of the shape, or the checkpoint;
-    its MTP head only when it drafts."""
+    its MTP head only when it drafts. Sets the process's torch CPU threads to the engine's `threads` first."""
     cfg, dtype, device = planned.config, parse_dtype(planned.config.dtype), torch.device(planned.config.device)
+    torch.set_num_threads(cfg.threads)
     if cfg.random_weights:
         return random_model(
             planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp, quant=cfg.quant, tp=tp
@@ -55,12 +56,17 @@ def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParal
 
 
 def engine_tokenizer(planned: Planned) -> Tokenizer | None:
-    """The checkpoint's tokenizer (a GGUF file's from its metadata); a random-weight model's borrowed one."""
+    """The checkpoint's tokenizer (a GGUF file's from its metadata); a random-weight model's borrowed one; with
+    --chat-template, rendering with that template instead of the checkpoint's."""
     if planned.gguf is not None:
-        return planned.gguf.tokenizer
-    if planned.model_dir is not None:
-        return Tokenizer.from_dir(planned.model_dir)
-    return borrowed_tokenizer(planned.model_config)
+        tokenizer = planned.gguf.tokenizer
+    elif planned.model_dir is not None:
+        tokenizer = Tokenizer.from_dir(planned.model_dir)
+    else:
+        tokenizer = borrowed_tokenizer(planned.model_config)
+    if tokenizer is not None and planned.config.chat_template is not None:
+        return tokenizer.with_chat_template(planned.config.chat_template)
+    return tokenizer
 
 
 def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:

@@ -1,5 +1,6 @@
 """The model's own sampling defaults, read from its `generation_config.json` (or a GGUF file's
-`general.sampling.*` metadata, which llama.cpp's converter writes from that file).
+`general.sampling.*` metadata, which llama.cpp's converter writes from that file, and the
+`deltaspec.sampling.max_tokens` key `deltaspec quantize` adds for `max_new_tokens`, which llama.cpp has no key for).
 
 vLLM applies a checkpoint's generation config to every request that does not set a field itself
 (`--generation-config auto`, its default); deltaspec does the same for `temperature`, `top_p`, `top_k`,
@@ -27,21 +28,24 @@ SAMPLING_FIELDS = {  # generation_config.json key -> SamplingParams field
     "max_new_tokens": "max_tokens",
 }
 INTEGER_FIELDS = ("top_k", "max_new_tokens")
-GGUF_FIELDS = {  # GGUF metadata key (gguf-py's Keys.General.SAMPLING_*) -> SamplingParams field
+GGUF_MAX_TOKENS = "deltaspec.sampling.max_tokens"
+GGUF_FIELDS = {  # GGUF metadata key (gguf-py's Keys.General.SAMPLING_*, and deltaspec's) -> SamplingParams field
     "general.sampling.temp": "temperature",
     "general.sampling.top_p": "top_p",
     "general.sampling.top_k": "top_k",
     "general.sampling.min_p": "min_p",
     "general.sampling.penalty_repeat": "repetition_penalty",
+    GGUF_MAX_TOKENS: "max_tokens",
 }
+GGUF_INTEGER_FIELDS = ("general.sampling.top_k", GGUF_MAX_TOKENS)
 
 
-def _value(path: Path, key: str, value: object) -> float | int:
+def _value(path: Path, key: str, value: object, integer: bool) -> float | int:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or (key in INTEGER_FIELDS and not float(value).is_integer()):
-        kind = "an integer" if key in INTEGER_FIELDS else "a number"
+    if not number or not math.isfinite(value) or (integer and not float(value).is_integer()):
+        kind = "an integer" if integer else "a number"
         raise DeltaspecError(f"{path} sets {key} to {value!r}, which is not {kind}; fix or remove that field.")
-    return int(value) if key in INTEGER_FIELDS else float(value)
+    return int(value) if integer else float(value)
 
 
 def sampling_defaults(model_dir: Path | None) -> dict[str, float | int]:
@@ -54,7 +58,11 @@ def sampling_defaults(model_dir: Path | None) -> dict[str, float | int]:
         raise DeltaspecError(f"{path} is not valid JSON ({exc}); restore it from the original checkpoint.") from None
     if not isinstance(raw, dict):
         raise DeltaspecError(f"{path} is not a JSON object; restore it from the original checkpoint.")
-    defaults = {name: _value(path, key, raw[key]) for key, name in SAMPLING_FIELDS.items() if raw.get(key) is not None}
+    defaults = {
+        name: _value(path, key, raw[key], key in INTEGER_FIELDS)
+        for key, name in SAMPLING_FIELDS.items()
+        if raw.get(key) is not None
+    }
     if raw.get("do_sample") is False:
         defaults["temperature"] = 0.0  # transformers' generate ignores the temperature then
     return defaults
@@ -66,8 +74,7 @@ def gguf_sampling_defaults(path: Path, metadata: dict) -> dict[str, float | int]
     defaults = {}
     for key, name in GGUF_FIELDS.items():
         if metadata.get(key) is not None:
-            field = "top_k" if name == "top_k" else key
-            defaults[name] = _value(path, field, metadata[key])
+            defaults[name] = _value(path, key, metadata[key], key in GGUF_INTEGER_FIELDS)
     if defaults.get("top_k", 1) < 0:
         defaults["top_k"] = 0
     return defaults

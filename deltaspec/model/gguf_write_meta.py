@@ -27,6 +27,7 @@ import gguf
 import tokenizers
 
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.generation_config import GGUF_MAX_TOKENS, sampling_defaults
 from deltaspec.model.gguf_tokenizer import PRE_TOKENIZERS
 
 # conversion/base.py get_vocab_base_pre: the check text and the hashes of its ids that name a Qwen pre-tokenizer
@@ -49,15 +50,27 @@ DEFAULT_MROPE_SECTIONS = [11, 11, 10, 0]  # _Qwen35MRopeMixin
 
 def add_general(writer: gguf.GGUFWriter, model_dir: Path | None, name: str | None) -> None:
     """`general.type`, then what gguf-py's `Metadata` finds (the name from the directory or `name`, the model
-    card's fields) and the size label of the tensors already added to `writer` (`prepare_metadata`)."""
+    card's fields, the sampling defaults of generation_config.json) and the size label of the tensors already added
+    to `writer` (`prepare_metadata`), with `repetition_penalty` as `general.sampling.penalty_repeat` where the
+    installed gguf-py reads only `penalty_repeat` (llama.cpp's own gguf-py reads both), then the generation
+    defaults the converter drops: `do_sample: false` as `general.sampling.temp` 0 (where the converter would write
+    the temperature, which greedy decoding ignores; llama.cpp samples greedily at 0 too), and `max_new_tokens` as
+    `deltaspec.sampling.max_tokens`."""
     total, shared, expert, experts = writer.get_total_parameter_count()
     metadata = gguf.Metadata.load(None, model_dir, name, total)
     if metadata.name is None:
         metadata.name = model_dir.name if model_dir is not None else "model"
     if metadata.size_label is None and total > 0:
         metadata.size_label = gguf.size_label(total, shared, expert, experts)
+    defaults = sampling_defaults(model_dir)
+    if metadata.sampling_penalty_repeat is None and "repetition_penalty" in defaults:
+        metadata.sampling_penalty_repeat = defaults["repetition_penalty"]
+    if defaults.get("temperature") == 0.0:
+        metadata.sampling_temp = 0.0
     writer.add_string("general.type", "model")
     metadata.set_gguf_meta_model(writer)
+    if "max_tokens" in defaults:
+        writer.add_uint32(GGUF_MAX_TOKENS, defaults["max_tokens"])
 
 
 SAMPLING_INTEGERS = ("general.sampling.top_k", "general.sampling.penalty_last_n", "general.sampling.mirostat")
@@ -65,11 +78,13 @@ SAMPLING_INTEGERS = ("general.sampling.top_k", "general.sampling.penalty_last_n"
 
 def add_gguf_sampling(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:
     """The `general.sampling.*` keys of a GGUF file's metadata (the model's sampling defaults), with the value
-    types gguf-py's writer gives them, as llama-quantize keeps them."""
+    types gguf-py's writer gives them, as llama-quantize keeps them, and deltaspec's `max_tokens` key."""
     for key, value in metadata.items():
-        if not key.startswith("general.sampling."):
+        if key == GGUF_MAX_TOKENS:
+            writer.add_uint32(key, int(value))
+        elif not key.startswith("general.sampling."):
             continue
-        if isinstance(value, str):
+        elif isinstance(value, str):
             writer.add_string(key, value)
         elif key in SAMPLING_INTEGERS:
             writer.add_int32(key, int(value))

@@ -5,6 +5,7 @@ end-of-sequence ids named by `tokenizer_config.json` and `generation_config.json
 chat template exactly as Hugging Face `apply_chat_template(..., tokenize=False)` does.
 """
 
+import copy
 import functools
 import json
 from collections.abc import Iterable, Mapping
@@ -18,6 +19,8 @@ import jinja2.sandbox
 import tokenizers
 
 from deltaspec.errors import DeltaspecError
+
+REPLY_PLACEHOLDER = "\u2063"  # an assistant reply's stand-in when rendering the next turn (INVISIBLE SEPARATOR)
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -177,6 +180,21 @@ class Tokenizer:
         """The checkpoint's chat template texts (the default one and any named ones)."""
         return list(self._chat_templates.values())
 
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer with `template` as its only chat template, in place of the checkpoint's (vLLM's and
+        llama-server's --chat-template); a template that is not valid Jinja is refused here, before any request."""
+        replaced = copy.copy(self)
+        replaced._chat_templates = {"default": template}
+        replaced._compiled = {}
+        try:
+            replaced._compile(template)
+        except DeltaspecError as exc:
+            syntax = exc.__cause__
+            raise DeltaspecError(
+                f"The --chat-template is not valid Jinja (line {syntax.lineno}: {syntax.message})."
+            ) from None
+        return replaced
+
     def backend_json(self) -> str:
         """The `tokenizers` tokenizer as tokenizer.json text (for llguidance's tokenizer)."""
         return self._backend.to_str()
@@ -246,12 +264,19 @@ class Tokenizer:
     def history_length(
         self, prompt_ids: list[int], messages: list[dict], *, tools: list[dict] | None = None, **template_kwargs: Any
     ) -> int:
-        """How many of `prompt_ids` (`messages` rendered with the generation prompt) are the conversation's history:
-        the same messages rendered without it, which the next turn's prompt starts with (0 when the tokens differ)."""
-        history = self.encode(
-            self.apply_chat_template(messages, tools=tools, add_generation_prompt=False, **template_kwargs)
-        )
-        return len(history) if 0 < len(history) < len(prompt_ids) and prompt_ids[: len(history)] == history else 0
+        """How many of `prompt_ids` (`messages` rendered with the generation prompt) the next turn's prompt will start
+        with: the tokens they share with the conversation rendered as the next turn renders it, with this turn's
+        reply as an assistant message (a placeholder). Templates rewrite an earlier turn — Qwen3.5's drops the empty
+        `<think></think>` block its generation prompt opens the reply with — so the next prompt parts from this one
+        where the reply's own markup begins, not at this prompt's end."""
+        follow_up = [*messages, {"role": "assistant", "content": REPLY_PLACEHOLDER}]
+        try:
+            text = self.apply_chat_template(follow_up, tools=tools, add_generation_prompt=False, **template_kwargs)
+        except DeltaspecError:  # a template that refuses such a conversation: no checkpoint for the next turn
+            return 0
+        rendered = self.encode(text)
+        parted = (i for i, (a, b) in enumerate(zip(prompt_ids, rendered)) if a != b)
+        return next(parted, min(len(prompt_ids), len(rendered)))
 
     def _select_template(self, tools: list[dict] | None) -> str:
         """The template to use: `tool_use` when tools are given and one exists, else `default`."""

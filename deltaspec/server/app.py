@@ -6,7 +6,9 @@ is `browsers.py`), request-body parsing (the body's own checks are in `body.py`,
 sentence, never FastAPI's 422), turning every failure into an OpenAI-style error body without
 the server's file paths (`APIError` as itself, logged with the request's id; anything unexpected is a 500
 for that request only, `request_ids.py`), the throughput lines' background task while the app runs, and
-the start-up summary. The endpoint logic lives in `chat.py` and `completions.py`.
+the start-up summary and the shutdown line. The endpoint logic lives in `chat.py`, `completions.py`, `responses.py`
+(OpenAI's Responses API), `llama.py` (llama-server's `/completion`) and `tokenizing.py` (`/tokenize`, `/detokenize`,
+`/version`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from types import FrameType
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,12 +41,17 @@ from deltaspec.server.chat import create_chat_completion
 from deltaspec.server.checks import check_fields, reject_unimplemented
 from deltaspec.server.completions import create_completion
 from deltaspec.server.context import ServerContext
+from deltaspec.server.dialects import reject_llama_only, resolve_aliases
 from deltaspec.server.errors import APIError, validation_error
+from deltaspec.server.llama import LlamaCompletionRequest, create_llama_completion
 from deltaspec.server.logs import configure_logging, log_stats, startup_summary
 from deltaspec.server.memory import TrimAfterLargeBodies
 from deltaspec.server.metrics import RequestLog, ServerMetrics
 from deltaspec.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from deltaspec.server.request_ids import RequestIds, log_error
+from deltaspec.server.responses import create_response
+from deltaspec.server.responses_protocol import ResponsesRequest
+from deltaspec.server.tokenizing import DetokenizeRequest, TokenizeRequest, detokenize, server_version, tokenize
 
 log = logging.getLogger("deltaspec.server")
 
@@ -64,20 +71,25 @@ def served_model_name(engine: Engine, config: ServerConfig) -> str:
     return Path(model).name if Path(model).exists() else model  # a directory or a GGUF file: its name, no path
 
 
-def _decode(raw: bytes, model: type[SamplingFields], vocab_size: int) -> SamplingFields:
+def _decode(raw: bytes, model: type[BaseModel], vocab_size: int) -> BaseModel:
     data = parse_json(raw)
-    reject_unimplemented(data)
+    generates = issubclass(model, SamplingFields)
+    if generates:
+        reject_unimplemented(data)
+        reject_llama_only(data)
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
-    check_fields(body, vocab_size)
+    if generates:
+        body = resolve_aliases(body)
+        check_fields(body, vocab_size)
     return body
 
 
-async def _parse(request: Request, model: type[SamplingFields], max_bytes: int, vocab_size: int) -> SamplingFields:
-    """The body as a `model`: Content-Type and size checked first, then parsed and validated on a worker thread
-    (token ids against the model's `vocab_size`)."""
+async def _parse(request: Request, model: type[BaseModel], max_bytes: int, vocab_size: int) -> BaseModel:
+    """The body as a `model`: Content-Type and size checked first, then parsed and validated on a worker thread (a
+    request that generates also for llama-server's spellings and token ids against the model's `vocab_size`)."""
     check_content_type(request)
     raw = await read_body(request, max_bytes)
     return await asyncio.to_thread(_decode, raw, model, vocab_size)
@@ -133,6 +145,10 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @operations.get("/version")
+    async def version() -> Response:
+        return JSONResponse(server_version())
+
     api = APIRouter(dependencies=[Depends(bearer_check(api_key_of(server_config), "API key"))])
     max_bytes, vocab_size = server_config.max_request_bytes, engine.model_config.vocab_size
 
@@ -145,6 +161,26 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, max_bytes, vocab_size)
         return await create_completion(ctx, body, request)
+
+    @api.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await _parse(request, ResponsesRequest, max_bytes, vocab_size)
+        return await create_response(ctx, body, request)
+
+    @api.post("/completion")
+    async def llama_completion(request: Request) -> Response:
+        body = await _parse(request, LlamaCompletionRequest, max_bytes, vocab_size)
+        return await create_llama_completion(ctx, body, request)
+
+    @api.post("/tokenize")
+    async def tokenize_text(request: Request) -> Response:
+        body = await _parse(request, TokenizeRequest, max_bytes, vocab_size)
+        return JSONResponse(await tokenize(ctx, body))
+
+    @api.post("/detokenize")
+    async def detokenize_ids(request: Request) -> Response:
+        body = await _parse(request, DetokenizeRequest, max_bytes, vocab_size)
+        return JSONResponse(await detokenize(ctx, body))
 
     @api.get("/v1/models")
     async def models() -> Response:
@@ -229,3 +265,4 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     finally:
         async_engine.shutdown()
         sock.close()
+    print("deltaspec: shut down", flush=True)

@@ -1,7 +1,8 @@
-"""Request rules that pydantic types cannot say: n and the per-request sequence cap, `max_tokens`, seeds that stay
-64-bit for every sample, token ids within the model's vocabulary (`top_k`, `stop_token_ids`; the rule is
-`sample/params.py`'s), and fields that would change what a request means but are not implemented (`logit_bias`,
-`suffix`, `functions`; on chat, vLLM's `echo` and `return_token_ids`), which are refused rather than ignored.
+"""Request rules that pydantic types cannot say: n, vLLM's `best_of` and `prompt_logprobs`, the per-request
+sequence cap, `max_tokens`, seeds that stay 64-bit for every sample, token ids within the model's vocabulary
+(`top_k`, `stop_token_ids`; the rule is `sample/params.py`'s), and fields that would change what a request means
+but are not implemented (`logit_bias`, `suffix`, `functions`; on chat, vLLM's `echo` and `return_token_ids`),
+which are refused rather than ignored.
 Each broken rule is a 400 naming the field and what would work.
 """
 
@@ -44,16 +45,53 @@ def check_fields(req: SamplingFields, vocab_size: int) -> None:
                 )
 
 
+def check_best_of(req: SamplingFields) -> None:
+    """best_of (vLLM's: run that many samples, answer the n with the highest cumulative logprob) must be at least
+    n, and more than n cannot be streamed nor voted on."""
+    best_of = req.best_of
+    if best_of is None or best_of == req.n:
+        return
+    if best_of < req.n:
+        raise APIError(400, f"best_of must be at least n ({req.n}), got {shown(best_of)}.", param="best_of")
+    if req.stream:
+        raise APIError(
+            400,
+            "best_of greater than n cannot be streamed, since the best samples are known only at the end; send the "
+            "request without stream.",
+            param="best_of",
+        )
+    if getattr(req, "vote", False):
+        raise APIError(400, "best_of cannot be combined with vote; send one of them.", param="best_of")
+
+
+def check_prompt_logprobs(req: SamplingFields) -> None:
+    """prompt_logprobs (vLLM's: each prompt token's logprob and its top alternatives) is 0 to 20, and not streamed."""
+    value = req.prompt_logprobs
+    if value is None:
+        return
+    if value == -1:
+        raise APIError(
+            400, "prompt_logprobs -1 (the whole vocabulary) is not supported; send 0 to 20.", param="prompt_logprobs"
+        )
+    if not 0 <= value <= 20:
+        raise APIError(400, f"prompt_logprobs must be 0 to 20, got {shown(value)}.", param="prompt_logprobs")
+    if req.stream:
+        raise APIError(
+            400, "prompt_logprobs cannot be streamed; send the request without stream.", param="prompt_logprobs"
+        )
+
+
 def check_max_tokens(value: int | None, name: str) -> None:
     if value is not None and value < 1:
         raise APIError(400, f"{name} must be at least 1, got {shown(value)}.", param=name)
 
 
-def check_n(n: int, max_n: int) -> None:
+def check_n(n: int, max_n: int, name: str = "n") -> None:
+    """`n` (or `best_of`, the samples run per prompt) is 1 to the server's --max-n."""
     if n < 1:
-        raise APIError(400, f"n must be at least 1, got {shown(n)}.", param="n")
+        raise APIError(400, f"{name} must be at least 1, got {shown(n)}.", param=name)
     if n > max_n:
-        raise APIError(400, f"n must be at most {max_n} on this server, got {shown(n)}.", param="n")
+        raise APIError(400, f"{name} must be at most {max_n} on this server, got {shown(n)}.", param=name)
 
 
 def check_sequences(prompts: int, n: int, limit: int) -> None:

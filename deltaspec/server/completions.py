@@ -4,10 +4,11 @@ Owns the prompt forms OpenAI accepts (a string, a list of strings, a token list,
 lists), choice indexing (prompt p, sample i -> index p * n + i, as vLLM does), completion-style
 logprobs (tokens, token_logprobs, top_logprobs, text_offset), its SSE stream, and `vote` over the
 n samples of a single prompt (as on the chat endpoint: one choice, the majority answer). `echo` is
-not supported. Without `max_tokens` a completion generates 16 tokens (OpenAI's and vLLM's default).
-Token ids on choices: `return_token_ids` (vLLM's) adds `prompt_token_ids` and `token_ids` to each
-choice (the prompt's on its first stream chunk only); a model without a tokenizer always sends
-`token_ids`, its only output (`text` is empty).
+not supported. Without `max_tokens` a completion generates 16 tokens (OpenAI's and vLLM's default; llama-server's
+`n_predict: -1`: the rest of the context). vLLM's `best_of` runs that many samples per prompt and answers the `n`
+with the highest cumulative logprob; its `prompt_logprobs` come on each choice. Token ids on choices:
+`return_token_ids` (vLLM's) adds `prompt_token_ids` and `token_ids` to each choice (the prompt's on its first
+stream chunk only); a model without a tokenizer always sends `token_ids`, its only output (`text` is empty).
 """
 
 from __future__ import annotations
@@ -22,14 +23,32 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deltaspec.server.checks import check_max_tokens, check_n, check_seed, check_sequences
+from deltaspec.server.checks import (
+    check_best_of,
+    check_max_tokens,
+    check_n,
+    check_prompt_logprobs,
+    check_seed,
+    check_sequences,
+)
 from deltaspec.server.context import ServerContext
 from deltaspec.server.detokenizer import IncrementalDetokenizer
+from deltaspec.server.dialects import unlimited
 from deltaspec.server.errors import APIError
-from deltaspec.server.logprobs import completion_logprobs
+from deltaspec.server.logprobs import completion_logprobs, prompt_logprobs
 from deltaspec.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from deltaspec.server.respond import Submitted
-from deltaspec.server.samples import Sample, abort_unfinished, engine_error, merged, sampling_params, submit, usage_of
+from deltaspec.server.samples import (
+    Sample,
+    abort_unfinished,
+    best_samples,
+    candidates,
+    engine_error,
+    merged,
+    sampling_params,
+    submit,
+    usage_of,
+)
 from deltaspec.server.streaming import DONE, sse
 from deltaspec.server.structured import structured_outputs
 
@@ -65,10 +84,13 @@ def prompts_of(ctx: ServerContext, prompt: str | list) -> list[Prompt]:
 
 
 def max_tokens_of(ctx: ServerContext, req: CompletionRequest, prompt: Prompt) -> int:
-    """The request's max_tokens, else 16, or less where the context or the model's generation config ends sooner."""
+    """The request's max_tokens, else 16, or less where the context or the model's generation config ends sooner
+    (llama-server's `n_predict: -1`: the rest of the context)."""
     if req.max_tokens is not None:
         return req.max_tokens
     rest = max(ctx.max_model_len - len(prompt.token_ids), 1)
+    if unlimited(req):
+        return rest
     return min(DEFAULT_MAX_TOKENS, rest, ctx.sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS))
 
 
@@ -89,22 +111,37 @@ def _choice(
         finish_reason=sample.finish_reason,
         stop_reason=sample.stop_reason,
         logprobs=completion_logprobs(sample.logprobs, top, tokenizer) if top is not None else None,
-        prompt_token_ids=prompts[sample.index // req.n].token_ids if req.return_token_ids else None,
+        prompt_token_ids=prompts[sample.index // candidates(req)].token_ids if req.return_token_ids else None,
         token_ids=list(sample.token_ids) if sends_token_ids(ctx, req) else None,
+        prompt_logprobs=prompt_logprobs(sample.prompt_logprobs, tokenizer) if sample.prompt_logprobs else None,
     )
+
+
+def answered(req: CompletionRequest, samples: list[Sample]) -> list[tuple[int, Sample]]:
+    """(choice index, sample) of the samples a response answers with: the n best of each prompt's `best_of`."""
+    per_prompt = candidates(req)
+    out = []
+    for p in range(len(samples) // per_prompt):
+        best = best_samples(samples[p * per_prompt : (p + 1) * per_prompt], req.n)
+        out += [(p * req.n + i, sample) for i, sample in enumerate(best)]
+    return out
 
 
 def check_completion(ctx: ServerContext, req: CompletionRequest) -> None:
     """The rules a completion request must meet before its prompts are tokenized; every problem is an APIError."""
     ctx.check_model(req.model)
     check_n(req.n, ctx.config.max_n)
-    check_sequences(prompt_count(req.prompt), req.n, ctx.config.max_sequences_per_request)
-    check_seed(req.seed, req.n)
+    check_best_of(req)
+    check_n(candidates(req), ctx.config.max_n, "best_of" if req.best_of else "n")
+    check_sequences(prompt_count(req.prompt), candidates(req), ctx.config.max_sequences_per_request)
+    check_seed(req.seed, candidates(req))
+    check_prompt_logprobs(req)
     check_max_tokens(req.max_tokens, "max_tokens")
     if req.echo:
         raise APIError(400, "echo is not supported; send the request with echo false.", param="echo")
-    if req.logprobs is not None and ctx.tokenizer is None:
-        raise APIError(400, "logprobs need the token texts, but the model has no tokenizer.", param="logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(req, name) is not None and ctx.tokenizer is None:
+            raise APIError(400, f"{name} need the token texts, but the model has no tokenizer.", param=name)
     if req.vote:
         if req.n < 2:
             raise APIError(400, f"vote needs n of at least 2 samples, got n={req.n}.", param="vote")
@@ -128,7 +165,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
         for p, prompt in enumerate(prompts):
             max_tokens = max_tokens_of(ctx, req, prompt)
             params = sampling_params(req, max_tokens, req.logprobs, ctx.sampling_defaults, structured)
-            samples += submit(ctx.engine, request_id, prompt.text, prompt.token_ids, params, req.n, p * req.n)
+            count = candidates(req)
+            samples += submit(ctx.engine, request_id, prompt.text, prompt.token_ids, params, count, p * count)
     except APIError:
         abort_unfinished(ctx.engine, samples)
         raise
@@ -145,7 +183,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
 
     def body() -> CompletionResponse:
         if vote is None:
-            choices, info = [_choice(ctx, req, prompts, s) for s in samples], None
+            choices, info = [_choice(ctx, req, prompts, s, index) for index, s in answered(req, samples)], None
         else:
             choice, info = vote.result()
             choices = [choice]

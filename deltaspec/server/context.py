@@ -1,6 +1,6 @@
 """`ServerContext`: what every endpoint needs (engine, settings, metrics, request log, the compiles of output
 constraints), tokenizing off the event loop, hiding the server's file paths from clients, and the bookkeeping
-done when a request ends (Prometheus counters and histograms, one request-log line).
+done when a request ends (Prometheus counters and histograms, deltaspec's and vLLM's names, one request-log line).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from deltaspec.server.constraints import ConstraintCompiles
 from deltaspec.server.errors import APIError, shown
 from deltaspec.server.metrics import RequestLog, ServerMetrics
 from deltaspec.server.samples import Sample
+from deltaspec.server.vllm_metrics import VllmMetrics
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ServerContext:
     request_log: RequestLog | None
     private_paths: tuple[str, ...] = field(init=False)
     constraints: ConstraintCompiles = field(init=False)
+    vllm_metrics: VllmMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         engine = self.engine.engine
@@ -40,6 +42,9 @@ class ServerContext:
         dirs = {engine.model_dir, engine.config.model, engine.config.draft_model, default_model_path()}
         paths = {str(p) for d in dirs if d is not None for p in (Path(d), Path(d).resolve()) if p.is_absolute()}
         self.private_paths = tuple(sorted(paths, key=len, reverse=True))
+        self.vllm_metrics = VllmMetrics(
+            self.metrics.registry, self.model_name, self.max_model_len, lambda: self.engine.usage, self.metrics.tally
+        )
 
     def redact(self, text: str) -> str:
         """`text` with the model's (and the embedded tokenizer's) directories replaced by the served model name."""
@@ -60,6 +65,11 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.engine.config.max_model_len
 
+    @property
+    def trusts_request_templates(self) -> bool:
+        """Whether a request may bring its own chat template (vLLM's `--trust-request-chat-template`)."""
+        return self.config.trust_request_chat_template
+
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is this server's model name (a missing model field is accepted)."""
         if model is not None and model != self.model_name:
@@ -75,7 +85,7 @@ class ServerContext:
             raise APIError(400, f"The model has no tokenizer, so {what}; send token-id prompts to /v1/completions.")
         return self.tokenizer
 
-    def encode_prompt(self, tokenizer: Tokenizer, text: str) -> list[int]:
+    def encode_prompt(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
         """The prompt's token ids (on a worker thread), or a 400 before any tokenizing when the text is surely
         longer than the context: more than twice the bytes its tokens could cover (tokenizing megabytes takes
         seconds, and normalization may shorten a text, hence the margin)."""
@@ -86,7 +96,7 @@ class ServerContext:
                 f"The prompt is {size} bytes, far more than the context of {self.max_model_len} tokens holds; "
                 "send a shorter prompt.",
             )
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens)
 
     def record(
         self,
@@ -100,6 +110,7 @@ class ServerContext:
     ) -> None:
         """Count a finished request in the metrics and write its request-log line."""
         metrics = self.metrics
+        self.vllm_metrics.record(samples, n)
         generated = sum(len(s.token_ids) for s in samples)
         metrics.requests.labels(endpoint=endpoint, finish_reason=finish_reason).inc()
         metrics.prompt_tokens.inc(prompt_tokens)

@@ -1,4 +1,5 @@
-"""Engine logprobs -> the two OpenAI shapes: chat `logprobs.content[]` and completions' parallel lists.
+"""Engine logprobs -> the two OpenAI shapes: chat `logprobs.content[]` and completions' parallel lists, and vLLM's
+`prompt_logprobs` (per prompt position, the first None: token id -> logprob, rank and decoded token).
 
 Each engine entry is a dict token id -> `Logprob` with the sampled token first, then the most
 likely tokens by rank. A top-k list is the entries of rank <= k in rank order. -inf (a token masked
@@ -11,7 +12,14 @@ import math
 
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.sample.logprobs import Logprob
-from deltaspec.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from deltaspec.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 FLOOR = -9999.0
 
@@ -64,3 +72,18 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset
     )
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None], tokenizer: Tokenizer) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` of one prompt: each position's prompt token and top alternatives, by token id."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): PromptLogprob(
+                logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=_text(token_id, lp, tokenizer)
+            )
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]

@@ -2,7 +2,9 @@
 
 Owns field names, types and defaults of `/v1/chat/completions`, `/v1/completions` and `/v1/models`
 requests and responses (stream chunks included), plus vLLM's sampling extensions (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, ...), structured output (`response_format`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `best_of`, `prompt_logprobs`, ...), its chat-template fields
+(`add_generation_prompt`, `continue_final_message`, `chat_template`), llama-server's spellings (`n_predict`,
+`repeat_penalty`, `json_schema`: `dialects.py` reads them), structured output (`response_format`,
 `structured_outputs`, `guided_*`) and deltaspec's `vote`. Requests validate
 strictly: `true` is not an integer, `"3"` is not a number (an integer is a number). Unknown request
 fields are ignored, as vLLM does, except those that would change what a request means (`checks.py`).
@@ -64,11 +66,13 @@ class StructuredOutputsField(_Request):
 
 
 class SamplingFields(_Request):
-    """Fields shared by chat and completion requests (OpenAI's plus vLLM's extensions)."""
+    """Fields shared by chat and completion requests (OpenAI's plus vLLM's and llama-server's extensions)."""
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     max_tokens: int | None = None
+    n_predict: int | None = None  # llama-server's max_tokens; -1: the rest of the context
     # None: the model's generation_config.json default, else vLLM's (1, 1, 0 = off, 0, 1)
     temperature: float | None = None
     top_p: float | None = None
@@ -80,6 +84,8 @@ class SamplingFields(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    repeat_penalty: float | None = None  # llama-server's repetition_penalty
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -94,6 +100,7 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    json_schema: dict[str, Any] | None = None  # llama-server's guided_json
 
 
 class TextPart(_Request):
@@ -146,15 +153,23 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Request):
+    """What renders a conversation into a prompt: the messages, the tools, and vLLM's template options."""
+
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    parallel_tool_calls: bool = True
     vote: bool = False
     # vLLM's, not implemented on chat: typed, and refused when true (checks.py)
     echo: bool = False
@@ -181,6 +196,17 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: one candidate token of one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt position (the first is None), token id -> entry
 
 
 class TopLogprob(BaseModel):
@@ -239,6 +265,10 @@ class VoteInfo(BaseModel):
     samples_aborted: int
 
 
+def _left_out_when_none(value: object) -> bool:
+    return value is None
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -247,6 +277,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     vote: VoteInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_left_out_when_none)  # vLLM's
 
 
 class DeltaMessage(BaseModel):
@@ -275,10 +306,6 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-def _left_out_when_none(value: object) -> bool:
-    return value is None
-
-
 class CompletionChoice(BaseModel):
     """`prompt_token_ids` (with `return_token_ids`) and `token_ids` (with it, or from a model without a tokenizer,
     whose `text` is empty) are left out of the body when not asked for."""
@@ -290,6 +317,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_left_out_when_none)
     token_ids: list[int] | None = Field(default=None, exclude_if=_left_out_when_none)
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_left_out_when_none)
 
 
 class CompletionResponse(BaseModel):

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deltaspec.engine.async_engine import SHUTDOWN_ERROR
+from deltaspec.engine.async_engine import SHUTDOWN_ERROR, RequestDelta
 from deltaspec.server.context import ServerContext
 from deltaspec.server.request_ids import current_request_id
 from deltaspec.server.samples import ClientDisconnected, Sample, abort_unfinished, collect, engine_error
@@ -73,16 +73,27 @@ class Submitted:
         """A vote over these samples that aborts the unfinished ones once it is decided."""
         return SampleVote(self.samples, choice_of, lambda: abort_unfinished(self.ctx.engine, self.samples))
 
-    async def whole(self, request: Request, body: Callable[[], BaseModel], vote: SampleVote | None = None) -> Response:
-        """Wait for every sample, then answer with `body()` (its `vote` field left out when it has none)."""
+    async def whole(
+        self,
+        request: Request,
+        body: Callable[[], BaseModel | dict],
+        vote: SampleVote | None = None,
+        on_delta: Callable[[Sample, RequestDelta], None] | None = None,
+        finish_reason_of: Callable[[BaseModel], str | None] = lambda response: response.choices[0].finish_reason,
+    ) -> Response:
+        """Wait for every sample (`on_delta` sees each delta as it comes), then answer with `body()` (a model's
+        `vote` field left out when it has none); `finish_reason_of` reads the request log's finish reason from it."""
         finish_reason = "error"
         try:
-            await collect(self.samples, request, vote.on_finished if vote is not None else None)
+            await collect(self.samples, request, vote.on_finished if vote is not None else None, on_delta)
             if error := engine_error(self.samples):
                 raise error
             response = body()
-            finish_reason = response.choices[0].finish_reason or "stop"
-            return JSONResponse(response.model_dump(exclude={"vote"} if response.vote is None else None))
+            finish_reason = finish_reason_of(response) or "stop"
+            if isinstance(response, dict):
+                return JSONResponse(response)
+            left_out = {"vote"} if getattr(response, "vote", None) is None else None
+            return JSONResponse(response.model_dump(exclude=left_out))
         except ClientDisconnected:
             finish_reason = "abort"
             return Response(status_code=499)

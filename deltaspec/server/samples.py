@@ -1,7 +1,8 @@
 """Running one HTTP request's samples on the `AsyncEngine`: submit, collect, merge, abort.
 
 A request with `n` samples becomes `n` engine requests `{id}-{i}` (seeded `seed + i` when a seed
-is given). This module owns turning request fields into `SamplingParams`, accumulating each
+is given); with vLLM's `best_of`, `best_of` of them, of which the `n` with the highest cumulative logprob
+are answered (`best_samples`). This module owns turning request fields into `SamplingParams`, accumulating each
 sample's deltas (`Sample`, which also adds each to the server's `TokenTally`), waiting for them
 while watching for a client that went away, merging their deltas in arrival order for streaming,
 and aborting whatever has not finished when the HTTP request ends early, so the engine frees
@@ -34,6 +35,11 @@ class ClientDisconnected(Exception):
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def candidates(req: SamplingFields) -> int:
+    """How many samples a request runs per prompt: `best_of` when given, else `n`."""
+    return req.best_of or req.n
+
+
 def sampling_params(
     req: SamplingFields,
     max_tokens: int,
@@ -43,11 +49,12 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine parameters of one sample (n = 1): the request's fields, and for the ones it leaves unset the
     model's `defaults` (its generation config), else vLLM's; `structured` constrains the output; a bad value is a
-    400 naming the field."""
+    400 naming the field. Samples that `best_of` ranks carry their tokens' logprobs."""
     unset = {name: defaults[name] for name in MODEL_DEFAULT_FIELDS if getattr(req, name) is None and name in defaults}
     given = {name: getattr(req, name) for name in MODEL_DEFAULT_FIELDS if getattr(req, name) is not None}
+    ranked = candidates(req) > req.n
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=1,
             **unset,
             **given,
@@ -57,7 +64,8 @@ def sampling_params(
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             seed=req.seed,
-            logprobs=logprobs,
+            logprobs=0 if logprobs is None and ranked else logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             skip_special_tokens=req.skip_special_tokens,
@@ -66,6 +74,14 @@ def sampling_params(
         )
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
+    if ranked and params.greedy:
+        raise APIError(
+            400,
+            f"best_of={req.best_of} needs sampling, since greedy samples are all the same; send a temperature above 0 "
+            "or leave best_of out.",
+            param="best_of",
+        )
+    return params
 
 
 @dataclass
@@ -79,6 +95,7 @@ class Sample:
     num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # with the first delta, when asked for
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -93,10 +110,17 @@ class Sample:
         self.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs:
             self.logprobs.extend(delta.new_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finished = True
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.stop_text, self.error, self.metrics = delta.stop_text, delta.error, delta.metrics
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of the logprobs of the tokens it sampled (each logprob entry has the sampled token first)."""
+        return sum(next(iter(entry.values())).logprob for entry in self.logprobs)
 
     def text(self, tokenizer: Tokenizer) -> str:
         """The whole output text: the engine's cut text when a stop string ended it, else the decode."""
@@ -134,6 +158,11 @@ def submit(
     return samples
 
 
+def best_samples(samples: list[Sample], n: int) -> list[Sample]:
+    """The `n` samples of one prompt with the highest cumulative logprob, best first (vLLM's `best_of`)."""
+    return sorted(samples, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+
+
 def abort_unfinished(engine: AsyncEngine, samples: list[Sample]) -> None:
     for sample in samples:
         if not sample.finished:
@@ -153,9 +182,11 @@ def engine_error(samples: list[Sample]) -> APIError | None:
     return APIError(500, f"The engine failed while generating this request ({failed.error}).")
 
 
-async def _drain(sample: Sample) -> Sample:
+async def _drain(sample: Sample, on_delta: Callable[[Sample, RequestDelta], None] | None) -> Sample:
     async for delta in sample.stream:
         sample.apply(delta)
+        if on_delta is not None:
+            on_delta(sample, delta)
     return sample
 
 
@@ -165,13 +196,17 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def collect(
-    samples: list[Sample], request: Request | None, on_finished: Callable[[Sample], None] | None = None
+    samples: list[Sample],
+    request: Request | None,
+    on_finished: Callable[[Sample], None] | None = None,
+    on_delta: Callable[[Sample, RequestDelta], None] | None = None,
 ) -> None:
-    """Wait until every sample has finished, calling `on_finished` in finishing order.
+    """Wait until every sample has finished, calling `on_delta` after each delta a sample gets and `on_finished` in
+    finishing order.
 
     Raises ClientDisconnected when `request`'s client goes away first; the caller aborts.
     """
-    pending = {asyncio.ensure_future(_drain(s)) for s in samples}
+    pending = {asyncio.ensure_future(_drain(s, on_delta)) for s in samples}
     watcher = asyncio.ensure_future(_wait_for_disconnect(request)) if request is not None else None
     try:
         while pending:

@@ -5,7 +5,8 @@ Accepted, on both endpoints: OpenAI's `response_format` (`{"type": "json_object"
 otherwise, `additionalProperties: false`, as OpenAI's strict mode does), vLLM's `structured_outputs` object
 (`json`, `json_object`, `regex`, `choice`, `grammar`) and its older `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar`. At most one of them per request. On chat, `tool_choice: "required"` or a
-named function makes the output one or more calls (a named choice: exactly one) of the request's functions,
+named function makes the output one or more calls (a named choice, or `parallel_tool_calls: false`: exactly one,
+after which the output ends; after each call of "required" the output may end) of the request's functions,
 each valid against its parameters' schema, in the model's own call format: Qwen3's JSON blocks
 (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`) or, when the chat template writes
 `<function=` blocks, Qwen3.5's XML ones (string parameter values without `</`, others JSON); a reply that starts
@@ -160,10 +161,11 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict], one_call: bool, t
 
 
 def forced_tool_calls(
-    tokenizer: Tokenizer, tools: list[dict] | None, choice: Any, thinking: bool
+    tokenizer: Tokenizer, tools: list[dict] | None, choice: Any, thinking: bool, parallel: bool = True
 ) -> StructuredOutputsParams | None:
-    """The constraint `tool_choice` "required" or a named function puts on a chat reply (None otherwise)."""
+    """The constraint `tool_choice` "required" or a named function puts on a chat reply (None otherwise); one call
+    only for a named function or without `parallel` calls."""
     if tools is None or choice in (None, "auto", "none"):
         return None
-    one_call = choice != "required"
+    one_call = choice != "required" or not parallel
     return StructuredOutputsParams(grammar=tool_call_grammar(tokenizer, tools, one_call, thinking))

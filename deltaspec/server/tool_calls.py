@@ -17,6 +17,10 @@ identifier-like name, is left in the content as text and yields no call; so is a
 at the end (generation cut off). Content is everything outside the parsed blocks, stripped.
 Unlike vLLM, which keeps only the text before the first call, text between and after calls is
 kept too.
+
+A `CallLimit` says which calls one reply may make (`parallel_tool_calls: false`: one; a forced reply: none that
+repeats an earlier call of the reply): the reply ends where the first call past the limit begins, and that call
+and everything after it are dropped (`cut_at_limit`, and `ToolCallStream.ended` while streaming).
 """
 
 from __future__ import annotations
@@ -45,6 +49,25 @@ _TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
 }
+
+
+@dataclass(frozen=True)
+class CallLimit:
+    """Which tool calls one reply may make: at most `most` (None: any number) and, when `distinct`, none that
+    repeats an earlier call of the reply (same function, same arguments: a forced reply's loop)."""
+
+    most: int | None = None
+    distinct: bool = False
+
+    @property
+    def limits(self) -> bool:
+        return self.most is not None or self.distinct
+
+    def allows(self, earlier: list[tuple[str, str]], call: tuple[str, str]) -> bool:
+        """Whether `call` (name, arguments) may follow the reply's `earlier` calls."""
+        if self.most is not None and len(earlier) >= self.most:
+            return False
+        return not (self.distinct and call in earlier)
 
 
 @dataclass
@@ -197,6 +220,19 @@ def parse_tool_calls(
     return "".join(pieces).strip(), calls
 
 
+def cut_at_limit(text: str, tools: list[dict] | None, limit: CallLimit) -> str | None:
+    """`text` up to the start of its first call block past `limit`, or None when every call is allowed."""
+    earlier: list[tuple[str, str]] = []
+    for match in _BLOCK.finditer(text):
+        parsed = _parse_block(match.group(1), tools)
+        if parsed is None:
+            continue
+        if not limit.allows(earlier, parsed):
+            return text[: match.start()]
+        earlier.append(parsed)
+    return None
+
+
 def _partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest proper prefix of `tag` that `text` ends with."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
@@ -214,9 +250,14 @@ class ToolCallStream:
     stripped as a whole, so whitespace is emitted only once more text follows it).
     """
 
-    def __init__(self, tools: list[dict] | None = None, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, tools: list[dict] | None = None, rng: random.Random | None = None, limit: CallLimit = CallLimit()
+    ) -> None:
         self._tools = tools
         self._rng = rng or random.Random()
+        self._limit = limit
+        self._calls: list[tuple[str, str]] = []
+        self.ended = False  # a call past the limit arrived: the reply ends before it
         self._buf = ""
         self._in_block = False
         self._content_started = False
@@ -229,12 +270,16 @@ class ToolCallStream:
         return self._num_calls > 0
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        """Add the next piece of content; return what can be emitted now."""
+        """Add the next piece of content; return what can be emitted now (nothing once `ended`)."""
+        if self.ended:
+            return "", []
         self._buf += delta
         return self._drain(final=False)
 
     def flush(self) -> tuple[str, list[dict[str, Any]]]:
         """End of generation: an unfinished block or held text becomes content."""
+        if self.ended:
+            return "", []
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
@@ -251,9 +296,13 @@ class ToolCallStream:
                 inner, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_END) :]
                 self._in_block = False
                 parsed = _parse_block(inner, self._tools)
+                if parsed is not None and not self._limit.allows(self._calls, parsed):
+                    self.ended, self._buf = True, ""
+                    return self._strip("".join(content), final=True), calls
                 if parsed is None:
                     content.append(TOOL_CALL_START + inner + TOOL_CALL_END)
                 else:
+                    self._calls.append(parsed)
                     call = ToolCall(_new_call_id(self._rng), *parsed)
                     calls.append({"index": self._num_calls, **call.to_dict()})
                     self._num_calls += 1

@@ -159,5 +159,6 @@ def make_drafter(
             )
         )
     if uses(config.speculative, "ngram"):
-        drafters.append(NgramDrafter(earlier=EARLIER_OCCURRENCES if config.speculative_tree else 0))
+        earlier = EARLIER_OCCURRENCES if config.speculative_tree else 0
+        drafters.append(NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, earlier=earlier))
     return drafters[0] if len(drafters) == 1 else CombinedDrafter(drafters[0], drafters[1])
