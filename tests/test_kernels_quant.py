@@ -1,7 +1,7 @@
 """The Triton products from GGUF blocks against their reference (dequantize, then one GEMM): Q8_0, Q4_K, Q6_K,
 FP8_B128 and int4 group (I4_G32, I4_G128) weights, 1 to 64 rows, every kernel family with one split and several,
-a permuted input order, one or several segments of different types, row counts and widths that leave tiles partly
-empty; more rows or other types take the dequantizing path."""
+the GEMV's blocks of rows, a permuted input order, one or several segments of different types, row counts and
+widths that leave tiles partly empty; more rows or other types take the dequantizing path."""
 
 import pytest
 import torch
@@ -97,6 +97,25 @@ def test_every_kernel_family_matches_the_reference(kernel, kernel_device, qtype,
     assert_near_the_reference(got, x, weight)
 
 
+# (rows, rows per program, shares): a block larger than x, one block, several blocks with the last partial
+ROW_BLOCKS = [(1, 4, 1), (2, 2, 2), (3, 4, 3), (4, 4, 1), (5, 4, 2), (8, 8, 3), (16, 8, 1)]
+
+
+@pytest.mark.parametrize(("rows", "m_block", "split_k"), ROW_BLOCKS)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "FP8_B128", *INT4_TYPES])
+def test_the_gemv_takes_blocks_of_rows(kernel, kernel_device, qtype, rows, m_block, split_k):
+    """M_BLOCK rows of x per program (rows past the last of x repeat it and are not stored), 37 weight rows (a
+    partial last tile), three super-blocks in one share, two uneven ones (through a permuted input) or three."""
+    from deltaspec.ops.triton.quant_matmul import Launch
+
+    order = torch.randperm(768, generator=torch.Generator().manual_seed(2)) if split_k == 2 else None
+    weight = QuantizedWeight([(qtype, random_weight(qtype, 37, 768, seed=rows))], 768, order).to(kernel_device)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(1)).to(kernel_device)
+    got = kernel(x, weight, Launch("gemv", 16, split_k, 2, m_block=m_block))
+    assert got.shape == (rows, 37)
+    assert_near_the_reference(got, x, weight)
+
+
 @pytest.mark.parametrize("family", ["gemv", "tile"])
 def test_fp8_kernels_take_every_e4m3_byte(kernel, kernel_device, family):
     """Every finite e4m3 byte (both zeros, the subnormals, 448) in FP8_B128 blocks with scales from 2**-12 to 8:
@@ -115,8 +134,11 @@ def test_fp8_kernels_take_every_e4m3_byte(kernel, kernel_device, family):
     assert_near_the_reference(got, x, weight)
 
 
-@pytest.mark.parametrize(("qtype", "family"), [("Q4_K", "gemv"), ("I4_G128", "gemv"), ("FP8_B128", "tile")])
-def test_shares_are_added_in_order_by_the_last_to_finish(kernel, kernel_device, qtype, family):
+SHARED = [("Q4_K", "gemv", 1, 1), ("I4_G128", "gemv", 1, 1), ("Q6_K", "gemv", 3, 2), ("FP8_B128", "tile", 3, 1)]
+
+
+@pytest.mark.parametrize(("qtype", "family", "rows", "m_block"), SHARED)
+def test_shares_are_added_in_order_by_the_last_to_finish(kernel, kernel_device, qtype, family, rows, m_block):
     """Three shares of one super-block each: the output is, bit for bit, ((p0 + p1) + p2) in float32, p_s being the
     one-share product of x with its columns outside share s zeroed (exact zeros add nothing), whichever share
     finished last; the per-tile arrival counts are back to 0 after each launch, so a second launch (sharing them)
@@ -125,20 +147,19 @@ def test_shares_are_added_in_order_by_the_last_to_finish(kernel, kernel_device, 
 
     weight = QuantizedWeight([(qtype, random_weight(qtype, 40, 768, seed=3))], 768).to(kernel_device)
     x = torch.randn(3, 768, generator=torch.Generator().manual_seed(4)).to(kernel_device)
-    rows = 1 if family == "gemv" else 3
     total = torch.zeros(rows, 40, device=kernel_device)
     for share in range(3):
         masked = torch.zeros_like(x[:rows])
         masked[:, share * 256 : (share + 1) * 256] = x[:rows, share * 256 : (share + 1) * 256]
-        total += kernel(masked, weight, quant_matmul.Launch(family, 16, 1))
+        total += kernel(masked, weight, quant_matmul.Launch(family, 16, 1, m_block=m_block))
     for _ in range(2):
-        assert torch.equal(kernel(x[:rows], weight, quant_matmul.Launch(family, 16, 3)), total)
-        tiles = quant_matmul.arrival_counts(x.device, 4)  # cdiv(40, 16) * rows, rounded up
+        assert torch.equal(kernel(x[:rows], weight, quant_matmul.Launch(family, 16, 3, m_block=m_block)), total)
+        tiles = quant_matmul.arrival_counts(x.device, 4 if m_block == 1 else 8)  # cdiv(40, 16) * row blocks, rounded up
         assert not tiles.any()
 
 
-ROUTED = [(qtype, rows) for qtype in ("Q8_0", "Q4_K", "Q6_K", "FP8_B128") for rows in (1, 2, 5, 16, 64)]
-ROUTED += [(qtype, rows) for qtype in INT4_TYPES for rows in (1, 5, 64)]
+ROUTED = [(qtype, rows) for qtype in ("Q8_0", "Q4_K", "Q6_K", "FP8_B128") for rows in (1, 2, 3, 8, 16, 64)]
+ROUTED += [(qtype, rows) for qtype in INT4_TYPES for rows in (1, 4, 5, 16, 64)]
 
 
 @pytest.mark.parametrize(("qtype", "rows"), ROUTED)

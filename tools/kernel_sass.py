@@ -56,7 +56,7 @@ def compile_for_sm90(name: str, block_n: int, warps: int):
     signature = {a: types.get(a, "constexpr") for a in arguments}
     aligned = [a for a in arguments if types.get(a, "").startswith("*") or a in ALIGNED]
     attrs = {(arguments.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    constants = {"HAS_ORDER": False, "BLOCK_N": block_n, "PRMT": True}
+    constants = {"HAS_ORDER": False, "BLOCK_N": block_n, "PRMT": True, "M_BLOCK": 1}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 

@@ -10,7 +10,7 @@ best launch per (type, shape, rows) and writes everything as JSON to the path gi
 `--table` instead times the launches the table (`LAUNCHES`) routes each product to as decode runs them: in a
 CUDA graph (`do_bench_cudagraph`, no launch overhead), each call reading the next of enough copies of the
 weight that they exceed twice the L2 cache, so every call reads its blocks from DRAM, next to bf16 `F.linear`
-timed the same way.
+timed the same way, and each row count's time relative to one row's (`vs_one_row`, when --rows includes 1).
 
     python tools/quant_kernel_sweep.py OUT.json [--quick] [--rows=1,2,4] [--types=Q4_K,FP8_B128] [--table]
 """
@@ -22,6 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from deltaspec.ops.quant.weight import QuantizedWeight
@@ -32,7 +33,7 @@ from tests.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-GEMV_ROWS = 4
+GEMV_ROWS = 16  # the most rows the GEMV candidates take (`Launch.m_block`)
 
 
 def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
@@ -40,8 +41,9 @@ def launches(qtype: str, rows: int, quick: bool) -> list[Launch]:
     splits = (1, 4) if quick else (1, 2, 4, 8)
     out = []
     if rows <= GEMV_ROWS:
+        m_block = triton.next_power_of_2(rows)  # the whole of x in one row block
         gemvs = itertools.product((16, 32, 64, 128), (4, 8) if quick else (4, 8, 16), (2, 4, 8))
-        out += [Launch("gemv", n, s, w) for n, s, w in gemvs]
+        out += [Launch("gemv", n, s, w, m_block=m_block) for n, s, w in gemvs]
     if rows == 1:  # tensor-core tiles pad one row to 16: never the fastest
         return out
     widths = (32, 64, 128) if qtype == "Q4_K" else (16, 32, 64)
@@ -82,9 +84,11 @@ def table_timings(row_counts: tuple[int, ...], types: tuple[str, ...]) -> list[d
                 torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16)
                 for _ in range(copies_past_l2(n_out * n_in * 2))
             ]
+            one_row_us = None
             for m in row_counts:
                 x = torch.randn(m, n_in, device="cuda", dtype=torch.bfloat16)
                 ms = graph_timed(weights, functools.partial(quantized_linear, x))
+                one_row_us = ms * 1e3 if m == 1 else one_row_us
                 bf16_ms = graph_timed(dense, functools.partial(F.linear, x))
                 record = {
                     "qtype": qtype,
@@ -95,6 +99,7 @@ def table_timings(row_counts: tuple[int, ...], types: tuple[str, ...]) -> list[d
                     "gb_s": blocks.numel() / ms / 1e6,
                     "bf16_us": bf16_ms * 1e3,
                     "bf16_gb_s": n_out * n_in * 2 / bf16_ms / 1e6,
+                    "vs_one_row": ms * 1e3 / one_row_us if one_row_us else None,
                 }
                 print(json.dumps(record), file=sys.stderr, flush=True)
                 records.append(record)

@@ -2,8 +2,9 @@
 choice of kernel per block type and row count.
 
 Two kernel families read the blocks in place, never a dequantized copy of the matrix: the CUDA-core
-products of `quant_gemv` (one input row per program, sub-block sums scaled once) for decode, and the
-tensor-core tile kernels below for more rows, which dequantize a tile of weight rows in registers exactly as
+products of `quant_gemv` (a block of up to 16 input rows per program, each weight word decoded once for all of
+them, sub-block sums scaled once) for decode and verify passes, and the tensor-core tile kernels below for more
+rows, which dequantize a tile of weight rows in registers exactly as
 `deltaspec.ops.quant.dequant` does (float32, rounded to the activations' dtype) and multiply it by x (rows
 padded to 16): Q4_K one 64-value chunk at a time, the other types one 256-value super-block at a time. Each
 splits the input dimension into shares; with one share a program writes its output directly, with more the
@@ -162,30 +163,70 @@ def _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, 
 @dataclass(frozen=True)
 class Launch:
     """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores), weight
-    rows per program, how many shares the input dimension is split into, warps per program, and for Q4_K tiles
-    whether a chunk's two sub-blocks make one K = 64 product."""
+    rows per program, how many shares the input dimension is split into, warps per program, for Q4_K tiles
+    whether a chunk's two sub-blocks make one K = 64 product, and for GEMVs the rows of x per program (a power of
+    two; more rows take several row blocks, which share the weight's reads through L2)."""
 
     family: str
     block_n: int
     split_k: int
     num_warps: int = 4
     paired: bool = True
+    m_block: int = 1
 
 
-# block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken
+# block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken.
+# One row: graph-timed on an H200. The GEMV's blocks of 2..16 rows: picked from their sm_90 SASS (no spills; issue
+# slots per weight value against each type's bytes per value), pending graph timings (`tools/quant_kernel_sweep.py
+# --table`); Q4_K, Q6_K and int4 rows past 8 stay on the tiles, whose dequantization costs no more per row there.
 LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
     "Q4_K": (
         (1, Launch("gemv", 64, 8, 2)),
+        (2, Launch("gemv", 64, 8, 2, m_block=2)),
+        (4, Launch("gemv", 64, 8, 4, m_block=4)),
+        (8, Launch("gemv", 64, 8, 8, m_block=8)),
         (16, Launch("tile", 128, 4)),
         (MAX_ROWS, Launch("tile", 32, 4, paired=False)),
     ),
-    "Q6_K": ((1, Launch("gemv", 32, 8, 2)), (MAX_ROWS, Launch("tile", 32, 4))),
-    "Q8_0": ((1, Launch("gemv", 32, 8)), (MAX_ROWS, Launch("tile", 32, 4))),
+    "Q6_K": (
+        (1, Launch("gemv", 32, 8, 2)),
+        (2, Launch("gemv", 32, 8, 2, m_block=2)),
+        (4, Launch("gemv", 32, 8, 4, m_block=4)),
+        (8, Launch("gemv", 32, 8, 8, m_block=8)),
+        (MAX_ROWS, Launch("tile", 32, 4)),
+    ),
+    "Q8_0": (
+        (1, Launch("gemv", 32, 8)),
+        (2, Launch("gemv", 32, 8, 4, m_block=2)),
+        (4, Launch("gemv", 32, 8, 8, m_block=4)),
+        (8, Launch("gemv", 32, 8, 8, m_block=8)),
+        (16, Launch("gemv", 16, 8, 8, m_block=16)),
+        (MAX_ROWS, Launch("tile", 32, 4)),
+    ),
     # FP8: the one-row launch graph-timed on an H200 over the 27B shape's four products (weights past L2)
-    "FP8_B128": ((1, Launch("gemv", 32, 4)), (MAX_ROWS, Launch("tile", 32, 4))),
-    # int4: graph-timed on an H200 at 1 and 16 rows only (the 27B shapes, weights past L2); not yet swept beyond
-    "I4_G32": ((1, Launch("gemv", 32, 4, 2)), (MAX_ROWS, Launch("tile", 32, 4))),
-    "I4_G128": ((1, Launch("gemv", 64, 8)), (MAX_ROWS, Launch("tile", 64, 2))),
+    "FP8_B128": (
+        (1, Launch("gemv", 32, 4)),
+        (2, Launch("gemv", 32, 4, 4, m_block=2)),
+        (4, Launch("gemv", 32, 4, 8, m_block=4)),
+        (8, Launch("gemv", 32, 4, 8, m_block=8)),
+        (16, Launch("gemv", 16, 4, 8, m_block=16)),
+        (MAX_ROWS, Launch("tile", 32, 4)),
+    ),
+    # int4: one row and the tiles graph-timed on an H200 at 1 and 16 rows only (the 27B shapes, weights past L2)
+    "I4_G32": (
+        (1, Launch("gemv", 32, 4, 2)),
+        (2, Launch("gemv", 32, 4, 2, m_block=2)),
+        (4, Launch("gemv", 32, 4, 4, m_block=4)),
+        (8, Launch("gemv", 32, 4, 8, m_block=8)),
+        (MAX_ROWS, Launch("tile", 32, 4)),
+    ),
+    "I4_G128": (
+        (1, Launch("gemv", 64, 8)),
+        (2, Launch("gemv", 64, 8, 8, m_block=2)),
+        (4, Launch("gemv", 64, 8, 8, m_block=4)),
+        (8, Launch("gemv", 64, 8, 8, m_block=8)),
+        (MAX_ROWS, Launch("tile", 64, 2)),
+    ),
 }
 
 
@@ -215,26 +256,26 @@ def _segment_matmul(
     parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
     gathered = order is not None
     order = x if order is None else order
-    grid = (triton.cdiv(n, launch.block_n), shares)
-    tiles = grid[0] * m if launch.family == "gemv" else grid[0]
-    arrivals = arrival_counts(x.device, triton.next_power_of_2(tiles))
+    row_blocks = triton.cdiv(m, launch.m_block) if launch.family == "gemv" else 1
+    grid = (triton.cdiv(n, launch.block_n) * row_blocks, shares)  # a GEMV's row blocks side by side (quant_gemv)
+    arrivals = arrival_counts(x.device, triton.next_power_of_2(grid[0]))
     results = (parts, arrivals, out, m, n)  # where the kernels put their sums, and the output's shape
     tail = (x.stride(0), out.stride(0), steps, per_share)
     common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps, **pdl.LAUNCH}
     if launch.family == "gemv":
-        gemv_grid = (*grid, m)
+        common["M_BLOCK"] = launch.m_block
         if qtype == "Q4_K":
-            quant_gemv.q4_k_gemv_kernel[gemv_grid](
+            quant_gemv.q4_k_gemv_kernel[grid](
                 x, order, data.view(torch.int32), *results, n_bytes // 4, *tail, HALF, PRMT=PRMT, **common
             )
         elif qtype == "Q6_K":
-            quant_gemv.q6_k_gemv_kernel[gemv_grid](
+            quant_gemv.q6_k_gemv_kernel[grid](
                 x, order, data, data.view(torch.int16), *results, n_bytes, *tail, HALF, PRMT=PRMT, **common
             )
         elif qtype == "FP8_B128":
-            quant_gemv.fp8_b128_gemv_kernel[gemv_grid](x, order, data, *results, n_bytes, *tail, **common)
+            quant_gemv.fp8_b128_gemv_kernel[grid](x, order, data, *results, n_bytes, *tail, **common)
         elif qtype in I4_GROUPS:
-            quant_gemv.i4_gemv_kernel[gemv_grid](
+            quant_gemv.i4_gemv_kernel[grid](
                 x,
                 order,
                 data.view(torch.int32),
@@ -247,7 +288,7 @@ def _segment_matmul(
                 **common,
             )
         else:
-            quant_gemv.q8_0_gemv_kernel[gemv_grid](
+            quant_gemv.q8_0_gemv_kernel[grid](
                 x, order, data.view(torch.int16), *results, n_bytes // 2, *tail, BIASED, PRMT=PRMT, **common
             )
     else:
