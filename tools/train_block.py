@@ -11,6 +11,11 @@ row included) and LM head stay frozen and are not saved.
 Writes OUT/config.json and OUT/model.safetensors (bf16) in the DFlash layout, which `--speculative block
 --draft-model OUT` loads, and OUT/training_curve.json with held-out top-1 per block position and the block
 acceptance length (leading correct drafts per block, greedy).
+
+GPU time comes in short leases: `--minutes M` ends the run after M minutes of training steps, and every run
+ends by writing OUT/checkpoint.pt (drafter and optimizer state, step, data-sampling state, curve so far) next
+to the drafter; `--resume` continues from it with the same learning-rate schedule, so two ten-minute runs
+train the same model as one twenty-minute run would (up to GPU non-determinism).
 """
 
 from __future__ import annotations
@@ -129,6 +134,21 @@ def save(net: BlockDrafterModel, num_target_layers: int, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def save_checkpoint(path: Path, net, opt, rng: np.random.Generator, step: int, spent: float, curve: dict) -> None:
+    """Everything `--resume` needs: the next step, the drafter and optimizer state, the data sampler's state."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "seconds": spent, "curve": curve, "rng": rng.bit_generator.state}
+    torch.save({**state, "net": net.state_dict(), "opt": opt.state_dict()}, path)
+
+
+def load_checkpoint(path: Path, net, opt, rng: np.random.Generator) -> tuple[int, float, dict]:
+    state = torch.load(path, map_location=next(net.parameters()).device, weights_only=False)
+    net.load_state_dict(state["net"])
+    opt.load_state_dict(state["opt"])
+    rng.bit_generator.state = state["rng"]
+    return state["step"], state["seconds"], state["curve"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, required=True, help="trained target directory (read only)")
@@ -151,6 +171,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=1 << 18, help="held-out tokens read per stream")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--minutes", type=float, default=0.0, help="stop training after this many minutes (0: no limit)")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -165,10 +187,18 @@ def main() -> None:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     weights = position_weights(width, args.gamma, device)
     rng = np.random.default_rng(args.seed)
-    curve, t0 = {"step": [], "train_loss": [], "train_top1": []}, time.time()
+    curve, first_step, spent = {"step": [], "train_loss": [], "train_top1": []}, 0, 0.0
+    checkpoint_path = args.out / "checkpoint.pt"
+    if args.resume and checkpoint_path.is_file():
+        first_step, spent, curve = load_checkpoint(checkpoint_path, net, opt, rng)
+        print(f"resumed from {checkpoint_path} at step {first_step} ({spent / 60:.1f} min trained)")
+    t0, deadline = time.time(), time.time() + args.minutes * 60 if args.minutes > 0 else math.inf
     params = sum(p.numel() for p in net.parameters())
     print(f"block drafter: {params / 1e6:.2f} M parameters, taps {net.config.target_layer_ids}, {steps} steps")
-    for step in range(steps):
+    for step in range(first_step, steps):
+        if time.time() > deadline:
+            print(f"time budget of {args.minutes} min reached at step {step}/{steps}")
+            break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, args.lr, min(args.warmup, steps))
         ids = sample_batch(train, args.batch, args.seq_len - 1, rng, device)  # [b, seq_len]
@@ -187,14 +217,18 @@ def main() -> None:
             curve["step"].append(step)
             curve["train_loss"].append(loss.item())
             curve["train_top1"].append(top1)
-            rate = (step + 1) * args.batch * args.seq_len / (time.time() - t0)
+            rate = (step + 1 - first_step) * args.batch * args.seq_len / (time.time() - t0)
             print(f"block step {step}/{steps} loss {loss.item():.4f} top1@+1 {top1:.3f} {rate / 1e3:.1f} k tok/s")
+    else:
+        step = steps
+    spent += time.time() - t0
+    save_checkpoint(checkpoint_path, net, opt, rng, step, spent, curve)
     net.requires_grad_(False)
     curve["final"] = {
         name: evaluate(net, target, toks, args.seq_len, args.eval_stride, device, autocast)
         for name, toks in heldout.items()
     }
-    curve["seconds"] = time.time() - t0
+    curve["seconds"], curve["steps_done"], curve["steps_planned"] = spent, step, steps
     curve["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     print("final (held-out): " + json.dumps(curve["final"]), flush=True)
     save(net, target.config.num_hidden_layers, args.out)
