@@ -1,5 +1,5 @@
 """The embedded default model: it loads with no arguments, writes valid Python, and its measured
-quality holds. Bounds are set from measurements of the shipped weights (README), loose enough for
+quality holds. Bounds are set from measurements of the shipped weights (docs/default-model.md), loose enough for
 float32 CPU arithmetic and tight enough that an untrained or broken model fails every one."""
 
 import ast

@@ -22,7 +22,7 @@ near-ties, and 8-bit activations (llama.cpp's) flip their top token where a trai
 needs one; where llama-quantize refuses a very low-bit type for the NextN blocks, whose importance llama-imatrix
 does not measure, the file converted without them), loads each file in deltaspec and writes, per file, whether
 it loads and its agreement with llama-perplexity on the same file (top-1 and KL over `REPORT_WINDOWS` windows; as
-deltaspec runs it, and with llama.cpp's 8-bit activations reproduced) — the survey behind the README's list of
+deltaspec runs it, and with llama.cpp's 8-bit activations reproduced) — the survey behind docs/formats.md's list of
 supported files. Usage, with a llama.cpp source tree and its build's bin/:
 
     .venv/bin/python tools/make_llama_made_fixtures.py /path/to/llama.cpp /path/to/llama.cpp/build/bin

@@ -3,7 +3,7 @@
 The n-gram drafter answers first (it is free). A sequence whose n-gram draft is a full-length,
 full-confidence match (the longest n-gram matched and the continuation fills the whole budget)
 uses it and skips the neural drafter this round; every other sequence uses the neural draft, so an
-n-gram hit never replaces a longer neural draft. Measured on the embedded model (README, `bench
+n-gram hit never replaces a longer neural draft. Measured on the embedded model (docs/speculative.md, `bench
 spec`): full n-gram matches are accepted about as well as the draft model's drafts (AL 3.26 against
 3.25 at k = 7) but cost no draft-model passes, while partial matches are worse than the model.
 The neural drafter catches up on skipped rounds at its next call; both drafters hear every commit. For a tree of
