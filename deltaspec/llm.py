@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields, replace
 
 from tqdm import tqdm
 
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence

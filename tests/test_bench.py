@@ -11,7 +11,7 @@ import pytest
 from deltaspec.bench.client import Client, Timing
 from deltaspec.bench.local_server import free_port
 from deltaspec.cli import main
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.errors import DeltaspecError
 from tests.test_server import serving
 
@@ -129,7 +129,7 @@ def test_speculative_counters_reach_the_request_log_and_metrics(tmp_path):
     import urllib.request
 
     from deltaspec.bench.local_server import local_server
-    from deltaspec.config import EngineConfig
+    from deltaspec.config.engine import EngineConfig
 
     log = tmp_path / "requests.jsonl"
     with local_server(EngineConfig(device="cpu", speculative="ngram", draft_tokens=5), log) as (url, _):

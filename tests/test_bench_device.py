@@ -11,7 +11,7 @@ import torch
 from deltaspec.bench.device import bench_engine, copy_bandwidth
 from deltaspec.bench.roofline import bytes_per_step
 from deltaspec.cli import main
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.drafter import DraftRequest

@@ -10,7 +10,7 @@ from deltaspec.bench import serve
 from deltaspec.bench.client import Client, Timing
 from deltaspec.bench.sanity import check_run, histogram_totals, server_tpot
 from deltaspec.bench.serve import bench_serve
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.errors import DeltaspecError
 from tests.test_server import serving
 

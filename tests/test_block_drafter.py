@@ -286,7 +286,7 @@ def test_sliding_window_layers_keep_only_their_window_and_draft_the_same(checkpo
 
 
 def test_the_plan_counts_the_drafter_weights_its_full_context_and_its_windows(checkpoints, tmp_path):
-    from deltaspec.config import EngineConfig
+    from deltaspec.config.engine import EngineConfig
     from deltaspec.model.hf_config import parse_model_config, read_config_json
     from deltaspec.spec.factory import drafter_memory
 

@@ -18,7 +18,7 @@ import pytest
 from deltaspec import LLM, SamplingParams
 from deltaspec.cli import build_parser, config_from_args, engine_config, main
 from deltaspec.cli.generation import print_answer
-from deltaspec.config import ServerConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.model.weights import default_model_path
 from deltaspec.server.reasoning import split_reasoning

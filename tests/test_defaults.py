@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deltaspec import LLM, DeltaspecError, SamplingParams
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.model.generation_config import sampling_defaults
 from deltaspec.server.protocol import ChatCompletionRequest

@@ -11,7 +11,8 @@ import pytest
 
 from deltaspec import LLM, DeltaspecError, SamplingParams
 from deltaspec.cli import build_parser, config_from_args, engine_config, main
-from deltaspec.config import EngineConfig, ServerConfig
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.model.weights import default_model_path
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deltaspec import LLM, SamplingParams
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.planning import plan_for
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.ops.quant.weight import QuantizedWeight

@@ -8,7 +8,7 @@ import torch
 
 from deltaspec import LLM, DeltaspecError, SamplingParams
 from deltaspec.cli import main
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.planning import plan_for
 from tests.tiny_models import write_checkpoint
 

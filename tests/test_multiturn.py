@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.model.tokenizer import Tokenizer
 from tests.test_server import KEY, MODEL, NO_THINK, serving
 

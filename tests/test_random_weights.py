@@ -6,7 +6,8 @@ import torch
 
 from deltaspec import LLM
 from deltaspec.cli import build_parser, engine_config, main
-from deltaspec.config import FULL_ATTENTION, EngineConfig
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.model import FULL_ATTENTION
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError

@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from deltaspec.cli import main
-from deltaspec.config import EngineConfig, ServerConfig
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine, RequestDelta, RequestStream
 from deltaspec.engine.engine import Engine
 from deltaspec.model.tokenizer import Tokenizer

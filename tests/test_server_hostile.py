@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from tests.test_server import CTX, KEY, MODEL, TOOLS, USER, Live, one_sentence, serving
 
 LIMIT = 2 << 20  # the hostile server's --max-request-bytes

@@ -21,7 +21,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from deltaspec.config import EngineConfig, ServerConfig
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.engine.async_engine import RequestDelta
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
@@ -196,15 +197,19 @@ def test_the_throughput_line_is_logged_while_a_request_runs_and_not_when_idle(li
     stream = client.completions.create(
         model=MODEL, prompt="def f(x):", max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
-    running = None
+    lines, rates = [], []  # the throughput lines while the request runs, and their (prompt, generation) tokens/s
     for _ in stream:
-        running = next((m for m in messages(caplog, "Running: 1 seqs") if THROUGHPUT.search(m)), None)
-        if running is not None:
+        lines = [m for m in messages(caplog, "Running: 1 seqs") if THROUGHPUT.search(m)]
+        rates = [tuple(map(float, THROUGHPUT.search(m).groups())) for m in lines]
+        if sum(generation > 0 for _, generation in rates) >= 2:
             break
     stream.close()
-    assert running is not None, messages(caplog)
-    prompt_tps, generation_tps = map(float, THROUGHPUT.search(running).groups())
-    assert generation_tps > 0 and prompt_tps >= 0
+    assert sum(generation > 0 for _, generation in rates) >= 2, messages(caplog)
+    # the prompt's tokens are counted with its first generated ones: the line that first reports generated tokens
+    # reports the prompt's, and no other line does
+    first = next(i for i, (_, generation) in enumerate(rates) if generation > 0)
+    assert rates[first][0] > 0 and all(prompt == 0 for i, (prompt, _) in enumerate(rates) if i != first), lines
+    running = lines[first]
     assert re.search(r"Waiting: 0 seqs, KV cache usage: [\d.]+%", running)
     assert float(re.search(r"KV cache usage: ([\d.]+)%", running).group(1)) > 0
     wait_for(lambda: live.async_engine.usage["running"] == 0)

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from deltaspec.cli import build_parser, config_from_args
-from deltaspec.config import ServerConfig, flag_list
+from deltaspec.config.server import ServerConfig, flag_list
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams, check_token_ids
 from deltaspec.server.browsers import allowed_host_names, host_name

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.server.structured import tool_call_grammar
 from tests.test_server import CTX, KEY, MODEL, NO_THINK, THINK, TOOLS, USER, Live, serving

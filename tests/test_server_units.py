@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from deltaspec.cli import build_parser, config_from_args, engine_config, main
-from deltaspec.config import ServerConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.engine.async_engine import RequestDelta
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import pytest
 
 from deltaspec.bench.local_server import local_server
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 
 CLIENTS, REQUESTS_PER_CLIENT, MAX_TOKENS = 32, 2, 10
 PROMPTS = ["def add(a, b):\n", "class Queue:\n", "import os\n\n\ndef main(", "# sort a list\n"]

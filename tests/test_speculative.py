@@ -85,7 +85,11 @@ def test_rollback_equals_never_having_drafted(checkpoints, right):
             (tx, px), (ty, py) = next(iter(x.items())), next(iter(y.items()))
             assert tx == ty and px.logprob == pytest.approx(py.logprob, abs=1e-9)
         rounds, accepted = b.metrics["spec_rounds"], b.metrics["spec_accepted_tokens"]
-        assert accepted == (0 if right == 0 else accepted) and rounds >= 1
+        # greedy verification accepts a draft exactly where it and every draft before it are right: the first
+        # `right` positions of every round, none after
+        accepted_at = [drafted if i < right else 0 for i, drafted in enumerate(b.metrics["drafted_at"])]
+        assert b.metrics["accepted_at"] == accepted_at and accepted == sum(accepted_at) and rounds >= 1
+        assert (accepted > 0) == (right > 0)
         if right == 0:  # every draft of every sequence rejected, round after round
             assert accepted == 0 and rounds >= 2
         if right >= 5:

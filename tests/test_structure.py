@@ -1,5 +1,5 @@
-"""The code keeps its structure (DESIGN §3, §8): packages in layers without cycles, lazy imports included; the
-replay-log cursor written by its owner only; the engine loop small."""
+"""The code keeps its structure (DESIGN §3, §8): packages in layers without cycles and no file circles, lazy imports
+included; the replay-log cursor written by its owner only; the engine loop small."""
 
 from __future__ import annotations
 
@@ -106,6 +106,78 @@ def test_the_layer_check_sees_lazy_and_backward_imports():
     assert layer_violations("engine", "from . import scheduler\n")
 
 
+def module_name(path: Path) -> str:
+    """deltaspec/engine/engine.py -> 'deltaspec.engine.engine'; deltaspec/ops/__init__.py -> 'deltaspec.ops'."""
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_files(source: str, known: set[str]) -> set[str]:
+    """The modules of `known` that `source` imports by name, at any depth (functions included): `from P import n`
+    loads module P.n where there is one, else P; `import P.Q` loads P.Q."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                found |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found & known
+
+
+def file_circles(sources: dict[str, str]) -> list[list[str]]:
+    """The circles among modules (name -> source): each set of modules that reach one another through imports,
+    sorted (Tarjan's strongly connected components of more than one module, or of one importing itself)."""
+    edges = {name: imported_files(source, set(sources)) for name, source in sources.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(name: str) -> None:
+        order[name] = low[name] = len(order)
+        stack.append(name)
+        for target in sorted(edges[name]):
+            if target not in order:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in stack:
+                low[name] = min(low[name], order[target])
+        if low[name] == order[name]:
+            members = stack[stack.index(name) :]
+            del stack[stack.index(name) :]
+            if len(members) > 1 or name in edges[name]:
+                circles.append(sorted(members))
+
+    for name in sorted(edges):
+        if name not in order:
+            visit(name)
+    return sorted(circles)
+
+
+def test_no_file_imports_itself_through_a_circle():
+    sources = {module_name(path): path.read_text() for _, path in modules()}
+    assert file_circles(sources) == []
+
+
+def test_the_circle_check_sees_lazy_imports_and_chains():
+    lazy = {
+        "deltaspec.a": "from deltaspec.b import f\n",
+        "deltaspec.b": "def f():\n    import deltaspec.c\n",
+        "deltaspec.c": "def g():\n    from deltaspec import a\n",
+        "deltaspec.d": "from deltaspec.a import f\n",
+    }
+    assert file_circles(lazy) == [["deltaspec.a", "deltaspec.b", "deltaspec.c"]]
+    lazy["deltaspec.c"] = "def g():\n    pass\n"
+    assert file_circles(lazy) == []
+    package = {
+        "deltaspec.p": "",
+        "deltaspec.p.q": "from deltaspec.p import r\n",
+        "deltaspec.p.r": "import deltaspec.p.q\n",
+    }
+    assert file_circles(package) == [["deltaspec.p.q", "deltaspec.p.r"]]  # the submodule, not its package
+
+
 def cursor_writes(source: str) -> list[int]:
     """Lines that assign to a replay-cursor field (`x.pending_fold = ...`, `x.logged += ...`)."""
     lines = []
@@ -154,6 +226,6 @@ def test_replay_cursor_transitions():
 
 
 def test_the_engine_loop_stays_small():
-    # 250 until the tensor-parallel hooks (the group, its step message, the records of outside changes) joined it;
-    # the lock-step protocol itself lives in engine/workers.py
+    # 250 until the tensor-parallel hooks (the executor, its step, the records of outside changes) joined it;
+    # the lock-step protocol itself lives behind the executor, in engine/workers.py
     assert len((ROOT / "engine" / "engine.py").read_text().splitlines()) <= 260

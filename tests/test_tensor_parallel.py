@@ -262,7 +262,7 @@ def test_layouts_that_do_not_divide_are_refused_with_what_would(checkpoints):
 
 def test_what_runs_on_one_device_only_says_so(checkpoints):
     from deltaspec.bench.decode import bench_decode
-    from deltaspec.config import EngineConfig
+    from deltaspec.config.engine import EngineConfig
     from deltaspec.evaluate_kl import scoring_config
 
     config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", tensor_parallel_size=2)

@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from deltaspec.config import physical_cores
+    from deltaspec.config.host import physical_cores
     from deltaspec.provenance import commit
 
     cores = physical_cores()

@@ -15,7 +15,7 @@ import statistics
 from deltaspec.bench.decode import WARMUP_SEED
 from deltaspec.bench.device import bench_engine, copy_bandwidth, identity, random_prompt, run, say
 from deltaspec.bench.roofline import bytes_per_step, experts_per_step
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 
 

@@ -32,7 +32,7 @@ from deltaspec.bench.device import (
     start,
 )
 from deltaspec.bench.roofline import bytes_per_step, experts_per_step, roofline
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError

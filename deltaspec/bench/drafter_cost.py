@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from deltaspec.bench.device import bench_engine, identity, random_prompt, run, say, sync
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.spec.policy import FixedDraftLength
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from deltaspec.bench.device import random_prompt, say, sync
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 

@@ -8,7 +8,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from deltaspec.config import EngineConfig, ServerConfig
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.server import ServerConfig
 
 
 def free_port() -> int:

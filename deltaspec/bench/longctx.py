@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from deltaspec.bench.decode import WARMUP_SEED
 from deltaspec.bench.device import bench_engine, identity, random_prompt, run, say
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError

@@ -11,7 +11,7 @@ import statistics
 
 from deltaspec.bench.decode import WARMUP_SEED
 from deltaspec.bench.device import bench_engine, identity, random_prompt, run, say
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 
 
 def bench_prefill(config: EngineConfig, lengths: list[int], runs: int) -> dict:

@@ -17,7 +17,7 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from deltaspec.bench.device import bench_engine, identity, random_prompt, say, start, sync
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 
 WARMUP_STEPS = 3
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 from deltaspec.bench.prompts import CHAT, CODE
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.llm import LLM
 from deltaspec.sample.params import SamplingParams
 

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 
 from deltaspec.bench.device import bench_engine, identity, random_prompt, say, sync
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.sample.params import SamplingParams, StructuredOutputsParams
 
 ITEM = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}, "n": {"type": "integer"}}}

@@ -24,7 +24,7 @@ import statistics
 
 from deltaspec.bench.decode import WARMUP_SEED, oracle_engine, spec_run
 from deltaspec.bench.device import identity, random_prompt, say
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.layout import TREE_RESTART, ancestor_masks, recurrence_flags

@@ -14,7 +14,7 @@ import time
 
 from deltaspec.bench.decode import WARMUP_SEED, oracle_engine
 from deltaspec.bench.device import identity, random_prompt, run, say, start
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.spec.oracle import OracleDrafter

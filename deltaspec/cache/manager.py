@@ -10,7 +10,7 @@ from deltaspec.cache.kv_cache import PagedKVCache
 from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.cache.prefix_cache import PrefixCache
 from deltaspec.cache.state_cache import GDNStateCache
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 
 
 class CacheManager:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.attention import kv_row_width
 from deltaspec.ops.quant.checkpoint_layout import main_tensor, stored_bytes

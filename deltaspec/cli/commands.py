@@ -12,7 +12,7 @@ from deltaspec.cli.dialects import SERVER_FLAGS, add_foreign_flags
 from deltaspec.cli.flags import add_config_flags, add_engine_flags, add_sampling_flags, config_from_args, engine_config
 from deltaspec.cli.generation import CHAT_MAX_TOKENS, GENERATE_MAX_TOKENS, cmd_chat, cmd_generate
 from deltaspec.cli.parser import CommandParser
-from deltaspec.config import ServerConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.errors import DeltaspecError
 
 

@@ -3,7 +3,7 @@
 Each is accepted where deltaspec already does what it means in its own tool, and otherwise refused with one
 sentence naming what to use instead: never ignored, never read with another meaning. Spellings of a deltaspec
 setting (`-m`, `-c` / `--ctx-size`, `-t`, `-np` / `--parallel`, `--chat-template-file`, ...) are `aliases` of
-the config fields instead (`deltaspec.config`), and llama-cli's sampling spellings (`--temp`, `-n`,
+the config fields instead (`deltaspec.config.engine`), and llama-cli's sampling spellings (`--temp`, `-n`,
 `--repeat-penalty`) aliases of the sampling flags (`deltaspec.cli.flags`).
 """
 
@@ -140,7 +140,7 @@ SERVER_FLAGS = (
 
 
 def add_foreign_flags(parser: argparse.ArgumentParser, flags: tuple[ForeignFlag, ...]) -> None:
-    """`flags`, hidden from --help (README's CLI section lists them)."""
+    """`flags`, hidden from --help (docs/cli.md lists them)."""
     for flag in flags:
         parser.add_argument(
             *flag.names,

@@ -13,7 +13,7 @@ import argparse
 from dataclasses import MISSING, fields, replace
 
 from deltaspec.cli.dialects import ENGINE_FLAGS, add_foreign_flags
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.speculative_config import SPECULATIVE_CONFIG_HELP, parse_speculative_json, speculative_fields

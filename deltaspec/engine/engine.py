@@ -4,9 +4,9 @@ The update after a pass advances every scheduled sequence (the cache manager rec
 its state), lets the Speculator commit what verification accepted, picks the next token of every sequence
 that samples one, and appends tokens until a stop condition.
 
-With `tensor_parallel_size` > 1 the engine is rank 0 of a group (`deltaspec.engine.workers`): every
-change made from outside (`admit`, `abort`, `fail`) is recorded and broadcast before the next step, and
-each worker's engine applies it and steps in lock step.
+The engine steps one executor (`deltaspec.engine.executor`), the ranks it runs on: it records every change made from
+outside (`admit`, `abort`, `fail`), and with `tensor_parallel_size` > 1 each follower rank's engine applies them and
+steps in lock step (`deltaspec.engine.workers`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from functools import partial
 import torch
 
 from deltaspec.cache.memory_plan import require_fit
-from deltaspec.config import EngineConfig, parse_dtype
+from deltaspec.config.dtypes import parse_dtype
+from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.admission import check_request
+from deltaspec.engine.executor import Executor
 from deltaspec.engine.isolation import each_or_alone, guarded
 from deltaspec.engine.logprob_text import LogprobText
 from deltaspec.engine.next_tokens import next_tokens
@@ -28,6 +30,7 @@ from deltaspec.engine.planning import plan_for
 from deltaspec.engine.setup import (
     engine_cache,
     engine_drafter,
+    engine_executor,
     engine_model,
     engine_sampling_defaults,
     engine_scheduler,
@@ -37,7 +40,6 @@ from deltaspec.engine.setup import (
     route_gemms,
 )
 from deltaspec.engine.stopping import StopChecker
-from deltaspec.engine.workers import SOLO, Group, Solo, launch
 from deltaspec.errors import DeltaspecError, error_text
 from deltaspec.execution.runner import Runner, SeqOutput
 from deltaspec.execution.sequence import Sequence
@@ -57,9 +59,8 @@ UNFIT = (
 
 class Engine:
     """Runs requests on one model. `drafter` and `draft_policy` replace the drafter and draft-length policy the
-    configuration would build (tests and benchmarks inject their own); with a `drafter`, speculation runs
-    whatever `config.speculative` says, and `config.speculative` becomes its name. A tensor-parallel worker
-    passes its `group`; rank 0 starts the group itself."""
+    configuration would build (tests and benchmarks inject their own); with a `drafter`, speculation runs whatever
+    `config.speculative` says, which becomes its name. `executor`: a follower rank's own, else the config's."""
 
     def __init__(
         self,
@@ -67,25 +68,25 @@ class Engine:
         progress: bool = True,
         drafter: Drafter | None = None,
         draft_policy: DraftLength | None = None,
-        group: Group | Solo | None = None,
+        executor: Executor | None = None,
     ):
         planned = plan_for(config, drafter)
         require_fit(planned.plan)
         self.plan, self.config, self.model_config = planned.plan, planned.config, planned.model_config
         self.model_dir, self.max_model_len = planned.model_dir, planned.config.max_model_len
         self.device, self.dtype = torch.device(self.config.device), parse_dtype(self.config.dtype)
-        self.group = group or (launch(self.config) if self.config.tensor_parallel_size > 1 else SOLO)
-        with self.group.unless_built():
+        self.executor = executor or engine_executor(self.config, type(self))
+        with self.executor.building():
             self._build(planned, progress, drafter, draft_policy)
 
     def _build(self, planned, progress: bool, drafter: Drafter | None, draft_policy: DraftLength | None) -> None:
         reference_only = self.config.kernels == "reference"
         ops = self.ops = ops_for(self.device, reference_only, self.config.fp8_activations)
-        self.model = engine_model(planned, ops, progress, self.group.tp)
+        self.model = engine_model(planned, ops, progress, self.executor.tp)
         self.tokenizer = engine_tokenizer(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
         verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
-        verify_costs = self.group.send(verify_costs)  # rank 0's measurements: every rank drafts alike
+        verify_costs = self.executor.share(verify_costs)  # rank 0's measurements: every rank drafts alike
         self.cache = engine_cache(self.config, self.model_config, self.model.num_kv_layers)
         self.scheduler = engine_scheduler(self.config, self.cache)
         running = lambda seq_id: next(s for s in self.scheduler.running if s.request_id == seq_id)  # noqa: E731
@@ -103,8 +104,8 @@ class Engine:
         self._seed_counter = itertools.count(self.config.seed)
 
     def close(self) -> None:
-        """Stop a tensor-parallel engine's workers (nothing to do on one device)."""
-        self.group.close()
+        """Stop the executor's other ranks (nothing to do on one device)."""
+        self.executor.close()
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -129,7 +130,7 @@ class Engine:
         """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError.
         `history_len`: the prompt's first tokens that a follow-up will share (a chat's history), kept as a prefix
         checkpoint; `seed`: its sampling seed when neither the request nor the engine's counter gives it (a
-        tensor-parallel worker takes rank 0's)."""
+        tensor-parallel follower takes rank 0's)."""
         check_request(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
         if seed is None:
             seed = params.seed if params.seed is not None else next(self._seed_counter)
@@ -154,19 +155,18 @@ class Engine:
 
     def admit(self, seq: Sequence) -> None:
         """Queue a sequence made by `new_sequence`."""
-        self.group.record("admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed)
+        self.executor.record("admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
-            self.group.record("abort", seq.request_id)
-            seq.finish_reason = "abort"
-            seq.finish_time = time.perf_counter()
+            self.executor.record("abort", seq.request_id)
+            seq.finish_reason, seq.finish_time = "abort", time.perf_counter()
             self._finish(seq)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         """End `seqs` with finish reason "error" and free their caches (a call from outside the engine's steps)."""
-        self.group.record("fail", [seq.request_id for seq in seqs if not seq.finished], error)
+        self.executor.record("fail", [seq.request_id for seq in seqs if not seq.finished], error)
         self._end_with_error(seqs, error)
 
     def _end_with_error(self, seqs: list[Sequence], error: str) -> None:
@@ -186,7 +186,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One forward pass over every runnable sequence; returns the sequences that got new tokens or ended
         (those that finished have `finished` set). A failure ends only the request at fault."""
-        self.group.publish(self.scheduler.running)
+        self.executor.step(self.scheduler.running)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         schedule = self.scheduler.schedule()

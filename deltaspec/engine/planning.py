@@ -25,26 +25,21 @@ from deltaspec.cache.memory_plan import (
     total_memory,
     weight_bytes,
 )
-from deltaspec.config import (
-    CHECKPOINTS_PER_STREAM,
-    EngineConfig,
-    ModelConfig,
-    check_context,
-    parse_dtype,
-    parse_kv_dtype,
-    resolve_engine_config,
-    with_pools,
-)
+from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.model import ModelConfig
+from deltaspec.config.resolve import CHECKPOINTS_PER_STREAM, check_context, resolve_engine_config, with_pools
 from deltaspec.engine.pool_sizing import PoolSizing
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.graph_buckets import graph_rows_of
+from deltaspec.model.checkpoint_names import target_name
 from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_quant import parse_quant, quantized_bytes, quantized_config, tensor_types
 from deltaspec.model.safetensors_files import checkpoint_files
 from deltaspec.model.shapes import parameter_counts, shape_config
-from deltaspec.model.weights import count_mtp_layers, model_dir_for, target_name
+from deltaspec.model.weights import count_mtp_layers, model_dir_for
 from deltaspec.ops.dispatch import REFERENCE
 from deltaspec.parallel.group import TensorParallel
 from deltaspec.parallel.shard import Shard, shard_config

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deltaspec.cache.memory_plan import MemoryPlan
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 
 AUTO_STREAMS = 8
 AUTO_CONTEXT_SHARE = 0.9  # an automatic context shortened to fit leaves this share of the free memory to the plan

@@ -1,6 +1,7 @@
-"""The parts an engine is built from, as its plan says: the model (a checkpoint or random weights), the
-tokenizer of a random-weight model, the checkpoint's sampling defaults, the caches, the measured GEMM routing
-(and the verify costs read from it), the drafter, and the CUDA graphs of decode and verify passes."""
+"""The parts an engine is built from, as its plan says: the executor (the ranks it runs on), the model (a checkpoint
+or random weights), the tokenizer of a random-weight model, the checkpoint's sampling defaults, the caches, the
+measured GEMM routing (and the verify costs read from it), the drafter, and the CUDA graphs of decode and verify
+passes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from pathlib import Path
 import torch
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.config import EngineConfig, ModelConfig, parse_dtype, parse_kv_dtype
+from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.model import ModelConfig
+from deltaspec.engine.executor import Executor, SingleDevice
 from deltaspec.engine.planning import Planned
 from deltaspec.engine.scheduler import Scheduler
+from deltaspec.engine.workers import launch
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.graph_buckets import uses_cuda_graphs
@@ -37,6 +42,12 @@ from deltaspec.spec.policy import DraftLengthPolicy, VerifyCostTable
 from deltaspec.spec.speculator import DraftLength, Speculator, TreeSettings
 
 ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf16) get a measured GEMM route
+
+
+def engine_executor(config: EngineConfig, replica: Callable) -> Executor:
+    """The ranks the engine runs on: its one device, or rank 0 of `config.tensor_parallel_size` ranks, whose
+    followers each build their engine with `replica` (the engine's class; `deltaspec.engine.workers`)."""
+    return launch(config, replica) if config.tensor_parallel_size > 1 else SingleDevice()
 
 
 def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE) -> HybridModel:

@@ -1,16 +1,18 @@
-"""The processes of a tensor-parallel engine: rank 0 (the caller's process) and one worker per other rank.
+"""The tensor-parallel executors (`deltaspec.engine.executor`): rank 0's (`Leader`, in the caller's process), which
+starts one follower process per other rank and drives it, and a follower's (`Follower`).
 
-Every rank runs the same `Engine` over its shard of the model: the same scheduling, cache bookkeeping,
+Every rank runs the same engine over its shard of the model: the same scheduling, cache bookkeeping,
 drafting, sampling and rollback, in lock step, so prefix checkpoints and replay logs need no messages of
 their own. Only rank 0 talks to the outside (LLM, CLI, server); before each step it broadcasts what
 changed since the last one (requests admitted with their resolved sampling seeds, aborts, failures) on a
 gloo group, and every rank applies it before stepping (`follow`). The forward passes meet in the model's collectives
 (`deltaspec.parallel.group`). Sampling runs on every rank from the same full logits and the same seeded
 generators, so every rank picks the same tokens; the step messages carry a digest of rank 0's running sequences
-(ids, output lengths, last tokens), which a worker checks against its own.
+(ids, output lengths, last tokens), which a follower checks against its own. A follower builds its engine with the
+`replica` rank 0 hands it (the engine's class), so this module needs no engine of its own.
 
-A worker that dies takes the engine down: rank 0 watches its workers and, when one exits, reports it and
-exits (collectives waiting on a dead peer cannot be interrupted), and a worker whose parent is gone exits.
+A follower that dies takes the engine down: rank 0 watches its followers and, when one exits, reports it and
+exits (collectives waiting on a dead peer cannot be interrupted), and a follower whose parent is gone exits.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,11 +34,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deltaspec.parallel.group import SINGLE, TensorParallel, backend_for
+from deltaspec.parallel.group import TensorParallel, backend_for
 
 log = logging.getLogger("deltaspec.parallel")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step's collectives
-IDLE_TIMEOUT = timedelta(days=365)  # a worker waits for the next step message as long as the server idles
+IDLE_TIMEOUT = timedelta(days=365)  # a follower waits for the next step message as long as the server idles
 POLL_S = 0.5
 
 
@@ -45,90 +48,99 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class Group:
-    """This process's tensor-parallel group: `tp` for the model's collectives, the gloo group that carries the
-    step messages, on rank 0 the worker processes and the changes the next step message carries."""
+def _broadcast(message, control):
+    """Rank 0's `message` on every rank of the gloo group `control` (rank 0 passes it, followers pass None)."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
 
-    tp: TensorParallel | None
-    control: object
-    workers: list
+
+@dataclass
+class Leader:
+    """Rank 0's executor: the follower processes, then (once joined) `tp` for the model's collectives and the gloo
+    group that carries the step messages, and the changes the next step message carries."""
+
+    followers: list
+    tp: TensorParallel | None = None
+    control: object = None
     changes: list = field(default_factory=list)
     closing: bool = False
 
-    def send(self, message):
-        """Rank 0's `message` on every rank (rank 0 passes it, workers pass None)."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+    def share(self, value):
+        return _broadcast(value, self.control)
 
     def record(self, *change) -> None:
-        """Rank 0: a change made from outside the engine (admit, abort, fail) for the workers to apply."""
         self.changes.append(change)
 
-    def publish(self, running) -> None:
-        """Rank 0, before a step: the changes since the last step and the `digest` of the `running` sequences."""
-        if self.tp.rank == 0:
-            changes, self.changes = self.changes, []
-            self.send([*changes, ("step", digest(running))])
+    def step(self, running) -> None:
+        """The changes since the last step and the `digest` of the `running` sequences, to every follower."""
+        changes, self.changes = self.changes, []
+        self.share([*changes, ("step", digest(running))])
 
     @contextmanager
-    def unless_built(self):
-        """Around building rank 0's engine: if that fails, stop the workers (they wait for messages a failed build
-        never sends) and leave the group."""
+    def building(self) -> Iterator[None]:
+        """If building rank 0's engine fails, stop the followers (they wait for messages a failed build never sends)
+        and leave the group."""
         try:
             yield
         except BaseException:
             self.closing = True
-            for proc in self.workers:
+            for proc in self.followers:
                 proc.kill()
             dist.destroy_process_group()
             raise
 
     def close(self) -> None:
-        """Rank 0: tell the workers to stop and wait for them; every rank: leave the group."""
+        """Tell the followers to stop, wait for them, and leave the group."""
         if self.closing:
             return
         self.closing = True
-        if self.tp is not None and self.tp.rank == 0:
-            self.send([("stop",)])
-            for proc in self.workers:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.terminate()
+        self.share([("stop",)])
+        for proc in self.followers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
         dist.destroy_process_group()
 
 
-class Solo:
-    """The group of an engine on one device: nothing to send, record or close."""
+@dataclass
+class Follower:
+    """A follower's executor: `tp` for the model's collectives and the gloo group the step messages come on. It
+    records nothing and sends nothing of its own: `follow` applies rank 0's changes and steps."""
 
-    tp = SINGLE
+    tp: TensorParallel
+    control: object
+    closing: bool = False
 
-    def send(self, message):
-        return message
+    def share(self, value):
+        return _broadcast(value, self.control)
 
     def record(self, *change) -> None:
         pass
 
-    def publish(self, running) -> None:
+    def step(self, running) -> None:
         pass
 
     @contextmanager
-    def unless_built(self):
-        yield
+    def building(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.closing = True
+            dist.destroy_process_group()
+            raise
 
     def close(self) -> None:
-        pass
-
-
-SOLO = Solo()
+        if not self.closing:
+            self.closing = True
+            dist.destroy_process_group()
 
 
 def follow(engine) -> None:
-    """A worker: apply rank 0's changes and step with it until it stops."""
-    group = engine.group
+    """A follower: apply rank 0's changes to `engine` and step with it until it stops."""
+    executor = engine.executor
     while True:
-        for kind, *args in group.send(None):
+        for kind, *args in executor.share(None):
             if kind == "stop":
                 return
             if kind == "admit":
@@ -140,7 +152,7 @@ def follow(engine) -> None:
                 engine.fail([_unfinished(engine, request_id) for request_id in args[0]], args[1])
             elif kind == "step":
                 if digest(engine.scheduler.running) != args[0]:
-                    raise RuntimeError(f"rank {group.tp.rank} diverged from rank 0: its running sequences differ")
+                    raise RuntimeError(f"rank {executor.tp.rank} diverged from rank 0: its running sequences differ")
                 engine.step()
 
 
@@ -169,41 +181,42 @@ def _join(rank: int, config, init_method: str) -> tuple[TensorParallel, object]:
     return TensorParallel(rank, size, config.enable_expert_parallel), control
 
 
-def launch(config) -> Group:
-    """Rank 0: start the workers of `config.tensor_parallel_size` ranks and join the group with them."""
+def launch(config, replica: Callable) -> Leader:
+    """Rank 0: start the followers of `config.tensor_parallel_size` ranks, each building its engine as
+    `replica(config, progress=False, executor=...)`, and join the group with them."""
     size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")
-    workers = [
+    followers = [
         context.Process(
-            target=run_worker,
-            args=(config, rank, size, init_method, os.getpid()),
+            target=run_follower,
+            args=(replica, config, rank, init_method, os.getpid()),
             name=f"deltaspec-tp{rank}",
             daemon=True,
         )
         for rank in range(1, size)
     ]
-    for proc in workers:
+    for proc in followers:
         proc.start()
-    group = Group(None, None, workers)
-    threading.Thread(target=_watch, args=(group,), name="deltaspec-tp-watch", daemon=True).start()
-    group.tp, group.control = _join(0, config, init_method)
-    atexit.register(group.close)
-    return group
+    leader = Leader(followers)
+    threading.Thread(target=_watch, args=(leader,), name="deltaspec-tp-watch", daemon=True).start()
+    leader.tp, leader.control = _join(0, config, init_method)
+    atexit.register(leader.close)
+    return leader
 
 
-def _watch(group: Group) -> None:
-    """Rank 0: exit the process, saying why, as soon as a worker is gone while the engine runs."""
-    while not group.closing:
-        for rank, proc in enumerate(group.workers, start=1):
-            if proc.exitcode is not None and not group.closing:
+def _watch(leader: Leader) -> None:
+    """Rank 0: exit the process, saying why, as soon as a follower is gone while the engine runs."""
+    while not leader.closing:
+        for rank, proc in enumerate(leader.followers, start=1):
+            if proc.exitcode is not None and not leader.closing:
                 print(
                     f"deltaspec: tensor-parallel worker rank {rank} exited (code {proc.exitcode}); the engine cannot "
                     "go on without it and stops.",
                     file=sys.stderr,
                     flush=True,
                 )
-                for other in group.workers:
+                for other in leader.followers:
                     if other.is_alive():
                         other.kill()
                 os._exit(1)
@@ -211,22 +224,20 @@ def _watch(group: Group) -> None:
 
 
 def _watch_parent(parent: int) -> None:
-    """A worker: exit when rank 0's process is gone."""
+    """A follower: exit when rank 0's process is gone."""
     while os.getppid() == parent:
         time.sleep(POLL_S)
     os._exit(1)
 
 
-def run_worker(config, rank: int, size: int, init_method: str, parent: int) -> None:
-    """A worker process: join the group, build the engine's shard, follow rank 0's steps until it stops."""
-    from deltaspec.engine.engine import Engine
-
+def run_follower(replica: Callable, config, rank: int, init_method: str, parent: int) -> None:
+    """A follower process: join the group, build the engine's shard with `replica`, follow rank 0's steps until it
+    stops."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     try:
-        tp, control = _join(rank, config, init_method)
-        group = Group(tp, control, [])
-        follow(Engine(config, progress=False, group=group))
-        group.close()
-    except BaseException as exc:  # noqa: BLE001 - the worker reports and exits; rank 0's watch stops the engine
+        follower = Follower(*_join(rank, config, init_method))
+        follow(replica(config, progress=False, executor=follower))
+        follower.close()
+    except BaseException as exc:  # noqa: BLE001 - the follower reports and exits; rank 0's watch stops the engine
         print(f"deltaspec: tensor-parallel worker rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)

@@ -3,7 +3,7 @@ runner (engine/cuda_graphs.py) and the memory planner, which counts the captured
 
 from __future__ import annotations
 
-from deltaspec.config import EngineConfig
+from deltaspec.config.engine import EngineConfig
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ROW_BUCKETS = (2, 4, 8, 16, 32, 64)

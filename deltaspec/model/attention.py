@@ -4,7 +4,7 @@ output gated by sigmoid(gate). The q, k and v projections are fused into `qkv_pr
 import torch
 from torch import nn
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import Linear, RMSNorm, fuse
 from deltaspec.ops.dispatch import OpTable

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from deltaspec.cache.model_caches import ModelCaches
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.model.attention import GatedAttention
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.gdn import GatedDeltaNet

@@ -9,7 +9,7 @@ the input projections are fused into one `in_proj` weight after loading.
 import torch
 from torch import nn
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import Linear, fuse
 from deltaspec.ops.dispatch import OpTable

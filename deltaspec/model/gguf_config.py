@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from deltaspec.config import FULL_ATTENTION, LINEAR_ATTENTION
+from deltaspec.config.model import FULL_ATTENTION, LINEAR_ATTENTION
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.config_sizes import SIZE_RANGES, checked_size
 from deltaspec.model.gguf_raw import RawGGUF

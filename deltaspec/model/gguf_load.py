@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.checkpoint_names import target_name
 from deltaspec.model.gguf_raw import GGUFTensor, block_layout
 from deltaspec.model.hybrid import HybridModel, VocabParallelEmbedding, fused_once_loaded
 from deltaspec.model.layers import QuantizedEmbedding, set_weight
-from deltaspec.model.weights import target_name
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.group import SINGLE, TensorParallel

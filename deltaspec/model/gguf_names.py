@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from deltaspec.config import LINEAR_ATTENTION
+from deltaspec.config.model import LINEAR_ATTENTION
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.gguf_config import architecture_of
 from deltaspec.model.gguf_raw import GGUFTensor, RawGGUF, block_layout

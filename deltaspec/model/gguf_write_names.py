@@ -27,10 +27,10 @@ import re
 
 import torch
 
-from deltaspec.config import LINEAR_ATTENTION, ModelConfig
+from deltaspec.config.model import LINEAR_ATTENTION, ModelConfig
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.checkpoint_names import SKIPPED_PREFIXES
 from deltaspec.model.gguf_names import GLOBAL_NAMES, LAYER_NAMES, NEXTN_NAMES, NORM, Layout
-from deltaspec.model.weights import SKIPPED_PREFIXES
 
 HF_GLOBAL = {hf: (name, value) for name, (hf, value) in GLOBAL_NAMES.items()}
 HF_NEXTN = {hf: (name, value) for name, (hf, value) in NEXTN_NAMES.items()}

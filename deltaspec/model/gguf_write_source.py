@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.gguf_config import ARCHITECTURES
 from deltaspec.model.gguf_file import read_gguf

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deltaspec.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, MoEConfig
+from deltaspec.config.model import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, MoEConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.config_sizes import SIZE_RANGES, checked_size, config_size
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from deltaspec.cache.model_caches import ModelCaches
-from deltaspec.config import LINEAR_ATTENTION, ModelConfig
+from deltaspec.config.model import LINEAR_ATTENTION, ModelConfig
+from deltaspec.model.checkpoint_names import checkpoint_name
 from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, SparseMoE, make_mlp
@@ -158,8 +159,6 @@ class HybridModel(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight under its Hugging Face checkpoint name; fused projections come back as views."""
-        from deltaspec.model.weights import checkpoint_name
-
         out, fused = {}, []
         for name, module in self.named_modules():
             if isinstance(module, FusedLinear):

@@ -9,7 +9,7 @@ per pass. `hf_weights()` gives the checkpoint-named weights back as views into t
 import torch
 from torch import nn
 
-from deltaspec.config import ModelConfig, MoEConfig
+from deltaspec.config.model import ModelConfig, MoEConfig
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.moe import SharedExpert, expected_distinct_experts
 from deltaspec.ops.quant.weight import FLOAT_TYPES, QuantizedWeight, shared_order

@@ -9,7 +9,7 @@ LM head turns h' into the draft distribution for t_{i+2}; feeding h' back chains
 import torch
 from torch import nn
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import Linear, RMSNorm, make_mlp

@@ -18,7 +18,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hybrid import HybridModel, fused_once_loaded
 from deltaspec.model.layers import QuantizedEmbedding, set_weight

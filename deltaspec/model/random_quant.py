@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.quant.formats import format_of, row_bytes
 from deltaspec.ops.quant.presets import DEFAULT_TYPE, preset_types

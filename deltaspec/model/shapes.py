@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from deltaspec.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, MoEConfig
+from deltaspec.config.model import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, MoEConfig
 from deltaspec.errors import DeltaspecError
 
 

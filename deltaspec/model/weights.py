@@ -6,9 +6,8 @@ the embedded default model when none is given).
 (`deltaspec.model.config_sizes`; the files and headers are checked by `deltaspec.model.safetensors_files`), then
 builds the model on the meta device, reads each safetensors tensor on its own (never a whole file), converts it
 to the requested dtype on the target device, and assigns it.
-Checkpoint names are mapped to the model's parameter names here: the multimodal wrapper prefix
-`model.language_model.` is dropped (the vision tower is skipped), GDN conv and norm weights are
-renamed, and per-expert MoE tensors are packed into the fused expert tensors. A tensor-parallel rank reads
+Checkpoint names are mapped to the model's parameter names (`deltaspec.model.checkpoint_names`), and per-expert
+MoE tensors are packed into the fused expert tensors here. A tensor-parallel rank reads
 only its slices of each tensor (`deltaspec.parallel.shard.Shard`; safetensors reads slices without the rest).
 A quantized checkpoint's matrices (FP8 block-scaled, int4 W4A16) become blocks (`deltaspec.model.hf_quant`).
 """
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
+from deltaspec.model.checkpoint_names import checkpoint_name, target_name
 from deltaspec.model.config_sizes import check_config_against_tensors
 from deltaspec.model.hf_quant import Blocks, checkpoint_quantization
 from deltaspec.model.hybrid import HybridModel, fused_once_loaded
@@ -34,12 +34,6 @@ from deltaspec.ops.quant.checkpoint_layout import weight_name
 from deltaspec.parallel.group import SINGLE, TensorParallel
 from deltaspec.parallel.shard import Shard, shard_config
 
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
-# checkpoint spelling -> parameter name (GDN conv and gated-norm weights are plain parameters here)
-RENAMES = {
-    ".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
-    ".linear_attn.norm.weight": ".linear_attn.norm_weight",
-}
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
 HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -89,27 +83,6 @@ def resolve_model_path(model: str) -> Path:
             f"Could not fetch {model} from the Hugging Face hub ({reason}); "
             "check the id and the network, or download it and pass the directory."
         ) from None
-
-
-def target_name(name: str, with_mtp: bool = True) -> str | None:
-    """The model parameter a checkpoint tensor name maps to (None: skipped on purpose; the MTP head's
-    tensors too unless `with_mtp`)."""
-    if name.startswith(SKIPPED_PREFIXES) or (not with_mtp and name.startswith("mtp.")):
-        return None
-    if name.startswith("model.language_model."):
-        name = "model." + name[len("model.language_model.") :]
-    for checkpoint_suffix, param_suffix in RENAMES.items():
-        if name.endswith(checkpoint_suffix):
-            return name[: -len(checkpoint_suffix)] + param_suffix
-    return name
-
-
-def checkpoint_name(param: str) -> str:
-    """The checkpoint spelling of a parameter name (inverse of `target_name`'s renames)."""
-    for checkpoint_suffix, param_suffix in RENAMES.items():
-        if param.endswith(param_suffix):
-            return param[: -len(param_suffix)] + checkpoint_suffix
-    return param
 
 
 def count_mtp_layers(names) -> int:

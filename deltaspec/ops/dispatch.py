@@ -1,12 +1,13 @@
 """The dispatch point: which implementation of each op a model on a given device calls.
 
-Every op has a torch reference (the spec, runs anywhere). A backend (the Triton kernels on CUDA)
-registers implementations with the same signature and semantics under the op's name; `ops_for`
-resolves the table once per device, so the model never looks anything up on the hot path.
+Every op has a torch reference (the spec, runs anywhere). A backend (the Triton kernels on CUDA,
+`deltaspec.ops.triton.backend.KERNELS`) gives implementations with the same signature and semantics under
+the op's name; `ops_for` resolves the table once per device, so the model never looks anything up on the
+hot path.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -57,25 +58,20 @@ REFERENCE = OpTable(
     moe_experts_sync=moe.experts_sync,
 )
 
-_BACKENDS: dict[str, dict[str, Callable]] = {}
-
-
-def register(device_type: str, op_name: str, fn: Callable) -> None:
-    """Make `fn` the implementation of `op_name` for devices of `device_type` (e.g. "cuda")."""
-    if op_name not in {f.name for f in fields(OpTable)}:
-        raise ValueError(f"unknown op {op_name!r}")
-    _BACKENDS.setdefault(device_type, {})[op_name] = fn
+_BACKENDS: dict[str, dict[str, Callable]] = {}  # device type -> op name -> its kernel, read at the first table
 
 
 def ops_for(device: torch.device | str, reference_only: bool = False, fp8_activations: str = "none") -> OpTable:
-    """The op table for `device`: registered kernels where present, torch references elsewhere.
-    On CUDA the Triton kernels register themselves the first time they are asked for. With `fp8_activations`
+    """The op table for `device`: its backend's kernels where present, torch references elsewhere.
+    On CUDA the Triton kernels are imported the first time they are asked for. With `fp8_activations`
     "dynamic" a model's quantized products are `fp8_dynamic_linear`s (`--fp8-activations`)."""
     table = REFERENCE
     if not reference_only:
         kind = torch.device(device).type
-        if kind == "cuda":
-            import deltaspec.ops.triton.backend  # noqa: F401  (registers the kernels)
+        if kind == "cuda" and kind not in _BACKENDS:
+            from deltaspec.ops.triton.backend import KERNELS
+
+            _BACKENDS[kind] = dict(KERNELS)
         table = replace(REFERENCE, **_BACKENDS.get(kind, {}))
     if fp8_activations == "dynamic":
         table = replace(table, quantized_linear=table.fp8_dynamic_linear)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaspec.config import MAX_TREE_ROWS
+from deltaspec.config.engine import MAX_TREE_ROWS
 
 TREE_KEEP = 1  # recurrence hint: the row has children, so the state after it is the one the next row continues
 TREE_RESTART = 2  # recurrence hint: the row's parent is not the state held after the previous row

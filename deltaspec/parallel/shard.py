@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 
 Pieces = tuple[int, tuple[tuple[int, int], ...]]  # (dimension, (start, stop) of each piece along it, concatenated)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from deltaspec.config import EngineConfig, resolve_engine_config
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.resolve import resolve_engine_config
 from deltaspec.errors import DeltaspecError
 from deltaspec.evaluate_kl import read_corpus, scoring_config
 from deltaspec.llm import LLM

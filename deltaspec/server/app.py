@@ -30,7 +30,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deltaspec.config import EngineConfig, ServerConfig
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError

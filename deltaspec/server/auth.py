@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 
-from deltaspec.config import ServerConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.server.errors import APIError
 
 API_KEY_ENV = "DELTASPEC_API_KEY"

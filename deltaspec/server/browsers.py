@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deltaspec.config import ServerConfig, flag_list
+from deltaspec.config.server import ServerConfig, flag_list
 from deltaspec.server.errors import APIError, shown
 from deltaspec.server.request_ids import log_error
 

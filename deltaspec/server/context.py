@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaspec.config import ServerConfig
+from deltaspec.config.server import ServerConfig
 from deltaspec.engine.async_engine import AsyncEngine
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.model.weights import default_model_path

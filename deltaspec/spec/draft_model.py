@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.config import ModelConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.batch import Scheduled, build_batch
 from deltaspec.execution.sequence import Sequence

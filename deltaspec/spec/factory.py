@@ -9,12 +9,15 @@ from pathlib import Path
 import torch
 
 from deltaspec.cache.memory_plan import DrafterMemory, plan_memory, weight_bytes
-from deltaspec.config import EngineConfig, ModelConfig, parse_dtype
+from deltaspec.config.dtypes import parse_dtype
+from deltaspec.config.engine import EngineConfig
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.block_drafter import BlockDrafterConfig, block_drafter_config
+from deltaspec.model.checkpoint_names import target_name
 from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.safetensors_files import checkpoint_files
-from deltaspec.model.weights import resolve_model_path, target_name
+from deltaspec.model.weights import resolve_model_path
 from deltaspec.spec.combined import CombinedDrafter
 from deltaspec.spec.draft_model import DraftModelDrafter, draft_checkpoint
 from deltaspec.spec.drafter import Drafter

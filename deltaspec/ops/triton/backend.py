@@ -1,12 +1,11 @@
-"""Registers the Triton kernels as the CUDA implementations of the ops (imported by
+"""The Triton kernels that are the CUDA implementations of the ops, by op name (`KERNELS`, read by
 `deltaspec.ops.dispatch.ops_for` the first time a CUDA op table is asked for).
 
-`linear` is not registered here: its route depends on the model's weight shapes, so the engine
+`linear` is not among them: its route depends on the model's weight shapes, so the engine
 builds a `deltaspec.ops.gemm_routing.GemmRouter` once the model is loaded and installs its
 `linear` (see `Engine`).
 """
 
-from deltaspec.ops.dispatch import register
 from deltaspec.ops.triton import activation, attention, conv, gdn, gdn_gates, moe, norms, quant_matmul, rope, w8a8
 
 KERNELS = {
@@ -27,6 +26,3 @@ KERNELS = {
     "moe_experts": moe.expert_products,
     "moe_experts_sync": moe.experts_sync,
 }
-
-for name, kernel in KERNELS.items():
-    register("cuda", name, kernel)

@@ -1,0 +1,140 @@
+"""Resolution of an `EngineConfig`: its "auto" device and dtypes decided and its values checked
+(`resolve_engine_config`, one pure function), the context checked against the model's positions, and the pools
+the planner decides written in (`with_pools`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
+from deltaspec.config.engine import MAX_TREE_ROWS, EngineConfig
+from deltaspec.config.host import default_device, default_threads
+from deltaspec.errors import DeltaspecError
+
+CHECKPOINTS_PER_STREAM = 3  # a long request leaves up to three: 512 and 64 tokens before its prompt's end, its end
+
+
+def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> EngineConfig:
+    """Resolve the "auto" device and dtypes of `cfg` and check its values; the streams, context, KV pool and
+    prefix checkpoints depend on the memory and are decided by the planner (`with_pools`).
+
+    dtype auto: the checkpoint's own `torch_dtype` on CUDA, float32 on CPU (bfloat16 matmuls are
+    slow there). state_dtype auto: float32, or float64 for a float64 model. kv_cache_dtype auto: the model's dtype
+    (named as it, "fp8" as "fp8_e4m3").
+    """
+    device = default_device() if cfg.device == "auto" else cfg.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeltaspecError(f"Device {device!r} was asked for but CUDA is not available; use --device cpu.")
+    if cfg.dtype == "auto":
+        dtype = (checkpoint_dtype or "bfloat16") if device.startswith("cuda") else "float32"
+    else:
+        dtype = cfg.dtype
+    dtype_name = str(parse_dtype(dtype)).removeprefix("torch.")
+    if cfg.state_dtype == "auto":
+        state_dtype = "float64" if dtype_name == "float64" else "float32"
+    else:
+        state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
+    parse_kv_dtype(cfg.kv_cache_dtype, dtype_name)
+    kv_cache_dtype = (
+        dtype_name if cfg.kv_cache_dtype == "auto" else {"fp8": "fp8_e4m3"}.get(cfg.kv_cache_dtype, cfg.kv_cache_dtype)
+    )
+    if cfg.prefix_offload_gib < 0:
+        raise DeltaspecError(f"prefix_offload_gib must be 0 (no offload) or more, got {cfg.prefix_offload_gib}.")
+    if cfg.prefix_checkpoints < 0:
+        raise DeltaspecError(f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.prefix_checkpoints}.")
+    if cfg.fp8_activations not in ("none", "dynamic"):
+        raise DeltaspecError(f"Unknown --fp8-activations {cfg.fp8_activations!r}; use none or dynamic.")
+    if cfg.speculative_tree and not 2 <= cfg.speculative_tree <= MAX_TREE_ROWS:
+        raise DeltaspecError(
+            f"speculative_tree is the most nodes of a tree of drafts, 2 to {MAX_TREE_ROWS} (0: chains); got "
+            f"{cfg.speculative_tree}."
+        )
+    if cfg.speculative_tree and cfg.draft_tokens >= MAX_TREE_ROWS:
+        raise DeltaspecError(
+            f"With speculative_tree a draft is at most {MAX_TREE_ROWS - 1} tokens deep; got draft_tokens "
+            f"{cfg.draft_tokens}."
+        )
+    if cfg.speculative_tree_shape not in ("dynamic", "static"):
+        raise DeltaspecError(f"Unknown speculative_tree_shape {cfg.speculative_tree_shape!r}; use dynamic or static.")
+    if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+        raise DeltaspecError(
+            "The n-gram drafter needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+            f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}."
+        )
+    if cfg.threads is not None and cfg.threads < 1:
+        raise DeltaspecError(f"threads must be at least 1, got {cfg.threads}; leave it out for the physical cores.")
+    if cfg.kernels not in ("auto", "reference"):
+        raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
+    if not 0 <= cfg.gpu_memory_utilization <= 1:
+        raise DeltaspecError(
+            f"gpu_memory_utilization is a fraction of the device's memory in (0, 1], or 0 for pools of exactly "
+            f"streams x context; got {cfg.gpu_memory_utilization}."
+        )
+    if cfg.gpu_memory_utilization and cfg.num_kv_blocks:
+        raise DeltaspecError("--gpu-memory-utilization sizes the KV pool itself; give it or --num-kv-blocks, not both.")
+    for name in ("max_num_seqs", "max_model_len", "num_kv_blocks"):
+        if getattr(cfg, name) < 0:
+            raise DeltaspecError(f"{name} must be 0 (automatic) or more, got {getattr(cfg, name)}.")
+    for name in (
+        "tensor_parallel_size",
+        "block_size",
+        "max_num_batched_tokens",
+        "prefill_chunk",
+        "draft_tokens",
+    ):
+        if getattr(cfg, name) < 1:
+            raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
+    chat_template = None if cfg.chat_template is None else chat_template_text(cfg.chat_template)
+    return replace(
+        cfg,
+        device=device,
+        dtype=dtype_name,
+        state_dtype=state_dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        chat_template=chat_template,
+        threads=cfg.threads or default_threads(),
+    )
+
+
+def chat_template_text(template: str) -> str:
+    """The Jinja source `--chat-template` gives, read as vLLM reads it: text with a brace or a newline is the
+    template itself, anything else names its file."""
+    if any(char in template for char in "{}\n"):
+        return template
+    try:
+        return Path(template).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DeltaspecError(
+            f"--chat-template {template!r} is neither a file nor a Jinja template; give a template file or its text "
+            "(deltaspec ships no named templates, and without the flag it uses the model's own)."
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DeltaspecError(f"Could not read the chat template file {template} ({exc}).") from None
+
+
+def check_context(cfg: EngineConfig, positions: int) -> None:
+    """Refuse a --max-model-len beyond the model's trained positions unless it is explicitly allowed."""
+    if cfg.max_model_len > positions and not cfg.allow_long_max_model_len:
+        raise DeltaspecError(
+            f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings ({positions}); use "
+            f"{positions} or less, or add --allow-long-max-model-len to run past the positions it was trained on."
+        )
+
+
+def with_pools(cfg: EngineConfig, streams: int, ctx: int, kv_blocks: int) -> EngineConfig:
+    """`cfg` with its streams, context and KV pool decided (by the planner) and its prefix checkpoints counted:
+    0 means three per stream, none without prefix caching."""
+    pool = kv_blocks * cfg.block_size
+    if kv_blocks and pool < ctx:
+        raise DeltaspecError(
+            f"The KV pool of {kv_blocks} pages x {cfg.block_size} tokens ({pool} tokens) cannot hold one full "
+            f"context of {ctx} tokens; use --num-kv-blocks {-(-ctx // cfg.block_size)} or more, or "
+            f"--max-model-len {pool} or less."
+        )
+    checkpoints = (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * streams) if cfg.enable_prefix_caching else 0
+    return replace(
+        cfg, max_num_seqs=streams, max_model_len=ctx, num_kv_blocks=kv_blocks, prefix_checkpoints=checkpoints
+    )
