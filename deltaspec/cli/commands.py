@@ -53,8 +53,15 @@ def cmd_kl(args: argparse.Namespace) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
-    from deltaspec.quantize.command import run_quantize, summary_text
+    from deltaspec.quantize.command import run_quantize, run_random_quantize, summary_text
 
+    if args.shape is not None and not args.random_weights:
+        raise DeltaspecError("--shape names the shape of --random-weights; add --random-weights or leave out --shape.")
+    if args.random_weights:
+        if args.model_tag is not None or args.calibration:
+            raise DeltaspecError("--random-weights writes a shape's random weights; leave out MODEL and --calibration.")
+        print(summary_text(run_random_quantize(args.shape, args.out, args.type, args.seed, args.device)))
+        return
     summary = run_quantize(
         args.model_tag,
         args.out,
@@ -211,8 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--window", type=int, default=512, help="tokens per calibration window (default: 512)")
     quant.add_argument("--dtype", default="auto", help="dtype of the calibration run (default: auto)")
     quant.add_argument(
-        "--device", default="auto", help="device of the calibration run and the quantization (default: auto)"
+        "--device",
+        default="auto",
+        help="device of the calibration run and the quantization, or of the random draws (default: auto)",
     )
+    quant.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="write random weights of --shape instead of a checkpoint's (the weights --random-weights --quant TYPE "
+        "draws with the same --seed on the same device), with a minimal tokenizer; for benchmarks against llama.cpp",
+    )
+    quant.add_argument(
+        "--shape",
+        default=None,
+        help="model shape for --random-weights: qwen3.5-0.8b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
+        "qwen3-next-80b-a3b",
+    )
+    quant.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     quant.set_defaults(func=cmd_quantize)
 
     plan = commands.add_parser("plan", help="memory budget of a configuration: weights, KV, GDN states, workspace")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +44,9 @@ from deltaspec.model.gguf_write_meta import (
 )
 from deltaspec.model.gguf_write_names import TensorConverter, layout_for
 from deltaspec.model.gguf_write_source import Source
-from deltaspec.ops.quant.formats import format_of, row_bytes
-from deltaspec.ops.quant.presets import DEFAULT_TYPE, FALLBACK, LAYER, allows_quantization, preset_types
+from deltaspec.model.random_quant import pure_type
+from deltaspec.ops.quant.formats import row_bytes
+from deltaspec.ops.quant.presets import DEFAULT_TYPE, LAYER, preset_types
 from deltaspec.ops.quant.quantize import quantize
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -98,7 +99,7 @@ def tensor_types(kind: str, plan: list[tuple[str, tuple[int, ...]]], n_layers: i
         return {name: _converter_type(name, shape, kind) for name, shape in plan}
     if kind in PRESETS:
         return preset_types(kind, [(name, shape, "F32") for name, shape in plan], n_layers=n_layers, n_expert=n_expert)
-    return {name: _pure_type(kind, shape[-1]) if allows_quantization(name, shape) else "F32" for name, shape in plan}
+    return {name: pure_type(kind, name, shape) for name, shape in plan}
 
 
 def _converter_type(name: str, shape: tuple[int, ...], outtype: str) -> str:
@@ -106,14 +107,6 @@ def _converter_type(name: str, shape: tuple[int, ...], outtype: str) -> str:
     if len(shape) <= 1 or not name.endswith(".weight") or name.endswith(CONVERTER_F32):
         return "F32"
     return outtype
-
-
-def _pure_type(qtype: str, cols: int) -> str:
-    """llama-quant.cpp `tensor_type_fallback`: `qtype`, its 32-element stand-in, or F16, whichever divides the row."""
-    for candidate in (qtype, FALLBACK.get(qtype, qtype)):
-        if cols % format_of(candidate).block_size == 0:
-            return candidate
-    return "F16"
 
 
 def check_writable(path: Path) -> None:
@@ -139,14 +132,23 @@ def _converted(source: Source, meta: bool) -> Iterator[tuple[str, torch.Tensor]]
     converter.finish()
 
 
-def _add_info(writer: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: str) -> None:
-    if qtype in ("F32", "F16"):
-        dtype = np.dtype(np.float32 if qtype == "F32" else np.float16)
-        writer.add_tensor_info(name, shape, dtype, math.prod(shape) * dtype.itemsize)
-        return
-    byte_shape = (*shape[:-1], row_bytes(qtype, shape[-1]))
-    raw = gguf.GGMLQuantizationType[qtype]
-    writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=raw)
+def add_tensor_infos(writer: gguf.GGUFWriter, plan: list[tuple[str, tuple[int, ...], str]]) -> None:
+    """The tensor infos of the file, in its order (`plan`: name, torch shape, type)."""
+    for name, shape, qtype in plan:
+        if qtype in ("F32", "F16"):
+            dtype = np.dtype(np.float32 if qtype == "F32" else np.float16)
+            writer.add_tensor_info(name, shape, dtype, math.prod(shape) * dtype.itemsize)
+            continue
+        byte_shape = (*shape[:-1], row_bytes(qtype, shape[-1]))
+        raw = gguf.GGMLQuantizationType[qtype]
+        writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=raw)
+
+
+def move_quantize_keys(writer: gguf.GGUFWriter, kind: str) -> None:
+    """llama-quantize sets these two keys anew, which moves them after the converter's keys."""
+    if kind not in FLOAT_TYPES:
+        kv = writer.kv_data[0]
+        kv |= {key: kv.pop(key) for key in ("general.quantization_version", "general.file_type")}
 
 
 def encode(tensor: torch.Tensor, qtype: str, importance: torch.Tensor | None, device: torch.device) -> np.ndarray:
@@ -168,8 +170,7 @@ def _writer(
 ) -> gguf.GGUFWriter:
     """A GGUFWriter holding the file's tensor infos (`plan`: name, torch shape, type) and metadata."""
     writer = gguf.GGUFWriter(None, source.arch)
-    for name, shape, qtype in plan:
-        _add_info(writer, name, shape, qtype)
+    add_tensor_infos(writer, plan)
     add_general(writer, source.path if source.gguf_metadata is None else None, source.name)
     if source.gguf_metadata is not None:
         add_gguf_sampling(writer, source.gguf_metadata)
@@ -178,9 +179,7 @@ def _writer(
         add_hf_tokenizer(writer, source.path, source.config.vocab_size)
     else:
         add_gguf_tokenizer(writer, source.gguf_metadata)
-    if kind not in FLOAT_TYPES:  # llama-quantize sets these two anew, which moves them after the converter's keys
-        kv = writer.kv_data[0]
-        kv |= {key: kv.pop(key) for key in ("general.quantization_version", "general.file_type")}
+    move_quantize_keys(writer, kind)
     if importance is not None:
         writer.add_string("quantize.imatrix.dataset", importance.dataset)
         writer.add_uint32("quantize.imatrix.entries_count", len(importance.values))
@@ -199,12 +198,29 @@ def write_gguf(
     """Write `source` to the GGUF file `path` with the tensor types of --type `kind`; returns how many tensors got
     each type. The tensors are quantized on `device`, in the converter's order, each written where the file's
     order puts it."""
-    plan = _file_plan(kind, [(name, tuple(tensor.shape)) for name, tensor in _converted(source, meta=True)])
+    plan = file_plan(kind, [(name, tuple(tensor.shape)) for name, tensor in _converted(source, meta=True)])
     moe = source.config.moe
     types = tensor_types(kind, plan, source.config.num_hidden_layers + source.num_mtp, moe.num_experts if moe else 0)
     writer = _writer(source, kind, [(name, shape, types[name]) for name, shape in plan], importance)
-    offsets, end = _data_offsets(writer)
     values = importance.values if importance is not None else {}
+    encoded = (
+        (name, encode(tensor, types[name], values.get(name), device)) for name, tensor in _converted(source, meta=False)
+    )
+    write_file(writer, path, encoded, types, progress)
+    return Counter(types.values())
+
+
+def write_file(
+    writer: gguf.GGUFWriter,
+    path: Path,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    types: dict[str, str],
+    progress: bool,
+) -> None:
+    """Write the file `writer` describes (metadata and tensor infos) to `path`: its header into `OUT.partial`, then
+    each tensor's bytes of `tensors` (name, array), in whatever order they come, where the file's order puts it,
+    then renamed to `path` once complete. Only the tensor being written is held."""
+    offsets, end = _data_offsets(writer)
     partial = _partial(path)
     try:
         writer.write_header_to_file(partial)
@@ -213,14 +229,14 @@ def write_gguf(
         (out,) = writer.fout
         writer.write_padding(out, out.tell())
         start = out.tell()
-        bar = tqdm(total=len(plan), desc=f"Writing {path.name}", unit="tensor", disable=not progress)
-        for name, tensor in _converted(source, meta=False):
+        bar = tqdm(total=len(offsets), desc=f"Writing {path.name}", unit="tensor", disable=not progress)
+        for name, data in tensors:
             bar.set_postfix_str(f"{name} {types[name]}", refresh=False)
             out.seek(start + offsets.pop(name))
-            encode(tensor, types[name], values.get(name), device).tofile(out)
+            data.tofile(out)
             bar.update()
         bar.close()
-        assert not offsets, f"{sorted(offsets)} were planned but never converted"
+        assert not offsets, f"{sorted(offsets)} were planned but never written"
         out.truncate(start + end)  # the padding after the last tensor of the file
         writer.close()
         partial.replace(path)
@@ -229,10 +245,9 @@ def write_gguf(
     finally:
         writer.close()
         partial.unlink(missing_ok=True)
-    return Counter(types.values())
 
 
-def _file_plan(kind: str, plan: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+def file_plan(kind: str, plan: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
     """The tensors (name, torch shape) in the order and shapes the file stores them: the converter's for its own
     types; llama-quantize's for the others — by layer (global tensors first), then by name (its model loader's
     `weight_name_comparer`), each shape without the leading dimensions of 1 (ggml's `ggml_n_dims`, which its

@@ -14,6 +14,7 @@ is the same model.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from tqdm import tqdm
@@ -70,6 +71,49 @@ def _draw(name: str, shape: torch.Size, config: ModelConfig, out: torch.Tensor, 
         raise DeltaspecError(f"No random init is defined for parameter {name} {list(shape)}.")
 
 
+def parameter_shapes(model: HybridModel, config: ModelConfig) -> list[tuple[str, torch.Size]]:
+    """The parameters random weights are drawn for, in the order they are drawn: `model`'s (built on the meta
+    device), the LM head left out when it is tied to the embeddings."""
+    return [
+        (name, param.shape)
+        for name, param in model.named_parameters()
+        if not (name == "lm_head.weight" and config.tie_word_embeddings)
+    ]
+
+
+def file_types(config: ModelConfig, quant: str) -> dict[str, str]:
+    """{parameter: GGUF type} under `quant`, as in a file with the shape's MTP head, whether it is drawn or not:
+    llama-quantize counts the head's tensors in its choices."""
+    with torch.device("meta"):
+        full = HybridModel(config, None, torch.float32, torch.device("meta"), config.num_mtp_layers)
+    return tensor_types(config, dict(parameter_shapes(full, config)), quant)
+
+
+def random_parameters(
+    config: ModelConfig,
+    shapes: list[tuple[str, torch.Size]],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    quant: str | None = None,
+) -> Iterator[tuple[str, QuantizedWeight | torch.Tensor]]:
+    """Each parameter of `shapes` (`parameter_shapes`) drawn in turn on `device` from one generator seeded `seed`:
+    with `quant`, a weight matrix as blocks of the type `random_quant.tensor_types` gives it (`random_blocks`),
+    every other parameter as a `dtype` tensor (`_draw`). One parameter exists at a time unless the caller keeps
+    it, so a GGUF file of any size is written from this as well as a model is built from it."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    types = file_types(config, quant) if quant else {}
+    pools = {}  # quantized unit-normal blocks per type (`random_blocks`)
+    for name, shape in shapes:
+        if name in types:
+            yield name, random_blocks(shape, types[name], matrix_std(name, shape, config), gen, pools)
+        else:
+            drawn = torch.empty(shape, dtype=dtype, device=device)
+            _draw(name, shape, config, drawn, gen)
+            yield name, drawn
+
+
 @fused_once_loaded
 def random_model(
     config: ModelConfig,
@@ -82,13 +126,13 @@ def random_model(
     quant: str | None = None,
     tp: TensorParallel = SINGLE,
 ) -> HybridModel:
-    """The model of `config` with seeded random weights drawn on `device`, fused like a loaded checkpoint (the
-    shape's MTP head only `with_mtp`); with `quant`, each weight matrix becomes blocks of the type
-    `random_quant.tensor_types` gives it, distributed like its normal init quantized (`random_quant.random_blocks`:
-    blocks drawn from a pool of quantized unit-normal blocks, their scales multiplied by the matrix's std), so the
-    float model never exists whole (and
-    Qwen3-Next's GDN projections are separate, as a GGUF file's load). A rank of the tensor-parallel group `tp`
-    keeps its part of each float weight (`--quant` runs on one device)."""
+    """The model of `config` with seeded random weights drawn on `device` (`random_parameters`), fused like a
+    loaded checkpoint (the shape's MTP head only `with_mtp`); with `quant`, each weight matrix becomes blocks of
+    the type `random_quant.tensor_types` gives it, distributed like its normal init quantized
+    (`random_quant.random_blocks`: blocks drawn from a pool of quantized unit-normal blocks, their scales
+    multiplied by the matrix's std), so the float model never exists whole (and Qwen3-Next's GDN projections are
+    separate, as a GGUF file's load). A rank of the tensor-parallel group `tp` keeps its part of each float
+    weight (`--quant` runs on one device)."""
     if quant and tp.sharded:
         raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
     if quant:
@@ -98,27 +142,20 @@ def random_model(
         model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)
         full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    shapes = {n: p.shape for n, p in full.named_parameters()}
-    types = tensor_types(config, shapes, quant) if quant else {}
+    shapes = parameter_shapes(full, config)
     modules = dict(model.named_modules())
     weights = {}
-    params = [(n, p) for n, p in full.named_parameters() if not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    pools = {}  # quantized unit-normal blocks per type (`random_blocks`)
-    for name, param in tqdm(params, desc="Random weights", unit="tensor", disable=not progress):
-        if name in types:
+    drawn = random_parameters(config, shapes, dtype, device, seed, quant)
+    for name, value in tqdm(drawn, total=len(shapes), desc="Random weights", unit="tensor", disable=not progress):
+        if isinstance(value, QuantizedWeight):
             module_name, _, attribute = name.rpartition(".")
-            std = matrix_std(name, param.shape, config)
-            set_weight(modules[module_name], attribute, random_blocks(param.shape, types[name], std, gen, pools))
+            set_weight(modules[module_name], attribute, value)
         else:
-            drawn = torch.empty(param.shape, dtype=dtype, device=device)
-            _draw(name, param.shape, config, drawn, gen)
-            weights[name] = shard.take(name, drawn).contiguous() if tp.sharded else drawn
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in types:
-        set_weight(model.lm_head, "weight", model.model.embed_tokens.weight)
-    elif config.tie_word_embeddings:
+            weights[name] = shard.take(name, value).contiguous() if tp.sharded else value
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    elif config.tie_word_embeddings:  # quantized embeddings, which the LM head shares
+        set_weight(model.lm_head, "weight", model.model.embed_tokens.weight)
     model.load_state_dict(weights, assign=True, strict=False)
     if left := [n for n, p in model.named_parameters() if p.is_meta]:
         raise RuntimeError(f"random weights left {len(left)} parameters undrawn, e.g. {left[0]}")

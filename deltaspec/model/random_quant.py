@@ -1,10 +1,11 @@
 """`--random-weights --shape NAME --quant TYPE`: which GGUF type each random weight is quantized to.
 
 TYPE is a llama.cpp preset (q4_k_m, q5_k_m, q6_k, q8_0: each tensor's type chosen as llama-quantize chooses it,
-`deltaspec.ops.quant.presets`) or a single block type (q4_k, q8_0, iq4_xs, ...) for every matrix. The model's
-parameters are named as GGUF files name them (`token_embd`, `blk.N.attn_qkv`, `blk.N.ffn_down_exps`, the MTP
-head as NextN blocks after the last layer), so the choice is the one a file of that shape would get. What is not
-a matrix (norms, gates' biases, the conv window, A_log, dt_bias) and the MoE router stay in the model's dtype.
+`deltaspec.ops.quant.presets`) or a single block type (q4_k, q8_0, iq4_xs, ...) for every matrix, as
+`llama-quantize --pure` gives it (`pure_type`). The model's parameters are named as GGUF files name them
+(`token_embd`, `blk.N.attn_qkv`, `blk.N.ffn_down_exps`, the MTP head as NextN blocks after the last layer), so
+the choice is the one a file of that shape would get. What is not a matrix (norms, gates' biases, the conv
+window, A_log, dt_bias) and the MoE router stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.quant.formats import format_of, row_bytes
-from deltaspec.ops.quant.presets import DEFAULT_TYPE, preset_types
+from deltaspec.ops.quant.presets import DEFAULT_TYPE, FALLBACK, allows_quantization, preset_types
 from deltaspec.ops.quant.quantize import QUANTIZERS, quantize
 from deltaspec.ops.quant.weight import QuantizedWeight
 
@@ -92,8 +93,7 @@ def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str)
     named = {gguf_name(name, config): name for name, shape in shapes.items() if len(shape) >= 2}
     named.pop(None, None)
     if key not in DEFAULT_TYPE:
-        block = format_of(key).block_size
-        chosen = {gguf: (key if shapes[name][-1] % block == 0 else "F16") for gguf, name in named.items()}
+        chosen = {gguf: pure_type(key, gguf, tuple(shapes[name])) for gguf, name in named.items()}
         if key in CHECKPOINT_TYPES:  # a quantized checkpoint's layout: embeddings, LM head and routers stay float
             kept = [gguf for gguf in chosen if gguf.startswith(FP8_KEPT) or ROUTER in gguf]
             chosen |= dict.fromkeys(kept, "F16")
@@ -103,6 +103,18 @@ def tensor_types(config: ModelConfig, shapes: dict[str, torch.Size], quant: str)
         blocks = config.num_hidden_layers + config.num_mtp_layers
         chosen = preset_types(key, listing, n_layers=blocks, n_expert=n_expert)
     return {named[gguf]: qtype for gguf, qtype in chosen.items() if not format_of(qtype).is_float}
+
+
+def pure_type(qtype: str, name: str, shape: tuple[int, ...]) -> str:
+    """What `llama-quantize --pure` makes of GGUF tensor `name` (torch `shape`) with `qtype`: F32 for what it never
+    quantizes (norms, routers, the conv window); else `qtype`, its 32-element stand-in (llama-quant.cpp
+    `tensor_type_fallback`) or F16, whichever has blocks that divide the row."""
+    if not allows_quantization(name, shape):
+        return "F32"
+    for candidate in (qtype, FALLBACK.get(qtype, qtype)):
+        if shape[-1] % format_of(candidate).block_size == 0:
+            return candidate
+    return "F16"
 
 
 def random_blocks(

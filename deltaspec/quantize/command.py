@@ -1,10 +1,11 @@
 """The `deltaspec quantize` command: check the request, measure the importance on calibration text (when given),
 write the GGUF file, and sum up what was written.
 
-The model is a Hugging Face checkpoint directory or hub id, a float GGUF file, or (none given) the embedded
-default model. Without calibration text no importance is used, as llama-quantize without --imatrix; with it, the
-float model runs on `device` in `dtype` over the text's windows first (refused for the float types and Q8_0,
-which use none). Quantization runs on `device` too.
+The model is a Hugging Face checkpoint directory or hub id, a float GGUF file, (none given) the embedded default
+model, or with `--random-weights` a shape's random weights (`gguf_write_random`, drawn on `device`). Without
+calibration text no importance is used, as llama-quantize without --imatrix; with it, the float model runs on
+`device` in `dtype` over the text's windows first (refused for the float types and Q8_0, which use none).
+Quantization runs on `device` too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from deltaspec.evaluate_kl import read_corpus, scoring_config
 from deltaspec.llm import LLM
 from deltaspec.model.gguf_write import FLOAT_TYPES, Importance, check_writable, parse_type, write_gguf
 from deltaspec.model.gguf_write_names import gguf_importance, layout_for
+from deltaspec.model.gguf_write_random import write_random_gguf
 from deltaspec.model.gguf_write_source import Source, open_source
+from deltaspec.model.shapes import SHAPES, shape_config
 from deltaspec.quantize.imatrix import collect_importance
 
 
@@ -91,6 +94,30 @@ def run_quantize(
     }
 
 
+def run_random_quantize(
+    shape: str | None, out: str, type_name: str, seed: int = 0, device: str = "auto", progress: bool = True
+) -> dict:
+    """Write the random weights of `shape` (seeded `seed`, drawn on `device`) as the GGUF file `out` with the tensor
+    types of --type `type_name`; the summary."""
+    if shape is None:
+        raise DeltaspecError(f"--random-weights needs --shape NAME; the shapes are {', '.join(SHAPES)}.")
+    kind = parse_type(type_name)
+    config = shape_config(shape)
+    path = Path(out)
+    check_writable(path)
+    start = time.perf_counter()
+    counts = write_random_gguf(config, shape, path, kind, seed, device_of(device), progress)
+    return {
+        "output": str(path),
+        "bytes": path.stat().st_size,
+        "type": kind.lower(),
+        "tensors": dict(counts.most_common()),
+        "imatrix": None,
+        "random": {"shape": shape, "seed": seed},
+        "seconds": {"calibration": 0.0, "writing": time.perf_counter() - start},
+    }
+
+
 def summary_text(summary: dict) -> str:
     """The summary as the command prints it: file and size, the tensor types used, the time."""
     size = summary["bytes"]
@@ -99,6 +126,8 @@ def summary_text(summary: dict) -> str:
         f"wrote {summary['output']} ({summary['type']}): {size / 2**20:.2f} MiB ({size:,d} bytes)",
         f"tensors: {sum(summary['tensors'].values())} ({types})",
     ]
+    if (random := summary.get("random")) is not None:
+        lines.append(f"random weights: shape {random['shape']}, seed {random['seed']}")
     seconds = summary["seconds"]
     if summary["imatrix"] is not None:
         imatrix = summary["imatrix"]
