@@ -1,4 +1,12 @@
-"""deltaspec: inference engine for hybrid Gated DeltaNet / attention LLMs, built around speculative decoding."""
+"""deltaspec: inference engine for hybrid Gated DeltaNet / attention LLMs, built around speculative decoding.
+
+Importing it before torch makes OpenMP's threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, unless
+the environment says otherwise): spinning threads collapse CPU decode when other processes share the cores
+(docs/configuration.md, benchmarks/threads-cpu-default-model.json)."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from deltaspec.errors import DeltaspecError
 from deltaspec.llm import LLM

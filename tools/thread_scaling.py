@@ -6,7 +6,8 @@ Each configuration runs in its own process (OpenMP reads its wait policy when to
 DESIGN §6 defines it. A competing load is that many processes spinning in a loop while the runs are timed. The
 configurations: 1 thread and the physical cores (deltaspec's default), OpenMP's default wait policy (threads spin
 between parallel regions) and OMP_WAIT_POLICY=PASSIVE (they sleep), with no load and with one spinning process per
-core. Usage:
+core. (deltaspec itself sets PASSIVE when the variable is unset; the runs import torch first so that "default" is
+OpenMP's own.) Usage:
 
     .venv/bin/python tools/thread_scaling.py --out benchmarks/threads-cpu-default-model.json
 """
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MEASURE = """
 import json, subprocess, sys, time
+import torch  # first, so that OpenMP reads the wait policy this process was started with, not deltaspec's default
 sys.path.insert(0, {root!r})
 from deltaspec import LLM, SamplingParams
 llm = LLM(None, dtype="float32", device="cpu", max_num_seqs=1, max_model_len=512, threads={threads})
