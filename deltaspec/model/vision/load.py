@@ -1,0 +1,68 @@
+"""Build a checkpoint's vision tower and fill it from the tower's safetensors tensors (`model.visual.*`, or
+`visual.*` in older layouts), each read on its own and converted to the requested dtype on the target device."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hf_config import read_config_json
+from deltaspec.model.safetensors_files import StoredTensor, checkpoint_tensors, open_safetensors
+from deltaspec.model.vision.config import parse_vision_config
+from deltaspec.model.vision.tower import VisionTower
+
+TOWER_PREFIXES = ("model.visual.", "visual.")
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:5])
+    return shown + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+
+def tower_tensors(tensors: dict[str, StoredTensor]) -> tuple[str, dict[str, StoredTensor]]:
+    """The tower's prefix in the checkpoint and its tensors, named without it (empty when it has none)."""
+    for prefix in TOWER_PREFIXES:
+        found = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+        if found:
+            return prefix, found
+    return TOWER_PREFIXES[0], {}
+
+
+def load_vision_tower(model_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> VisionTower:
+    """The vision tower of the checkpoint at `model_dir`, every parameter read from its files."""
+    config = parse_vision_config(read_config_json(model_dir))
+    prefix, stored = tower_tensors(checkpoint_tensors(model_dir))
+    if not stored:
+        raise DeltaspecError(
+            f"The checkpoint at {model_dir} has no vision-tower tensors ({prefix}*), so it cannot read images."
+        )
+    tower = VisionTower(config, dtype, device)
+    params = dict(tower.named_parameters())
+    unexpected = sorted(prefix + name for name in stored if name not in params)
+    missing = sorted(prefix + name for name in params if name not in stored)
+    if unexpected or missing:
+        what = (
+            f"lacks {len(missing)} tensors the tower needs: {_listing(missing)}"
+            if missing
+            else (f"has {len(unexpected)} vision tensors deltaspec does not know: {_listing(unexpected)}")
+        )
+        raise DeltaspecError(f"The checkpoint at {model_dir} {what}.")
+    for name, param in params.items():
+        if tuple(stored[name].shape) != tuple(param.shape):
+            raise DeltaspecError(
+                f"The checkpoint's {prefix}{name} has shape {list(stored[name].shape)} but its config.json's "
+                f"vision_config makes it {list(param.shape)}; restore the checkpoint's files."
+            )
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in params:
+        by_file[stored[name].file].append(name)
+    loaded = {}
+    for file, names in by_file.items():
+        with open_safetensors(file) as f:
+            for name in names:
+                loaded[name] = f.get_tensor(prefix + name).to(device=device, dtype=dtype)
+    tower.load_state_dict(loaded, assign=True, strict=True)
+    return tower
