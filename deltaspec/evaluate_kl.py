@@ -20,7 +20,7 @@ import json
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,12 +65,12 @@ def identity(llm: LLM) -> dict:
     config = llm.engine.config
     return {
         "path": str(llm.engine.model_dir),
-        "dtype": config.dtype,
-        "state_dtype": config.state_dtype,
-        "kv_cache_dtype": config.kv_cache_dtype,
-        "fp8_activations": config.fp8_activations,
-        "device": config.device,
-        "prefill_chunk": min(config.prefill_chunk, config.max_num_batched_tokens),
+        "dtype": config.load.dtype,
+        "state_dtype": config.cache.state_dtype,
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "fp8_activations": config.load.fp8_activations,
+        "device": config.host.device,
+        "prefill_chunk": min(config.scheduler.prefill_chunk, config.scheduler.max_num_batched_tokens),
     }
 
 
@@ -80,21 +80,21 @@ def window_logits(engine: Engine, window: list[int]) -> torch.Tensor:
     prefilled chunk by chunk through the engine's runner, as prompt logprobs are."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     seq = engine.new_sequence("kl", None, window, params)
-    engine.cache.admit(seq)
-    chunk = min(engine.config.prefill_chunk, engine.config.max_num_batched_tokens)
+    engine.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
+    chunk = min(engine.config.scheduler.prefill_chunk, engine.config.scheduler.max_num_batched_tokens)
     rows = []
     try:
-        while seq.num_computed < len(window):
-            n = min(chunk, len(window) - seq.num_computed)
-            if not engine.cache.reserve(seq, seq.num_computed + n):
+        while seq.cache.num_computed < len(window):
+            n = min(chunk, len(window) - seq.cache.num_computed)
+            if not engine.cache.reserve(seq.cache, seq.cache.num_computed + n):
                 raise DeltaspecError(
                     "The KV page pool cannot hold one window; lower --window or raise --num-kv-blocks."
                 )
             (out,) = engine.runner.execute([Scheduled(seq, n)])
-            engine.cache.after_pass(seq, n, out.logged)
+            engine.cache.after_pass(seq.cache, n, out.logged, verifying=bool(seq.proposal.tokens))
             rows.append(out.prompt_logits)  # [n, vocab]
     finally:
-        engine.cache.release(seq)
+        engine.cache.release(seq.cache)
     return torch.cat(rows)[: len(window) - 1]
 
 
@@ -322,10 +322,12 @@ def kl_divergence(
 def scoring_config(config: EngineConfig, window: int, **changes) -> EngineConfig:
     """`config` with `changes`, sized for scoring one window at a time when the streams and context are unset (on
     one device: windows run through the runner directly, outside the steps tensor-parallel ranks share)."""
-    config = replace(config, **changes)
-    if config.tensor_parallel_size > 1:
+    config = config.with_settings(**changes)
+    if config.parallel.tensor_parallel_size > 1:
         raise DeltaspecError("KL scoring and imatrix calibration run on one device; drop --tensor-parallel-size.")
-    return replace(config, max_num_seqs=config.max_num_seqs or 1, max_model_len=config.max_model_len or window + 1)
+    return config.with_settings(
+        max_num_seqs=config.scheduler.max_num_seqs or 1, max_model_len=config.scheduler.max_model_len or window + 1
+    )
 
 
 def run_kl(
@@ -341,15 +343,15 @@ def run_kl(
 ) -> dict:
     """The `deltaspec kl` command: load the base (unless its logits are saved; in `base_dtype`, default the model's,
     with its own `base_options`: `state_dtype`, `kv_cache_dtype`, `fp8_activations`) and the model of `config`
-    (none when `config.model` is None: the base only runs to be saved), then `kl_divergence`."""
-    check_request(config.model is not None, base is not None, base_logits, save_base, window, max_windows)
+    (none when `config.load.model` is None: the base only runs to be saved), then `kl_divergence`."""
+    check_request(config.load.model is not None, base is not None, base_logits, save_base, window, max_windows)
     if base_logits is not None:
         SavedBase(base_logits)  # a missing or foreign file fails before any model loads
     base_llm = model_llm = None
     if base is not None:
-        changes = dict(model=base, dtype=base_dtype or config.dtype, **base_options)
+        changes = dict(model=base, dtype=base_dtype or config.load.dtype, **base_options)
         base_config = scoring_config(config, window, **changes)
-        base_llm = LLM(progress=True, **vars(base_config))
-    if config.model is not None:
-        model_llm = LLM(progress=True, **vars(scoring_config(config, window)))
+        base_llm = LLM(progress=True, **base_config.flat())
+    if config.load.model is not None:
+        model_llm = LLM(progress=True, **scoring_config(config, window).flat())
     return kl_divergence(model_llm, text, window, max_windows, base_llm, base_logits, save_base, progress=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
-from deltaspec.config.engine import EngineConfig
+from deltaspec.config.engine import SETTING_GROUP, EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence
@@ -52,7 +52,7 @@ class LLM:
         num_speculative_tokens, model, prompt_lookup_min / prompt_lookup_max), the same as the `speculative`,
         `draft_tokens`, `draft_model` and `prompt_lookup_*` options; `drafter` and `draft_policy` replace the drafter
         and the draft-length policy the configuration would build (see `Engine`)."""
-        known = {f.name for f in fields(EngineConfig)}
+        known = set(SETTING_GROUP)
         if unknown := sorted(set(engine_options) - known):
             raise DeltaspecError(
                 f"Unknown LLM option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}."
@@ -65,7 +65,10 @@ class LLM:
                 )
             engine_options |= speculative_fields(speculative_config, engine_options, "speculative_config")
         self.engine = Engine(
-            EngineConfig(model=model, **engine_options), progress=progress, drafter=drafter, draft_policy=draft_policy
+            EngineConfig.from_flat(model=model, **engine_options),
+            progress=progress,
+            drafter=drafter,
+            draft_policy=draft_policy,
         )
         self._ids = itertools.count()
 
@@ -211,7 +214,7 @@ class LLM:
             prompt_token_ids=first.prompt_ids,
             outputs=completions,
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.cache.num_cached_tokens,
             finished=all(s.finished for s in group),
             metrics=first.metrics(),
         )

@@ -11,7 +11,7 @@ from deltaspec.sample.params import SamplingParams
 
 def new_sequence(engine, token_ids: list[int]) -> Sequence:
     seq = Sequence("test", None, list(token_ids), SamplingParams(max_tokens=1), frozenset())
-    engine.cache.admit(seq)
+    engine.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
     return seq
 
 
@@ -20,13 +20,13 @@ def run_rows(engine, items: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
     """One forward over `(sequence, rows)` items; returns each item's logits [rows, vocab]."""
     schedule = [Scheduled(seq, rows) for seq, rows in items]
     for seq, rows in items:
-        assert engine.cache.reserve(seq, seq.num_computed + rows)
+        assert engine.cache.reserve(seq.cache, seq.cache.num_computed + rows)
     batch = build_batch(schedule, engine.cache.block_size, engine.device)
     logits = engine.model.compute_logits(engine.model(batch, engine.cache.caches))
     out, start = [], 0
     for seq, rows in items:
         out.append(logits[start : start + rows])
-        seq.num_computed += rows
+        seq.cache.num_computed += rows
         start += rows
     return out
 
@@ -38,4 +38,4 @@ def forward_in_chunks(engine, token_ids: list[int], chunks: list[int]) -> torch.
     try:
         return torch.cat([run_rows(engine, [(seq, rows)])[0] for rows in chunks])
     finally:
-        engine.cache.release(seq)
+        engine.cache.release(seq.cache)

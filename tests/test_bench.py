@@ -132,7 +132,7 @@ def test_speculative_counters_reach_the_request_log_and_metrics(tmp_path):
     from deltaspec.config.engine import EngineConfig
 
     log = tmp_path / "requests.jsonl"
-    with local_server(EngineConfig(device="cpu", speculative="ngram", draft_tokens=5), log) as (url, _):
+    with local_server(EngineConfig.from_flat(device="cpu", speculative="ngram", draft_tokens=5), log) as (url, _):
         Client(url).stream(
             "completions",
             {
@@ -156,7 +156,7 @@ KEY = "bench-key"
 @pytest.fixture(scope="module")
 def live_url(tmp_path_factory) -> Iterator[str]:
     """The base URL (no /v1) of a live server of the embedded model on CPU, with an API key and a served name."""
-    config = EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512)
+    config = EngineConfig.from_flat(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512)
     log = tmp_path_factory.mktemp("bench-url") / "requests.jsonl"
     with serving(log, config, api_key=KEY, served_model_name="tiny") as live:
         yield live.url

@@ -11,7 +11,7 @@ import torch
 from deltaspec.bench.device import bench_engine, copy_bandwidth
 from deltaspec.bench.roofline import bytes_per_step
 from deltaspec.cli import main
-from deltaspec.config.engine import EngineConfig
+from deltaspec.config.engine import EngineConfig, LoadConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.drafter import DraftRequest
@@ -48,7 +48,7 @@ def test_bench_decode_reports_the_roofline_consistently(tmp_path, capsys):
 
 
 def test_bytes_per_step_reads_each_weight_once_and_one_embedding_row():
-    engine = bench_engine(EngineConfig(device="cpu", dtype="float32"), 32)
+    engine = bench_engine(EngineConfig.from_flat(device="cpu", dtype="float32"), 32)
     config, model = engine.model_config, engine.model
     unique = {p.data_ptr(): p for n, p in model.named_parameters() if not n.startswith("mtp.")}
     mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
@@ -66,13 +66,14 @@ def test_bytes_per_step_reads_each_weight_once_and_one_embedding_row():
 
 
 def test_bench_decode_on_a_small_random_shape(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(EngineConfig, "__init__", _with_small_shape(EngineConfig.__init__))
+    monkeypatch.setattr(LoadConfig, "__init__", _with_small_shape(LoadConfig.__init__))
     r = bench(["decode", *SMALL_27B, "--context", "4", "--max-tokens", "2", "--runs", "1"], tmp_path, capsys)
     assert r["shape"] == "qwen3.5-27b" and r["random_weights"] is True and r["decode_tok_s"] > 0
 
 
 def _with_small_shape(init):
-    """EngineConfig that cuts a --shape down for CI (shape_overrides is Python-only, not a CLI flag)."""
+    """An EngineConfig's load settings, with a --shape cut down for CI (shape_overrides is Python-only, not a CLI
+    flag)."""
 
     def patched(self, *args, **kwargs):
         if kwargs.get("shape") and not kwargs.get("shape_overrides"):
@@ -88,7 +89,7 @@ def _with_small_shape(init):
 
 
 def test_bench_drafter_times_a_random_block_drafter_sized_for_the_shape(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(EngineConfig, "__init__", _with_small_shape(EngineConfig.__init__))
+    monkeypatch.setattr(LoadConfig, "__init__", _with_small_shape(LoadConfig.__init__))
     argv = ["drafter", *SMALL_27B, "--speculative", "block", "--draft-tokens", "3", "--context", "8"]
     r = bench([*argv, "--max-tokens", "8", "--runs", "1"], tmp_path, capsys)
     assert r["speculative"] == "block" and r["draft_tokens"] == 3 and r["shape"] == "qwen3.5-27b"
@@ -151,7 +152,7 @@ def test_moe_bytes_per_step_count_the_distinct_experts_the_steps_read():
     from deltaspec.bench.device import random_prompt
     from deltaspec.bench.roofline import experts_per_step
 
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         device="cpu", dtype="float32", random_weights=True, shape="qwen3.5-35b-a3b", shape_overrides=SMALL_MOE
     )
     engine = bench_engine(config, 32, streams=6)
@@ -302,7 +303,7 @@ def test_compare_hf_runs_transformers_on_the_same_weights(tmp_path, capsys):
     """transformers, given the engine's own weight memory, decodes the same greedy tokens; the report has its rate."""
     from deltaspec.bench.hf_compare import hf_model
 
-    engine = bench_engine(EngineConfig(device="cpu", dtype="float32"), 32)
+    engine = bench_engine(EngineConfig.from_flat(device="cpu", dtype="float32"), 32)
     model = hf_model(engine)
     storages = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     assert all(p.untyped_storage().data_ptr() in storages for p in model.parameters())  # views, no copies

@@ -62,7 +62,7 @@ def test_the_servers_own_tpot_comes_from_its_metrics_between_two_scrapes():
 
 
 def test_bench_serve_warms_up_and_then_measures_sound_runs(tmp_path):
-    config = EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512)
+    config = EngineConfig.from_flat(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512)
     log = tmp_path / "requests.jsonl"
     with serving(log, config) as live:
         [row] = bench_serve(Client(live.url), [1], 2, 20, 1, progress=lambda _: None)
@@ -73,7 +73,7 @@ def test_bench_serve_warms_up_and_then_measures_sound_runs(tmp_path):
 
 
 def test_bench_serve_refuses_a_burst_instead_of_reporting_it(tmp_path, monkeypatch):
-    config = EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512)
+    config = EngineConfig.from_flat(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512)
     burst = [streamed(128, 1.2e-8, ttft_s=2.6)]
     monkeypatch.setattr(serve, "run_level", lambda *args: burst)
     with serving(tmp_path / "requests.jsonl", config) as live, pytest.raises(DeltaspecError, match="in bursts"):

@@ -79,10 +79,10 @@ def block_engine(target, drafter_dir, **options):
 def features_of(engine, tokens: list[int]) -> torch.Tensor:
     """The engine's pass over `tokens` from scratch -> its tapped layer outputs [len(tokens), taps * H]."""
     seq = new_sequence(engine, tokens)
-    assert engine.cache.reserve(seq, len(tokens))
+    assert engine.cache.reserve(seq.cache, len(tokens))
     batch = build_batch([Scheduled(seq, len(tokens))], engine.cache.block_size, engine.device)
     features = engine.model.run(batch, engine.cache.caches)[1]
-    engine.cache.release(seq)
+    engine.cache.release(seq.cache)
     return features
 
 
@@ -299,7 +299,7 @@ def test_the_plan_counts_the_drafter_weights_its_full_context_and_its_windows(ch
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=16,
     )
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=str(target), speculative="block", draft_model=str(path), dtype="float32", state_dtype="float32"
     )
     memory = drafter_memory(config, target, parse_model_config(read_config_json(target)), 0)

@@ -41,7 +41,7 @@ def test_sequences_in_one_forward_match_each_alone(engine):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     finally:
         for seq in seqs:
-            engine.cache.release(seq)
+            engine.cache.release(seq.cache)
 
 
 def test_state_slots_are_isolated_and_reset_on_reuse(engine):

@@ -208,10 +208,11 @@ def test_generate_prompt_errors(capsys):
 def test_serve_takes_the_model_as_an_argument(capsys):
     args = build_parser().parse_args(["serve", "org/model", "--port", "9001", "--max-streams", "3"])
     engine, server = engine_config(args), config_from_args(args, ServerConfig)
-    assert (engine.model, engine.max_num_seqs, server.port) == ("org/model", 3, 9001)
-    assert engine_config(build_parser().parse_args(["serve", "--model", "org/model"])).model == "org/model"
-    assert engine_config(build_parser().parse_args(["serve", "org/model", "--model", "org/model"])).model == "org/model"
-    assert engine_config(build_parser().parse_args(["serve"])).model is None
+    assert (engine.load.model, engine.scheduler.max_num_seqs, server.port) == ("org/model", 3, 9001)
+    assert engine_config(build_parser().parse_args(["serve", "--model", "org/model"])).load.model == "org/model"
+    both = build_parser().parse_args(["serve", "org/model", "--model", "org/model"])
+    assert engine_config(both).load.model == "org/model"
+    assert engine_config(build_parser().parse_args(["serve"])).load.model is None
     assert main(["serve", "org/a", "--model", "org/b", "--port", "1"]) == 2  # refused before any server starts
     out, err = capsys.readouterr()
     assert "'org/a'" in assert_one_error_line(err) and "--model" in err and out == ""
@@ -252,8 +253,12 @@ def test_help_lists_each_flag_once_with_one_default(command, capsys):
 def test_hidden_aliases_still_work():
     args = build_parser().parse_args(["plan", "--max-streams", "3", "--ctx", "512", "--no-prefix-caching"])
     config = engine_config(args)
-    assert (config.max_num_seqs, config.max_model_len, config.enable_prefix_caching) == (3, 512, False)
-    assert engine_config(build_parser().parse_args(["plan", "--prefix-caching"])).enable_prefix_caching is True
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_model_len, config.cache.enable_prefix_caching) == (
+        3,
+        512,
+        False,
+    )
+    assert engine_config(build_parser().parse_args(["plan", "--prefix-caching"])).cache.enable_prefix_caching is True
 
 
 @pytest.mark.parametrize(
@@ -276,7 +281,11 @@ def test_speculative_config_maps_to_the_drafter_flags(json_text, expected):
     for command in (["serve"], ["generate"], ["chat"], ["plan"], ["ppl", "f.txt"], ["bench", "decode"]):
         args = build_parser().parse_args([*command, "--speculative-config", json_text])
         config = engine_config(args)
-        assert (config.speculative, config.draft_tokens, config.draft_model) == expected, command
+        assert (
+            config.speculation.speculative,
+            config.speculation.draft_tokens,
+            config.speculation.draft_model,
+        ) == expected, command
 
 
 def test_speculative_config_agrees_with_the_flags(capsys):
@@ -284,7 +293,7 @@ def test_speculative_config_agrees_with_the_flags(capsys):
         ["plan", "--speculative", "ngram", "--draft-tokens", "5"]
         + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}']
     )
-    assert (engine_config(args).speculative, engine_config(args).draft_tokens) == ("ngram", 5)
+    assert (engine_config(args).speculation.speculative, engine_config(args).speculation.draft_tokens) == ("ngram", 5)
     base = ["plan", "--device", "cpu", "--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "2"]
 
     def plan_lines() -> list[str]:  # the host's free memory and what fits in it, which other processes move, left out

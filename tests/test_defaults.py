@@ -5,7 +5,6 @@ resume where its history ends, and the prefix-checkpoint threshold comes from th
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,7 +82,7 @@ def test_generation_config_gives_the_sampling_defaults(tmp_path):
 
 def test_do_sample_false_makes_unset_requests_greedy_through_the_server(tmp_path):
     model = _with_generation_config(tmp_path, {"do_sample": False, "temperature": 0.9})
-    config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=2)
+    config = EngineConfig.from_flat(model=str(model), device="cpu", dtype="float32", max_num_seqs=2)
     greedy = LLM(str(model), device="cpu", dtype="float32", max_num_seqs=1).generate(
         [{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )[0]
@@ -122,7 +121,7 @@ def test_a_four_turn_chat_prefills_only_each_turns_new_tokens(tmp_path):
     (turns far shorter than the long-prompt threshold)."""
     with serving(tmp_path / "log.jsonl", api_key=KEY) as live:
         client, tokenizer = live.client(), live.tokenizer
-        assert live.engine.config.prefix_checkpoint_min_prompt > 300  # every turn here is a short prompt
+        assert live.engine.config.cache.prefix_checkpoint_min_prompt > 300  # every turn here is a short prompt
         history: list[dict] = []
         cached, expected, asked = [], [], None
         for turn in TURNS:
@@ -151,18 +150,18 @@ def test_a_chats_parting_checkpoint_may_evict_and_its_end_checkpoint_only_takes_
     """Where a chat's next turn parts from it is where the conversation resumes: that checkpoint may evict another
     whatever the prompt's length (others of a short prompt only take a free slot); a chat turn's end checkpoint
     only takes a free slot (its next turn resumes where it parts), and is evicted first."""
-    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=1, prefix_checkpoints=1)
+    config = EngineConfig.from_flat(device="cpu", dtype="float32", max_num_seqs=1, prefix_checkpoints=1)
     short = [5, 6, 7, 8, 9, 10, 11, 12]
     engine = Engine(config, progress=False)
-    assert engine.config.prefix_checkpoint_min_prompt == engine.plan.state_in_tokens()
-    long_ids = list(range(10, 10 + engine.config.prefix_checkpoint_min_prompt + 20))
+    assert engine.config.cache.prefix_checkpoint_min_prompt == engine.plan.state_in_tokens()
+    long_ids = list(range(10, 10 + engine.config.cache.prefix_checkpoint_min_prompt + 20))
     _run(engine, "long", long_ids)
     kept = {c.tokens for c in engine.cache.prefix.checkpoints.values()}
     assert len(kept) == 1 and len(next(iter(kept))) == len(long_ids)  # its end checkpoint evicted the -64 one
     _run(engine, "chat", short, history_len=5)  # its parting checkpoint evicts; its end one finds no free slot
     assert {c.tokens for c in engine.cache.prefix.checkpoints.values()} == {tuple(short[:5])}
 
-    engine = Engine(replace(config, prefix_checkpoints=2), progress=False)
+    engine = Engine(config.with_settings(prefix_checkpoints=2), progress=False)
     _run(engine, "chat", short, history_len=5)  # the parting and the end checkpoint, each in a free slot
     _run(engine, "long", long_ids, passes=1)  # a long prompt's first checkpoint evicts the chat's end one first
     kept = {c.tokens for c in engine.cache.prefix.checkpoints.values()}

@@ -81,7 +81,7 @@ def test_foreign_spellings_mean_what_they_mean_there(foreign, own):
 )
 def test_spellings_set_exactly_their_field(flags, engine, server):
     """`-t 2` is threads and nothing else (no longer a prefix of -tp); each flag sets its field only."""
-    assert configs("serve", *flags) == (EngineConfig(**engine), ServerConfig(**server))
+    assert configs("serve", *flags) == (EngineConfig.from_flat(**engine), ServerConfig(**server))
 
 
 def test_llama_cli_sampling_spellings():
@@ -237,7 +237,7 @@ def test_speculative_config_dict_as_vllm_takes_it(text_checkpoint, text_llm):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     llm = LLM(str(text_checkpoint), dtype="float64", device="cpu", speculative_config=config)
     drafter = llm.engine.speculator.drafter
-    assert (llm.engine.config.speculative, llm.engine.config.draft_tokens) == ("ngram", 3)
+    assert (llm.engine.config.speculation.speculative, llm.engine.config.speculation.draft_tokens) == ("ngram", 3)
     assert (drafter.name, drafter.min_n, drafter.max_n) == ("ngram", 2, 4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"

@@ -112,12 +112,14 @@ def test_speculative_greedy_equals_plain_greedy_on_a_quantized_model(speculative
 
 def test_plan_counts_the_quantized_bytes():
     """The plan's weights are what the engine holds: blocks for quantized tensors, the dtype for float ones."""
-    planned = plan_for(EngineConfig(model=fixture("qwen35-q8_0"), dtype="float32", device="cpu", max_model_len=64))
+    planned = plan_for(
+        EngineConfig.from_flat(model=fixture("qwen35-q8_0"), dtype="float32", device="cpu", max_model_len=64)
+    )
     llm = LLM(fixture("qwen35-q8_0"), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=64)
     blocks = [b for m in llm.engine.model.modules() if isinstance(m, QuantizedWeight) for b in m.buffers()]
     held = {id(t): t.numel() * t.element_size() for t in (*llm.engine.model.parameters(), *blocks)}
     assert planned.plan.weights == sum(held.values())
-    f32 = plan_for(EngineConfig(model=fixture("qwen35-f32"), dtype="float32", device="cpu", max_model_len=64))
+    f32 = plan_for(EngineConfig.from_flat(model=fixture("qwen35-f32"), dtype="float32", device="cpu", max_model_len=64))
     assert planned.plan.weights < 0.5 * f32.plan.weights
 
 

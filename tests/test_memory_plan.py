@@ -36,7 +36,7 @@ def test_plan_counts_the_speculative_replay_log(checkpoints):
     )
     assert llm.engine.plan.states == llm.engine.cache.gdn.bytes()
     plain = plan_for(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=str(checkpoints["qwen3_next_r3_moe"]), dtype="float32", device="cpu", max_num_seqs=3, max_model_len=64
         )
     ).plan
@@ -44,9 +44,9 @@ def test_plan_counts_the_speculative_replay_log(checkpoints):
 
 
 def test_plan_with_mtp_counts_its_kv_layer_as_the_drafters():
-    config = EngineConfig(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64, speculative="mtp")
+    config = EngineConfig.from_flat(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=64, speculative="mtp")
     plan = plan_for(config).plan
-    llm = LLM(**{f: getattr(config, f) for f in ("dtype", "device", "max_num_seqs", "max_model_len", "speculative")})
+    llm = LLM(**{f: config.flat()[f] for f in ("dtype", "device", "max_num_seqs", "max_model_len", "speculative")})
     assert llm.engine.model.mtp is not None and plan.drafter.name == "mtp"
     mtp_kv = plan.drafter_bytes - plan.drafter.weights
     assert plan.kv + mtp_kv == llm.engine.cache.kv.bytes() and plan.states == llm.engine.cache.gdn.bytes()
@@ -66,7 +66,9 @@ def test_plan_counts_the_draft_models_weights_kv_and_states():
 
 def test_the_draft_models_share_is_counted_per_stream_in_the_advice(monkeypatch):
     """One stream's share of the draft model short: refused, and the advice is one stream fewer."""
-    config = EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64, speculative="draft")
+    config = EngineConfig.from_flat(
+        dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64, speculative="draft"
+    )
     plan = plan_for(config).plan
     share = plan.padded_ctx * plan.drafter.kv_per_token + plan.drafter.state_per_stream + 4 * plan.state_per_stream
     monkeypatch.setattr("deltaspec.engine.planning.available_memory", lambda device: plan.total - share // 2)
@@ -88,7 +90,7 @@ def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoint
     """The advice is the most streams at this context and the longest context (within the model's positions) for
     these streams; each fits as flags, and one more stream or page does not."""
     _fixed_memory(monkeypatch, 2 << 30)
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_num_seqs=100_000, max_model_len=512
     )
     plan = plan_for(config).plan
@@ -99,34 +101,38 @@ def test_a_configuration_that_does_not_fit_is_refused_with_what_would(checkpoint
     assert "\n" not in message and message.endswith("would fit.")
     (streams, ctx), *rest = _advised(message.split(";")[-1])
     assert ctx == 512 and not rest  # 100000 streams: not even one page each fits
-    assert plan_for(replace(config, max_num_seqs=streams)).plan.fits
-    assert not plan_for(replace(config, max_num_seqs=streams + 1)).plan.fits
-    more = plan_for(replace(config, max_num_seqs=streams + 100)).plan
+    assert plan_for(config.with_settings(max_num_seqs=streams)).plan.fits
+    assert not plan_for(config.with_settings(max_num_seqs=streams + 1)).plan.fits
+    more = plan_for(config.with_settings(max_num_seqs=streams + 100)).plan
     assert not more.fits
     (_, same), (fewer_streams, longest) = _advised(more.refusal().split(";")[-1])
     assert same == 512 and fewer_streams == streams + 100 and longest < 512
-    assert plan_for(replace(config, max_num_seqs=streams + 100, max_model_len=longest)).plan.fits
-    assert not plan_for(replace(config, max_num_seqs=streams + 100, max_model_len=longest + 16)).plan.fits
+    assert plan_for(config.with_settings(max_num_seqs=streams + 100, max_model_len=longest)).plan.fits
+    assert not plan_for(config.with_settings(max_num_seqs=streams + 100, max_model_len=longest + 16)).plan.fits
 
 
 def test_advice_counts_the_prefix_checkpoints_of_each_stream(checkpoints, monkeypatch):
     """The most streams `plan` proposes fit when asked for: their three prefix checkpoints each are counted per
     stream, not as a fixed cost of the default eight streams."""
     _fixed_memory(monkeypatch, 1 << 30)
-    config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_model_len=256)
+    config = EngineConfig.from_flat(
+        model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu", max_model_len=256
+    )
     plan = plan_for(config).plan
     assert plan.fits and plan.streams == 8 and plan.checkpoints == 24
     most, _ = _advised(plan.table().splitlines()[-1])[0]
-    assert most > 8 and plan_for(replace(config, max_num_seqs=most)).plan.fits
-    too_many = plan_for(replace(config, max_num_seqs=most + 1)).plan
+    assert most > 8 and plan_for(config.with_settings(max_num_seqs=most)).plan.fits
+    too_many = plan_for(config.with_settings(max_num_seqs=most + 1)).plan
     assert not too_many.fits and too_many.checkpoints == 3 * (most + 1)
     assert _advised(too_many.refusal().split(";")[-1])[0] == (most, 256)
 
 
 def test_advice_when_not_even_the_weights_fit(checkpoints, monkeypatch):
-    weights = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu")).plan.weights
+    weights = plan_for(
+        EngineConfig.from_flat(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu")
+    ).plan.weights
     _fixed_memory(monkeypatch, weights // 2)
-    plan = plan_for(EngineConfig(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu")).plan
+    plan = plan_for(EngineConfig.from_flat(model=str(checkpoints["qwen3_5_r2"]), dtype="float32", device="cpu")).plan
     assert not plan.fits and not plan.alternatives
     assert "not even the weights, workspace and runtime reserve" in plan.refusal()
     assert "would fit" not in plan.refusal() and plan.refusal().endswith("more memory.")
@@ -137,19 +143,24 @@ def test_the_context_defaults_to_the_models_positions(tmp_path, monkeypatch):
     """0 (the default) is the model's max_position_embeddings, shortened to what the streams fit in memory; a longer
     --max-model-len is refused unless explicitly allowed, and the advice never goes past the positions."""
     model = str(write_checkpoint(tmp_path / "m", "qwen3_5", max_position_embeddings=2048))
-    config = EngineConfig(model=model, dtype="float32", device="cpu")
+    config = EngineConfig.from_flat(model=model, dtype="float32", device="cpu")
     planned = plan_for(config)
-    assert planned.config.max_model_len == 2048 and planned.plan.ctx == 2048 and planned.config.max_num_seqs == 8
+    assert (
+        planned.config.scheduler.max_model_len == 2048
+        and planned.plan.ctx == 2048
+        and planned.config.scheduler.max_num_seqs == 8
+    )
     assert "8 streams at 2048 tokens (the model's positions)" in planned.plan.table()
     with pytest.raises(DeltaspecError, match="exceeds the model's max_position_embeddings \\(2048\\)"):
-        plan_for(replace(config, max_model_len=8192))
-    assert plan_for(replace(config, max_model_len=8192, allow_long_max_model_len=True)).config.max_model_len == 8192
+        plan_for(config.with_settings(max_model_len=8192))
+    long = plan_for(config.with_settings(max_model_len=8192, allow_long_max_model_len=True))
+    assert long.config.scheduler.max_model_len == 8192
     full = planned.plan  # 8 x 2048 tokens: room for 8 x 1000 tokens of KV in 90 % of the memory instead
     _fixed_memory(monkeypatch, int((full.total - full.kv + 8 * 1000 * full.kv_per_token) / 0.9))
     shortened = plan_for(config)
-    ctx = shortened.config.max_model_len
+    ctx = shortened.config.scheduler.max_model_len
     assert shortened.plan.fits and ctx < 2048 and ctx % 16 == 0
-    bigger = plan_for(replace(config, max_model_len=ctx + 16)).plan  # the longest within 90 % of the free memory
+    bigger = plan_for(config.with_settings(max_model_len=ctx + 16)).plan  # the longest within 90 % of the free memory
     assert shortened.plan.total <= 0.9 * shortened.plan.available < bigger.total
     assert any("the most that 8 streams fit" in note for note in shortened.plan.notes)
     assert all(ctx <= 2048 for _, ctx in _advised(shortened.plan.table()))
@@ -159,27 +170,27 @@ def test_gpu_memory_utilization_fills_its_budget_with_kv_pages(tmp_path, monkeyp
     """The KV pool (and without --max-num-seqs the streams) grow to fill the fraction of the device's memory; the
     engine allocates exactly the planned pool, and a pool of more than the streams' contexts serves them."""
     model = str(write_checkpoint(tmp_path / "m", "qwen3_5", max_position_embeddings=256))
-    base = plan_for(EngineConfig(model=model, dtype="float32", device="cpu", max_num_seqs=1)).plan
+    base = plan_for(EngineConfig.from_flat(model=model, dtype="float32", device="cpu", max_num_seqs=1)).plan
     budget = base.total + 50 * 256 * base.kv_per_token
     _fixed_memory(monkeypatch, budget)
-    planned = plan_for(EngineConfig(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.5))
+    planned = plan_for(EngineConfig.from_flat(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.5))
     plan, config = planned.plan, planned.config
     assert plan.fits and plan.available == budget  # half of a device twice the free memory
-    assert config.num_kv_blocks * config.block_size == plan.kv_tokens >= config.max_num_seqs * 256
+    assert config.cache.num_kv_blocks * config.cache.block_size == plan.kv_tokens >= config.scheduler.max_num_seqs * 256
     assert plan.available - plan.total < 16 * plan.kv_per_token + plan.state_per_stream  # nothing left unused
     assert "budget on cpu" in plan.table() and "KV pool" in plan.table()
     fixed = plan_for(
-        EngineConfig(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.5, max_num_seqs=2)
+        EngineConfig.from_flat(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.5, max_num_seqs=2)
     )
-    assert fixed.config.max_num_seqs == 2 and fixed.plan.kv_tokens > plan.kv_tokens
+    assert fixed.config.scheduler.max_num_seqs == 2 and fixed.plan.kv_tokens > plan.kv_tokens
     llm = LLM(model, dtype="float32", device="cpu", gpu_memory_utilization=0.5, max_num_seqs=2)
     assert llm.engine.cache.kv.bytes() == llm.engine.plan.kv
     outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 3, SamplingParams(max_tokens=8, temperature=0))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     with pytest.raises(DeltaspecError, match="only .* GiB is free"):
-        plan_for(EngineConfig(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.9))
+        plan_for(EngineConfig.from_flat(model=model, dtype="float32", device="cpu", gpu_memory_utilization=0.9))
     with pytest.raises(DeltaspecError, match="not both"):
-        plan_for(EngineConfig(model=model, device="cpu", gpu_memory_utilization=0.5, num_kv_blocks=64))
+        plan_for(EngineConfig.from_flat(model=model, device="cpu", gpu_memory_utilization=0.5, num_kv_blocks=64))
 
 
 def test_plan_command(checkpoints, capsys):
@@ -213,10 +224,10 @@ def test_plan_command(checkpoints, capsys):
 
 def test_kv_pages_scale_with_streams_and_context(checkpoints):
     small = plan_for(
-        EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=2, max_model_len=128)
+        EngineConfig.from_flat(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=2, max_model_len=128)
     ).plan
     large = plan_for(
-        EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4, max_model_len=256)
+        EngineConfig.from_flat(model=str(checkpoints["qwen3_5_r2"]), device="cpu", max_num_seqs=4, max_model_len=256)
     ).plan
     assert large.kv == 4 * small.kv and large.state_per_stream == small.state_per_stream
     # each stream's slot, three prefix checkpoints per stream by default, and the CUDA-graph scratch slot
@@ -228,33 +239,32 @@ def test_kv_pages_scale_with_streams_and_context(checkpoints):
 def test_plan_counts_the_outputs_of_every_captured_cuda_graph():
     """Buckets 1, 2, 4, 8 sequences x rows 1 (decode) and 2, 4, 5 (verify at draft length 4) each keep
     their hidden states and logits; eager configurations capture nothing."""
-    from deltaspec.cache.memory_plan import plan_memory
-    from deltaspec.execution.graph_buckets import captured_rows, graph_rows_of
+    from deltaspec.cache.memory_plan import Workspace, plan_memory
+    from deltaspec.config.graph_buckets import captured_rows
+    from deltaspec.config.resolve import cache_spec
     from deltaspec.model.shapes import shape_config
 
     assert captured_rows(8, 0) == 1 + 2 + 4 + 8 and captured_rows(8, 5) == 15 * (1 + 2 + 4 + 5)
     config = shape_config("qwen3.5-0.8b")
-    cuda = EngineConfig(device="cuda", max_num_seqs=8, speculative="ngram", draft_tokens=4)
-    assert graph_rows_of(cuda) == 180
-    assert graph_rows_of(replace(cuda, enforce_eager=True)) == 0
-    assert graph_rows_of(replace(cuda, kernels="reference")) == 0
-    assert graph_rows_of(replace(cuda, device="cpu")) == 0
+    cuda = EngineConfig.from_flat(
+        device="cuda", dtype="bfloat16", state_dtype="float32", max_num_seqs=8, speculative="ngram", draft_tokens=4
+    )
+
+    def captured(config: EngineConfig) -> int:
+        return cache_spec(config, 8, 1024, 0).captured_rows
+
+    assert captured(cuda) == 180
+    assert captured(cuda.with_settings(enforce_eager=True)) == 0
+    assert captured(cuda.with_settings(kernels="reference")) == 0
+    assert captured(cuda.with_settings(device="cpu")) == 0
     plans = [
         plan_memory(
             config,
-            6,
+            replace(cache_spec(config_, 8, 1024, 0), device=torch.device("cpu")),
             10**9,
-            torch.bfloat16,
-            torch.float32,
-            8,
-            1024,
-            16,
-            2048,
-            512,
-            torch.device("cpu"),
+            Workspace(batch_rows=2048, prefill_chunk=512),
             available=10**12,
-            graph_rows=rows,
         )
-        for rows in (0, 180)
+        for config_ in (cuda.with_settings(enforce_eager=True), cuda)
     ]
     assert plans[1].workspace - plans[0].workspace == 180 * (config.vocab_size + config.hidden_size) * 2

@@ -34,29 +34,29 @@ def mtp_rows(engine, hidden, token_ids, chunks):
     try:
         for rows in chunks:
             schedule = [Scheduled(seq, rows)]
-            assert engine.cache.reserve(seq, seq.num_computed + rows)
+            assert engine.cache.reserve(seq.cache, seq.cache.num_computed + rows)
             batch = build_batch(schedule, engine.cache.block_size, engine.device)
             with torch.inference_mode():
                 outs.append(
                     engine.model.mtp_forward(
-                        batch, hidden[seq.num_computed : seq.num_computed + rows], engine.cache.caches
+                        batch, hidden[seq.cache.num_computed : seq.cache.num_computed + rows], engine.cache.caches
                     )
                 )
-            seq.num_computed += rows
+            seq.cache.num_computed += rows
     finally:
-        engine.cache.release(seq)
+        engine.cache.release(seq.cache)
     return torch.cat(outs)
 
 
 def target_hidden(engine, ids):
     seq = new_sequence(engine, ids)
     try:
-        assert engine.cache.reserve(seq, len(ids))
+        assert engine.cache.reserve(seq.cache, len(ids))
         batch = build_batch([Scheduled(seq, len(ids))], engine.cache.block_size, engine.device)
         with torch.inference_mode():
             return engine.model(batch, engine.cache.caches)
     finally:
-        engine.cache.release(seq)
+        engine.cache.release(seq.cache)
 
 
 def test_mtp_head_is_loaded_with_its_own_kv_layer_only_when_it_drafts(engine, mtp_dir, checkpoints):

@@ -24,7 +24,7 @@ TURNS = (
 
 
 def config(prefix_caching: bool) -> EngineConfig:
-    return EngineConfig(
+    return EngineConfig.from_flat(
         dtype="float64",
         device="cpu",
         max_num_seqs=8,

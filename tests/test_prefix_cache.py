@@ -126,8 +126,8 @@ def test_a_follow_up_is_scheduled_by_what_its_checkpoint_leaves_to_compute(path)
     follow_up = eng.add_request("follow-up", None, DOC + answer + [11, 12, 13, 14], params)
     while eng.has_unfinished():
         eng.step()
-    assert follow_up.num_cached_tokens == len(DOC) + len(answer) - 1 and fresh.num_cached_tokens == 0
-    assert follow_up.first_token_time < fresh.first_token_time
+    assert follow_up.cache.num_cached_tokens == len(DOC) + len(answer) - 1 and fresh.cache.num_cached_tokens == 0
+    assert follow_up.stats.first_token_time < fresh.stats.first_token_time
 
 
 @pytest.mark.parametrize("offload_gib", [0.0, 0.5])

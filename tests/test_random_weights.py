@@ -109,7 +109,7 @@ def test_deep_bfloat16_stack_stays_finite_with_varied_logits():
     """12 layers in bf16 at the real head geometry: no inf/nan, logits that depend on the token."""
     deep = (("num_hidden_layers", 12), ("hidden_size", 128), ("intermediate_size", 256), ("vocab_size", 256))
     engine = Engine(
-        EngineConfig(
+        EngineConfig.from_flat(
             random_weights=True,
             shape="qwen3.5-27b",
             shape_overrides=deep,
@@ -154,7 +154,7 @@ def test_engine_runs_the_moe_shapes_with_random_weights():
         ),
     ):
         engine = Engine(
-            EngineConfig(
+            EngineConfig.from_flat(
                 random_weights=True,
                 shape=name,
                 shape_overrides=SMALL + extra,
@@ -173,13 +173,15 @@ def test_engine_runs_the_moe_shapes_with_random_weights():
 
 
 def test_memory_plan_counts_the_shape_weights_without_allocating():
-    planned = plan_for(EngineConfig(random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu"))
+    planned = plan_for(EngineConfig.from_flat(random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu"))
     plan, counts = planned.plan, parameter_counts(planned.model_config)
     assert plan.weights == (counts["total"] - counts["mtp"]) * 2 and 48 < plan.weights / 2**30 < 52
-    assert planned.model_dir is None and planned.raw == {} and planned.config.dtype == "bfloat16"
+    assert planned.model_dir is None and planned.raw == {} and planned.config.load.dtype == "bfloat16"
     assert plan.kv_per_token == 16 * 2 * 4 * 256 * 2 and plan.drafter_bytes == 0  # 16 attention layers, no MTP
     mtp = plan_for(
-        EngineConfig(random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu", speculative="mtp")
+        EngineConfig.from_flat(
+            random_weights=True, shape="qwen3.5-27b", dtype="bfloat16", device="cpu", speculative="mtp"
+        )
     ).plan
     assert mtp.weights == plan.weights and mtp.drafter.weights == counts["mtp"] * 2  # the MTP head, as a drafter
     assert mtp.drafter.kv_per_token == 1 * 2 * 4 * 256 * 2 and mtp.total > plan.total
@@ -188,9 +190,9 @@ def test_memory_plan_counts_the_shape_weights_without_allocating():
 def test_cli_bool_flags_and_python_only_fields():
     parser = build_parser()
     args = parser.parse_args(["plan", "--random-weights", "--shape", "qwen3.5-9b"])
-    assert engine_config(args).random_weights is True and engine_config(args).shape == "qwen3.5-9b"
-    assert engine_config(parser.parse_args(["plan"])).random_weights is False
-    assert engine_config(parser.parse_args(["plan", "--no-random-weights"])).random_weights is False
+    assert engine_config(args).load.random_weights is True and engine_config(args).load.shape == "qwen3.5-9b"
+    assert engine_config(parser.parse_args(["plan"])).load.random_weights is False
+    assert engine_config(parser.parse_args(["plan", "--no-random-weights"])).load.random_weights is False
     with pytest.raises(SystemExit):
         parser.parse_args(["plan", "--shape-overrides", "x"])
 
@@ -219,7 +221,7 @@ def test_plan_command_prints_the_random_weights_budget(capsys):
 def test_a_real_shaped_random_model_borrows_the_embedded_tokenizer():
     """Text prompts work on random weights when the embedded tokenizer's ids fit the shape's vocabulary."""
     engine = Engine(
-        EngineConfig(
+        EngineConfig.from_flat(
             random_weights=True,
             shape="qwen3.5-0.8b",
             shape_overrides=SMALL + (("vocab_size", 3 * 8192),),

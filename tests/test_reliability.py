@@ -158,5 +158,5 @@ def test_a_failing_drafter_costs_its_sequence_the_draft_not_the_request(checkpoi
         engine.step()
     assert [s.finish_reason for s in seqs] == ["length"] * 3
     assert all(s.output_ids == truth for s in seqs)
-    assert seqs[0].acceptance.accepted > 0  # the others' failures cost it nothing
-    assert seqs[1].acceptance.rounds == seqs[2].acceptance.rounds == 0  # they decoded without drafts
+    assert seqs[0].stats.acceptance.accepted > 0  # the others' failures cost it nothing
+    assert seqs[1].stats.acceptance.rounds == seqs[2].stats.acceptance.rounds == 0  # they decoded without drafts

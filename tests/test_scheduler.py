@@ -21,10 +21,10 @@ def test_long_prompt_delays_a_short_request_and_decoding_by_at_most_one_chunk(ch
     steps_with_long_prefilling = 0
     short = None
     while long.remaining_prompt > 0:
-        before = (len(decoder.output_ids), long.num_computed)
+        before = (len(decoder.output_ids), long.cache.num_computed)
         engine.step()
         steps_with_long_prefilling += 1
-        assert long.num_computed - before[1] <= 16  # one chunk per pass
+        assert long.cache.num_computed - before[1] <= 16  # one chunk per pass
         assert len(decoder.output_ids) == before[0] + 1  # decoding went on every pass
         if steps_with_long_prefilling == 3:
             short = engine.add_request("short", None, PROMPT[:5], GREEDY)

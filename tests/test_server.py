@@ -110,7 +110,8 @@ def serving(log: Path, engine_config: EngineConfig | None = None, **server_confi
     """A live server on a free port: of the embedded model (CTX tokens, MAX_SEQS streams) unless `engine_config`
     says otherwise."""
     engine = Engine(
-        engine_config or EngineConfig(dtype="float32", device="cpu", max_num_seqs=MAX_SEQS, max_model_len=CTX),
+        engine_config
+        or EngineConfig.from_flat(dtype="float32", device="cpu", max_num_seqs=MAX_SEQS, max_model_len=CTX),
         progress=False,
     )
     async_engine = AsyncEngine(engine)
@@ -644,7 +645,7 @@ def test_metrics_and_request_log(live):
 
 def test_bench_agents_names_the_shape_and_drafter_the_server_ran(tmp_path, capsys):
     shape = (("num_hidden_layers", 4), ("hidden_size", 64), ("intermediate_size", 128), ("vocab_size", 8192))
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         random_weights=True,
         shape="qwen3.5-27b",
         shape_overrides=shape,

@@ -82,7 +82,7 @@ def test_llama_server_spellings_stand_for_the_fields_they_name(live, path, body,
 
 
 def test_n_predict_minus_one_runs_to_the_end_of_the_context(live):
-    context, ids = live.async_engine.engine.config.max_model_len, live.tokenizer.encode(PROMPT)
+    context, ids = live.async_engine.engine.config.scheduler.max_model_len, live.tokenizer.encode(PROMPT)
     ids = ids * ((context - 40) // len(ids))
     room = context - len(ids)
     assert 16 < room < 100
@@ -294,7 +294,7 @@ def test_parallel_tool_calls_false_keeps_one_call(live, monkeypatch, stream):
 def test_tokenize_and_detokenize_round_trip(live, request_body):
     reply = ok(live, "/tokenize", request_body)
     assert reply["tokens"] == live.tokenizer.encode(request_body["prompt"]) and reply["count"] == len(reply["tokens"])
-    assert reply["max_model_len"] == live.async_engine.engine.config.max_model_len
+    assert reply["max_model_len"] == live.async_engine.engine.config.scheduler.max_model_len
     if request_body.get("return_token_strs"):
         assert reply["token_strs"] == [live.tokenizer.id_to_token(t) for t in reply["tokens"]]
     else:

@@ -326,7 +326,7 @@ def test_error_bodies_name_no_path_and_the_models_root_is_the_served_name(hostil
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory) -> Live:
     """A server of an 8192-token context, whose prompts may be 1.4 MB before they are refused untokenized."""
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         dtype="float32", device="cpu", max_num_seqs=1, max_model_len=8192, allow_long_max_model_len=True
     )
     with serving(tmp_path_factory.mktemp("long") / "requests.jsonl", config, api_key=KEY) as server:

@@ -86,7 +86,9 @@ def live(tmp_path_factory) -> Iterator[Live]:
 
 
 def test_startup_summary_describes_the_engine_that_was_built():
-    engine = Engine(EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512), progress=False)
+    engine = Engine(
+        EngineConfig.from_flat(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=512), progress=False
+    )
     rows = summary_rows(startup_summary(engine, "served-name"))
     pages = engine.cache.kv.allocator.num_blocks
     assert pages == 2 * 512 // 16
@@ -105,7 +107,7 @@ def test_startup_summary_describes_the_engine_that_was_built():
 
 def test_startup_summary_of_random_weights_with_a_drafter():
     shape = (("num_hidden_layers", 4), ("hidden_size", 64), ("intermediate_size", 128), ("vocab_size", 8192))
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         random_weights=True,
         shape="qwen3.5-27b",
         shape_overrides=shape,
@@ -310,7 +312,9 @@ def test_metrics_key_guards_metrics_and_health(tmp_path, monkeypatch):
 
 def test_a_checkpoint_without_tokenizer_serves_token_ids(tmp_path):
     checkpoint = write_checkpoint(tmp_path / "ckpt", "qwen3_5", tokenizer=False)
-    config = EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
+    config = EngineConfig.from_flat(
+        model=str(checkpoint), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256
+    )
     with serving(tmp_path / "requests.jsonl", config) as server:
         rows = summary_rows(startup_summary(server.engine, "ckpt"))
         assert rows["model"] == f"'ckpt' (checkpoint {checkpoint})"
@@ -370,7 +374,7 @@ def test_a_completion_without_max_tokens_generates_16_tokens(live):
 def test_without_max_tokens_near_the_end_of_the_context_and_on_chat(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="deltaspec.server")
     monkeypatch.setenv(API_KEY_ENV, "env-key")  # the key from the environment, as VLLM_API_KEY
-    config = EngineConfig(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
+    config = EngineConfig.from_flat(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
     with serving(tmp_path / "requests.jsonl", config, disable_log_stats=True, log_stats_interval=STATS_S) as server:
         with pytest.raises(openai.AuthenticationError):
             server.client().models.list()

@@ -28,7 +28,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     log = tmp_path_factory.mktemp("structured") / "requests.jsonl"
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         dtype="float32", device="cpu", max_num_seqs=4, max_model_len=CTX, speculative="draft+ngram", draft_tokens=4
     )
     with serving(log, config, api_key=KEY, served_model_name=MODEL, max_n=8) as server:

@@ -299,7 +299,7 @@ def test_serve_flags_build_both_configs():
     )
     engine = engine_config(args)
     server = config_from_args(args, ServerConfig)
-    assert (engine.max_model_len, engine.max_num_seqs, engine.dtype) == (512, 3, "float32")
+    assert (engine.scheduler.max_model_len, engine.scheduler.max_num_seqs, engine.load.dtype) == (512, 3, "float32")
     assert server == ServerConfig(port=9001, api_key="k", served_model_name="m", request_log="log.jsonl", max_n=4)
 
 

@@ -76,7 +76,7 @@ def gauges(port: int) -> dict[str, float]:
     [("none", {}), ("mtp", {"max_num_batched_tokens": 8, "draft_tokens": 3}), ("draft+ngram", {"draft_tokens": 4})],
 )
 def test_32_streaming_clients_lose_nothing_and_free_everything(tmp_path, speculative, options):
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         dtype="float32", device="cpu", max_num_seqs=8, max_model_len=512, speculative=speculative, **options
     )
     with local_server(config, tmp_path / "requests.jsonl") as (url, _):

@@ -77,7 +77,7 @@ def test_rollback_equals_never_having_drafted(checkpoints, right):
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
     drafter = ScriptedDrafter(truth, right, plain_llm.engine.model_config.vocab_size)
     llm = LLM(str(path), dtype="float64", device="cpu", draft_tokens=5, drafter=drafter)
-    assert llm.engine.config.speculative == "scripted" and llm.engine.config.log_rows == 6
+    assert llm.engine.config.speculation.speculative == "scripted" and llm.engine.plan.cache.log_rows == 6
     spec = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for a, b in zip(plain, spec):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids

@@ -265,7 +265,7 @@ def test_what_runs_on_one_device_only_says_so(checkpoints):
     from deltaspec.config.engine import EngineConfig
     from deltaspec.evaluate_kl import scoring_config
 
-    config = EngineConfig(model=str(checkpoints["qwen3_5_r2"]), device="cpu", tensor_parallel_size=2)
+    config = EngineConfig.from_flat(model=str(checkpoints["qwen3_5_r2"]), device="cpu", tensor_parallel_size=2)
     with pytest.raises(DeltaspecError, match="KL scoring and imatrix calibration run on one device"):
         scoring_config(config, 64)
     with pytest.raises(DeltaspecError, match="--compare-hf runs transformers on one device"):

@@ -60,14 +60,14 @@ def test_the_engine_runs_with_the_threads_asked_for():
     before = torch.get_num_threads()
     try:
         llm = LLM(dtype="float32", device="cpu", max_num_seqs=1, max_model_len=256, threads=1)
-        assert llm.engine.config.threads == 1 and torch.get_num_threads() == 1
+        assert llm.engine.config.host.threads == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
 
 def test_zero_threads_are_refused_in_one_sentence():
     with pytest.raises(DeltaspecError, match="threads must be at least 1"):
-        resolve_engine_config(EngineConfig(device="cpu", threads=0), None)
+        resolve_engine_config(EngineConfig.from_flat(device="cpu", threads=0), None)
 
 
 @pytest.mark.parametrize(("given", "seen"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])

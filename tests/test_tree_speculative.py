@@ -110,14 +110,17 @@ def test_state_and_kv_after_a_tree_equal_plain_decodings(checkpoints, right, as_
         seq = engine.add_request("s", None, list(prompt), params)
         while not seq.finished:
             engine.step()
-            consumed = seq.num_computed - seq.replay.unfolded
+            consumed = seq.cache.num_computed - seq.cache.replay.unfolded
             if seq.finished or consumed in record:
                 continue
             gdn, kv = engine.cache.gdn, engine.cache.kv
             record[consumed] = (
-                [s[seq.state_slot].clone() for s in gdn.state] + [c[seq.state_slot].clone() for c in gdn.conv],
+                [s[seq.cache.state_slot].clone() for s in gdn.state]
+                + [c[seq.cache.state_slot].clone() for c in gdn.conv],
                 [
-                    cache.view(-1, *cache.shape[2:])[seq.kv_slots(range(consumed), engine.cache.block_size)].clone()
+                    cache.view(-1, *cache.shape[2:])[
+                        seq.cache.kv_slots(range(consumed), engine.cache.block_size)
+                    ].clone()
                     for cache in (*kv.k, *kv.v)
                 ],
             )
@@ -127,7 +130,7 @@ def test_state_and_kv_after_a_tree_equal_plain_decodings(checkpoints, right, as_
     snapshots(plain_llm.engine, plain_states)
     seq = snapshots(tree_llm.engine, tree_states)
     assert seq.output_ids == plain[0].outputs[0].token_ids
-    assert seq.acceptance.accepted > 0
+    assert seq.stats.acceptance.accepted > 0
     common = sorted(set(plain_states) & set(tree_states))
     assert len(common) >= 3
     for n in common:
@@ -197,4 +200,4 @@ def test_tree_settings_are_checked():
     with pytest.raises(DeltaspecError, match="speculative_tree_shape"):
         LLM(device="cpu", speculative="ngram", speculative_tree=8, speculative_tree_shape="wide")
     llm = LLM(device="cpu", speculative="ngram", draft_tokens=4, speculative_tree=12)
-    assert llm.engine.config.log_rows == 12  # a verify pass has as many rows as the tree has nodes
+    assert llm.engine.plan.cache.log_rows == 12  # a verify pass has as many rows as the tree has nodes

@@ -41,16 +41,16 @@ def target(args: argparse.Namespace, engine_config):
             cfg = engine.config
             identity = {
                 **(
-                    {"shape": cfg.shape, "random_weights": True}
-                    if cfg.random_weights
+                    {"shape": cfg.load.shape, "random_weights": True}
+                    if cfg.load.random_weights
                     else {"model": str(engine.model_dir)}
                 ),
                 "device": str(engine.device),
-                "dtype": cfg.dtype,
-                "max_model_len": cfg.max_model_len,
-                "max_num_seqs": cfg.max_num_seqs,
-                "speculative": cfg.speculative,
-                "draft_tokens": cfg.draft_tokens if cfg.speculative != "none" else None,
+                "dtype": cfg.load.dtype,
+                "max_model_len": cfg.scheduler.max_model_len,
+                "max_num_seqs": cfg.scheduler.max_num_seqs,
+                "speculative": cfg.speculation.speculative,
+                "draft_tokens": cfg.speculation.draft_tokens if cfg.speculation.speculative != "none" else None,
             }
             yield Client(url), identity, log
 
@@ -122,15 +122,14 @@ def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
 
 
 def cmd_bench_spec(args: argparse.Namespace, engine_config) -> None:
-    from dataclasses import replace
 
     from deltaspec.bench.spec import measure
 
-    configs = [replace(engine_config, speculative="none")]
+    configs = [engine_config.with_settings(speculative="none")]
     for drafter in args.drafters.split(","):
-        configs += [replace(engine_config, speculative=drafter, draft_tokens=k) for k in ints(args.k)]
+        configs += [engine_config.with_settings(speculative=drafter, draft_tokens=k) for k in ints(args.k)]
         configs += [  # a tree of R rows, as deep as a chain of R rows
-            replace(engine_config, speculative=drafter, draft_tokens=rows - 1, speculative_tree=rows)
+            engine_config.with_settings(speculative=drafter, draft_tokens=rows - 1, speculative_tree=rows)
             for rows in (ints(args.trees) if args.trees else [])
         ]
     rows = [measure(config, args.max_tokens, args.runs, progress=say) for config in configs]
@@ -141,7 +140,7 @@ def cmd_bench_spec(args: argparse.Namespace, engine_config) -> None:
         {
             "benchmark": "spec",
             "commit": commit(),
-            "model": engine_config.model or "embedded default",
+            "model": engine_config.load.model or "embedded default",
             "max_tokens": args.max_tokens,
             "runs": args.runs,
             "configurations": rows,
@@ -171,12 +170,18 @@ def cmd_bench_decode(args: argparse.Namespace, engine_config) -> None:
 
     r = bench_decode(engine_config, args.context, args.max_tokens, args.runs, args.compare_hf)
     hf = f", {r['speedup_vs_hf']:.2f}x transformers" if "speedup_vs_hf" in r else ""
+    ref = r["reference_bandwidth"]
+    fixed = (
+        f"; at the device's reference {ref['gb_s']:.0f} GB/s: {100 * r['reference_roofline_fraction']:.1f} %"
+        if ref["gb_s"]
+        else "; no reference bandwidth for this device"
+    )
     write_device_report(
         r,
         args,
         f"decode {r['decode_tok_s']:.2f} tok/s ({r['step_ms']:.2f} ms/step), roofline "
-        f"{r['roofline_tok_s']:.2f} tok/s at {r['bandwidth_gb_s']:.0f} GB/s: "
-        f"{100 * r['roofline_fraction']:.1f} %{hf}",
+        f"{r['roofline_tok_s']:.2f} tok/s at the measured {r['bandwidth_gb_s']:.0f} GB/s: "
+        f"{100 * r['roofline_fraction']:.1f} %{fixed}{hf}",
     )
 
 
@@ -227,7 +232,7 @@ def cmd_bench_spec_oracle(args: argparse.Namespace, engine_config) -> None:
     profile = (
         parse_profile(args.oracle_profile)
         if args.oracle_profile
-        else profile_for_acceptance_length(args.oracle_al, engine_config.draft_tokens)
+        else profile_for_acceptance_length(args.oracle_al, engine_config.speculation.draft_tokens)
     )
     r = bench_spec_oracle(engine_config, profile, args.context, args.max_tokens, args.runs)
     write_device_report(

@@ -5,7 +5,8 @@ ignored) start at once and run to the end. Per request TPOT = (t_total - t_first
 tok/s = C x 1000 / mean TPOT(ms) (DESIGN §6), median over runs, and its ratio to C = 1. Each level's
 roofline: a step of C streams reads the weights once (for MoE, the distinct experts per layer an untimed run of
 C fresh prompts read per step), and each stream's KV and GDN state; roofline aggregate tok/s = C x measured
-copy bandwidth / those bytes.
+copy bandwidth / those bytes, and beside it the same at the device's fixed reference bandwidth
+(`deltaspec.bench.reference`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import statistics
 
 from deltaspec.bench.decode import WARMUP_SEED
-from deltaspec.bench.device import bench_engine, copy_bandwidth, identity, random_prompt, run, say
+from deltaspec.bench.device import bench_engine, copy_bandwidth, device_name, identity, random_prompt, run, say
+from deltaspec.bench.reference import reference_for, reference_roofline
 from deltaspec.bench.roofline import bytes_per_step, experts_per_step
 from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
@@ -31,6 +33,7 @@ def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max
     engine = bench_engine(config, context + max_tokens, streams=max(levels))
     say("measuring copy bandwidth ...")
     bandwidth = copy_bandwidth(engine.device)
+    reference = reference_for(device_name(engine.device))
     rows = []
     for c in levels:
         level_run(engine, c, context, min(max_tokens, 4), WARMUP_SEED)
@@ -49,6 +52,7 @@ def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max
                 "moe_experts_per_step": experts,
                 "roofline_tok_s": roofline_tok_s,
                 "roofline_fraction": aggregate / roofline_tok_s,
+                **reference_roofline(aggregate, step_bytes, reference, streams=c),
                 "per_run": per_run,
             }
         )
@@ -63,5 +67,6 @@ def bench_concurrency(config: EngineConfig, levels: list[int], context: int, max
         max_tokens=max_tokens,
         runs=runs,
         bandwidth_gb_s=bandwidth / 1e9,
+        reference_bandwidth=reference,
         levels=rows,
     )

@@ -4,7 +4,8 @@ decode: one sequence with `context` random prompt tokens generates `max_tokens` 
 ignored), `runs` times after a warm-up; decode tok/s = (n_new - 1) / (t_total - t_first_token), median
 over runs; step_ms = 1000 / decode tok/s. Bytes per step (for MoE, the distinct experts per layer that an
 untimed run's steps read), measured copy bandwidth, the roofline and the fraction of it come from
-`deltaspec.bench.roofline`; `--compare-hf` adds transformers' speed on the same
+`deltaspec.bench.roofline`; the roofline at the device's fixed reference bandwidth and its fraction, from
+`deltaspec.bench.reference`; `--compare-hf` adds transformers' speed on the same
 weights (`deltaspec.bench.hf_compare`).
 
 spec-oracle: per run, a plain greedy decode of the prompt (timed), then a reference continuation computed by
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 
 from deltaspec.bench.device import (
     bench_engine,
     copy_bandwidth,
+    device_name,
     drive,
     identity,
     random_prompt,
@@ -31,6 +32,7 @@ from deltaspec.bench.device import (
     say,
     start,
 )
+from deltaspec.bench.reference import reference_for, reference_roofline
 from deltaspec.bench.roofline import bytes_per_step, experts_per_step, roofline
 from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
@@ -50,10 +52,10 @@ def decode_run(engine: Engine, context: int, max_tokens: int, seed: int) -> dict
 
 
 def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int, compare_hf: bool = False) -> dict:
-    if compare_hf and config.tensor_parallel_size > 1:
+    if compare_hf and config.parallel.tensor_parallel_size > 1:
         raise DeltaspecError("--compare-hf runs transformers on one device; drop --tensor-parallel-size.")
     engine = bench_engine(config, context + max_tokens)
-    mtp = "mtp" in engine.config.speculative.split("+")
+    mtp = "mtp" in engine.config.speculation.speculative.split("+")
     say("measuring copy bandwidth ...")
     bandwidth = copy_bandwidth(engine.device)
     decode_run(engine, context, min(max_tokens, 4), WARMUP_SEED)
@@ -64,6 +66,7 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
     tok_s = statistics.median(r["decode_tok_s"] for r in per_run)
     experts = experts_per_step(engine, [random_prompt(engine, context, seed=runs)], max_tokens)
     step_bytes = bytes_per_step(engine, context + max_tokens / 2, mtp, experts=experts)
+    reference = reference_for(device_name(engine.device))
     report = identity(
         engine,
         "decode",
@@ -72,7 +75,9 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
         runs=runs,
         decode_tok_s=tok_s,
         step_ms=1000 / tok_s,
-        **roofline(tok_s, step_bytes["total"], bandwidth, engine.config.speculative == "none"),
+        **roofline(tok_s, step_bytes["total"], bandwidth, engine.config.speculation.speculative == "none"),
+        reference_bandwidth=reference,
+        **reference_roofline(tok_s, step_bytes["total"], reference),
         bytes_per_step_parts=step_bytes,
         moe_experts_per_step=experts,
         kv_context_mean=context + max_tokens / 2,
@@ -96,9 +101,9 @@ def oracle_engine(
     as the sequence's expectation allows (trees of at most `tree` rows, each as large as the oracle's candidates
     allow); sequences the oracle expects nothing of decode plainly."""
     k = max(draft_tokens, 1)
-    oracle = OracleDrafter(plan_for(config).model_config.vocab_size, config.seed)
+    oracle = OracleDrafter(plan_for(config).model_config.vocab_size, config.scheduler.seed)
     engine = bench_engine(
-        replace(config, draft_tokens=k, speculative_tree=tree),
+        config.with_settings(draft_tokens=k, speculative_tree=tree),
         longest,
         streams,
         drafter=oracle,
@@ -160,7 +165,7 @@ def spec_run(
         if seq.request_id not in oracle.diverged or attempt == calibrations + 1:
             break
         reference = seq.output_ids
-    m, stats = seq.metrics(), seq.acceptance
+    m, stats = seq.metrics(), seq.stats.acceptance
     return {
         "plain_decode_tok_s": plain.metrics()["decode_tok_s"],
         "spec_decode_tok_s": m["decode_tok_s"],

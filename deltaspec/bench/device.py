@@ -11,7 +11,6 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -70,16 +69,16 @@ def bench_engine(
 ) -> Engine:
     """An engine whose context fits `longest` tokens per sequence and `streams` sequences at once (drafting with
     `drafter` and `draft_policy` when given)."""
-    config = replace(config, max_model_len=longest, max_num_seqs=max(streams, 1), **changes)
-    limit = plan_for(replace(config, allow_long_max_model_len=True), drafter).model_config.max_position_embeddings
+    config = config.with_settings(max_model_len=longest, max_num_seqs=max(streams, 1), **changes)
+    limit = plan_for(config.with_settings(allow_long_max_model_len=True), drafter).model_config.max_position_embeddings
     if longest > limit:
         raise DeltaspecError(
             f"A context of {longest} tokens exceeds the model's {limit} positions; "
             f"use a shorter --context / --lengths or fewer --max-tokens."
         )
     say(
-        f"building the engine ({config.shape or config.model or 'embedded default model'}, "
-        f"{'random weights' if config.random_weights else 'checkpoint'}) ..."
+        f"building the engine ({config.load.shape or config.load.model or 'embedded default model'}, "
+        f"{'random weights' if config.load.random_weights else 'checkpoint'}) ..."
     )
     return Engine(config, progress=True, drafter=drafter, draft_policy=draft_policy)
 
@@ -114,21 +113,25 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
     """The fields every report starts with, read from what ran: benchmark, device, dtype, model or shape, the
     drafter (the engine's resolved `speculative`: an injected drafter's name) and its draft length, commit."""
     cfg = engine.config
-    source = {"shape": cfg.shape, "random_weights": True} if cfg.random_weights else {"model": str(engine.model_dir)}
+    source = (
+        {"shape": cfg.load.shape, "random_weights": True}
+        if cfg.load.random_weights
+        else {"model": str(engine.model_dir)}
+    )
     return {
         "benchmark": benchmark,
         "device": device_name(engine.device),
-        "dtype": cfg.dtype,
-        "state_dtype": cfg.state_dtype,
-        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "dtype": cfg.load.dtype,
+        "state_dtype": cfg.cache.state_dtype,
+        "kv_cache_dtype": cfg.cache.kv_cache_dtype,
         **source,
-        "quant": cfg.quant,
+        "quant": cfg.load.quant,
         "weight_blocks": block_types(engine.model),  # GGUF types of the weights kept quantized; [] for float
-        "fp8_activations": cfg.fp8_activations,  # dynamic: FP8 products of over 64 rows quantize activations
-        "tensor_parallel_size": cfg.tensor_parallel_size,  # ranks (GPUs); bytes and rooflines are one rank's
-        "expert_parallel": cfg.enable_expert_parallel,  # routed experts split whole among the ranks
-        "speculative": cfg.speculative,
-        "draft_tokens": cfg.draft_tokens if cfg.speculative != "none" else None,
+        "fp8_activations": cfg.load.fp8_activations,  # dynamic: FP8 products of over 64 rows quantize activations
+        "tensor_parallel_size": cfg.parallel.tensor_parallel_size,  # ranks (GPUs); bytes and rooflines are one rank's
+        "expert_parallel": cfg.parallel.enable_expert_parallel,  # routed experts split whole among the ranks
+        "speculative": cfg.speculation.speculative,
+        "draft_tokens": cfg.speculation.draft_tokens if cfg.speculation.speculative != "none" else None,
         "dependent_launch": dependent_launch(engine.device),  # Triton kernels with programmatic dependent launch
         "commit": commit(),
         **extra,

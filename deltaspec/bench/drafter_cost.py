@@ -38,9 +38,9 @@ def timed(call: Callable, device, record: Callable[[tuple, float], None]) -> Cal
 
 
 def bench_drafter(config: EngineConfig, context: int, max_tokens: int, runs: int) -> dict:
-    if config.speculative == "none":
+    if config.speculation.speculative == "none":
         raise DeltaspecError("bench drafter times a drafter: give --speculative (e.g. block, mtp or draft).")
-    k = config.draft_tokens
+    k = config.speculation.draft_tokens
     if max_tokens < 2 * (k + 1):
         raise DeltaspecError(
             f"bench drafter needs --max-tokens of at least {2 * (k + 1)} for drafts of {k} tokens (two full rounds)."

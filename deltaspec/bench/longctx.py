@@ -12,7 +12,6 @@ per-run values, with the engine's prefix-caching setting.
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
 
 from deltaspec.bench.decode import WARMUP_SEED
 from deltaspec.bench.device import bench_engine, identity, random_prompt, run, say
@@ -39,7 +38,7 @@ def check_sizes(config: EngineConfig, doc_tokens: int, question_tokens: int, max
         )
     longest = doc_tokens + 2 * question_tokens + 2 * max_tokens
     limit = plan_for(
-        replace(config, max_model_len=longest, allow_long_max_model_len=True)
+        config.with_settings(max_model_len=longest, allow_long_max_model_len=True)
     ).model_config.max_position_embeddings
     if longest > limit:
         raise DeltaspecError(
@@ -60,7 +59,7 @@ def longctx_run(engine: Engine, doc_tokens: int, question_tokens: int, max_token
         "first_ttft_s": m1["time_to_first_token"],
         "first_decode_tok_s": m1["decode_tok_s"],
         "follow_up_ttft_s": m2["time_to_first_token"],
-        "follow_up_num_cached_tokens": follow_up.num_cached_tokens,
+        "follow_up_num_cached_tokens": follow_up.cache.num_cached_tokens,
         "follow_up_prompt_tokens": len(follow_up.prompt_ids),
         "follow_up_decode_tok_s": m2["decode_tok_s"],
     }
@@ -86,9 +85,9 @@ def bench_longctx(config: EngineConfig, doc_tokens: int, question_tokens: int, m
         question_tokens=question_tokens,
         max_tokens=max_tokens,
         runs=runs,
-        prefix_caching=cfg.enable_prefix_caching,
-        prefix_checkpoint_min_prompt=cfg.prefix_checkpoint_min_prompt,
-        max_model_len=cfg.max_model_len,
+        prefix_caching=cfg.cache.enable_prefix_caching,
+        prefix_checkpoint_min_prompt=cfg.cache.prefix_checkpoint_min_prompt,
+        max_model_len=cfg.scheduler.max_model_len,
         follow_up_prompt_tokens=per_run[0]["follow_up_prompt_tokens"],
         **{key: statistics.median(r[key] for r in per_run) for key in MEDIANS},
         per_run=per_run,

@@ -36,7 +36,7 @@ def bench_prefill(config: EngineConfig, lengths: list[int], runs: int) -> dict:
         engine,
         "prefill",
         runs=runs,
-        prefill_chunk=engine.config.prefill_chunk,
-        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        prefill_chunk=engine.config.scheduler.prefill_chunk,
+        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
         lengths=rows,
     )

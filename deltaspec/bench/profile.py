@@ -30,7 +30,9 @@ def own_time_us(event, on_device: bool) -> float:
 
 
 def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, top: int) -> dict:
-    prefill_steps = -(-streams * context // config.max_num_batched_tokens) + 1  # the first streams decode meanwhile
+    prefill_steps = (
+        -(-streams * context // config.scheduler.max_num_batched_tokens) + 1
+    )  # the first streams decode meanwhile
     max_tokens = prefill_steps + WARMUP_STEPS + 2 * steps + 1  # no stream finishes inside the measured steps
     engine = bench_engine(config, context + max_tokens + 1, streams=streams)
     seqs = start(engine, [random_prompt(engine, context, 7000 + i) for i in range(streams)], max_tokens)
@@ -45,7 +47,7 @@ def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, 
     sync(engine.device)
     step_ms = 1000 * (time.perf_counter() - began) / steps
     graphs = engine.runner.graphs
-    if engine.config.tensor_parallel_size > 1:
+    if engine.config.parallel.tensor_parallel_size > 1:
         graphs = None  # a replay outside a step would wait for the other ranks' collectives
     replay_ms = graphs.time_replays(next(b for b in graphs.batch_sizes if b >= streams), 1) if graphs else None
     on_device = engine.device.type == "cuda"

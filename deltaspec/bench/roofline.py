@@ -57,7 +57,7 @@ def weight_bytes_per_step(engine: Engine, mtp: bool = False, experts: float | No
     """Weight bytes one step reads; `experts` distinct experts per MoE layer (default: the top-k of one token);
     under expert parallelism, of those this rank holds (`experts` counts them)."""
     config = engine.model_config
-    expert_shards = engine.config.tensor_parallel_size if engine.config.enable_expert_parallel else 1
+    expert_shards = engine.config.parallel.tensor_parallel_size if engine.config.parallel.enable_expert_parallel else 1
     held = config.moe.num_experts // expert_shards if config.moe is not None else 0  # routed experts per rank
     total = 0
     for name, size, row in _weights(engine):
@@ -79,7 +79,7 @@ def bytes_per_step(
     """{"weights", "kv", "gdn_state", "total"} bytes one decode step of `streams` sequences reads (and, for
     states, writes) at `context` tokens of attention KV each, reading `experts` distinct experts per MoE layer; under
     tensor parallelism, one rank's: its weights, its heads' KV and states."""
-    layout = engine.config.tensor_parallel_size, engine.config.enable_expert_parallel
+    layout = engine.config.parallel.tensor_parallel_size, engine.config.parallel.enable_expert_parallel
     config, dtype_size = shard_config(engine.model_config, *layout), engine.dtype.itemsize
     state_size = torch.empty(0, dtype=engine.cache.gdn.state[0].dtype).element_size() if config.gdn_layer_ids else 0
     kv_layers = len(config.attention_layer_ids) + (

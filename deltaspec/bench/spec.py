@@ -28,7 +28,7 @@ def prompt_set(llm: LLM) -> list[str]:
 
 
 def measure(engine_config: EngineConfig, max_tokens: int, runs: int, progress=print) -> dict:
-    llm = LLM(**vars(engine_config))
+    llm = LLM(**engine_config.flat())
     prompts = prompt_set(llm)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
@@ -52,19 +52,21 @@ def measure(engine_config: EngineConfig, max_tokens: int, runs: int, progress=pr
                 "acceptance_per_position": [a / d for a, d in zip(accepted_at, drafted_at)],
             }
         )
-    drafting = engine_config.speculative != "none"
+    drafting = engine_config.speculation.speculative != "none"
     row = {
-        "speculative": engine_config.speculative,
-        "draft_tokens": engine_config.draft_tokens if drafting else 0,
-        "speculative_tree": engine_config.speculative_tree if drafting else 0,
-        "verify_rows": (engine_config.speculative_tree or engine_config.draft_tokens + 1) if drafting else 1,
+        "speculative": engine_config.speculation.speculative,
+        "draft_tokens": engine_config.speculation.draft_tokens if drafting else 0,
+        "speculative_tree": engine_config.speculation.speculative_tree if drafting else 0,
+        "verify_rows": (engine_config.speculation.speculative_tree or engine_config.speculation.draft_tokens + 1)
+        if drafting
+        else 1,
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in per_run),
         "acceptance_length": per_run[0]["acceptance_length"],
         "tokens_per_round": per_run[0]["acceptance_length"] + 1 if per_run[0]["acceptance_length"] else 1.0,
         "acceptance_per_position": per_run[0]["acceptance_per_position"],
         "runs": per_run,
-        "device": llm.engine.config.device,
-        "dtype": llm.engine.config.dtype,
+        "device": llm.engine.config.host.device,
+        "dtype": llm.engine.config.load.dtype,
         "prompts": len(prompts),
     }
     al = f"{row['acceptance_length']:.2f}" if row["acceptance_length"] is not None else "n/a"

@@ -81,8 +81,8 @@ def _run(engine, prompts: list[list[int]], max_tokens: int, spec: StructuredOutp
         engine.step()
         steps += 1
     sync(engine.device)
-    rounds = sum(s.acceptance.rounds for s in seqs)
-    accepted = sum(s.acceptance.accepted for s in seqs) / rounds if rounds else None
+    rounds = sum(s.stats.acceptance.rounds for s in seqs)
+    accepted = sum(s.stats.acceptance.accepted for s in seqs) / rounds if rounds else None
     return sum(len(s.output_ids) for s in seqs), time.perf_counter() - begin, steps, accepted
 
 
@@ -90,7 +90,7 @@ def bench_structured(
     config: EngineConfig, concurrency: list[int], context: int, max_tokens: int, runs: int, constraint: str
 ) -> dict:
     spec = CONSTRAINTS[constraint]
-    engine = bench_engine(config, context + max_tokens + config.draft_tokens + 1, max(concurrency))
+    engine = bench_engine(config, context + max_tokens + config.speculation.draft_tokens + 1, max(concurrency))
     rows = []
     for streams in concurrency:
         per_run = []

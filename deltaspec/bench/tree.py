@@ -45,7 +45,7 @@ def expected_tree(ranks: list[float], rows: int) -> DraftTree:
 def tree_memory(engine: Engine, tree: DraftTree) -> dict:
     """What a tree of `tree`'s shape costs beyond a chain's pass, and per sequence (see the module docstring)."""
     parents = [-1, *tree.parents]
-    rows, log_rows = len(parents), engine.config.log_rows
+    rows, log_rows = len(parents), engine.plan.cache.log_rows
     flags, masks = recurrence_flags(parents), ancestor_masks(parents)
     replayed = sum(bin(m & ((1 << 64) - 1)).count("1") - 1 for m, f in zip(masks, flags) if f & TREE_RESTART)
     gdn = engine.cache.gdn

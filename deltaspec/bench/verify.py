@@ -42,9 +42,9 @@ def bench_verify(config: EngineConfig, context: int, rows: list[int], rounds: in
     if not rows or min(rows) < 1:
         raise DeltaspecError(f"Row counts must be at least 1; got {rows}.")
     engine, oracle = oracle_engine(config, context + rounds * max(rows) + 1, max(rows) - 1)
-    if max(rows) > engine.config.max_num_batched_tokens:
+    if max(rows) > engine.config.scheduler.max_num_batched_tokens:
         raise DeltaspecError(
-            f"{max(rows)} rows exceed --max-num-batched-tokens {engine.config.max_num_batched_tokens}."
+            f"{max(rows)} rows exceed --max-num-batched-tokens {engine.config.scheduler.max_num_batched_tokens}."
         )
     results = []
     for r in rows:

@@ -9,6 +9,8 @@ of the sequence lives at page `table[p // block_size]`, offset `p % block_size`.
 
 import torch
 
+from deltaspec.config.cache_spec import CacheSpec
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.attention import kv_row_width
 
@@ -57,21 +59,15 @@ class BlockAllocator:
 class PagedKVCache:
     """K and V pages of every attention layer."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        self.block_size = block_size
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, dtype))
-        self.stacked = [torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]  # K and V of all layers
+    def __init__(self, num_layers: int, config: ModelConfig, spec: CacheSpec):
+        """`num_layers` attention layers (the model's and an MTP head's) of `config`'s KV heads, with the pages and
+        KV dtype of `spec`."""
+        self.block_size = spec.block_size
+        row = kv_row_width(config.head_dim, spec.kv_dtype)
+        shape = (num_layers, spec.num_blocks, spec.block_size, config.num_key_value_heads, row)
+        self.stacked = [torch.zeros(shape, dtype=spec.kv_dtype, device=spec.device) for _ in "kv"]  # K, V of all layers
         self.k, self.v = (list(stack.unbind(0)) for stack in self.stacked)  # per layer [blocks, bs, Hkv, D]
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(spec.num_blocks)
 
     def byte_views(self) -> list[torch.Tensor]:
         """Every layer's K then V pages, a quantized cache's as uint8 views (CPU torch gathers no float8 by

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.attention import kv_row_width
@@ -44,23 +45,55 @@ class DrafterMemory:
 
 
 @dataclass(frozen=True)
+class Workspace:
+    """What one forward pass holds besides the caches: at most `batch_rows` rows, a prompt chunk of at most
+    `prefill_chunk` rows, and with `materialized_scores` the attention scores of that chunk over the whole context
+    (the torch reference holds them; the kernels hold none)."""
+
+    batch_rows: int
+    prefill_chunk: int
+    materialized_scores: bool = True
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
-    device: str
-    streams: int
-    ctx: int
-    block_size: int
+    cache: CacheSpec  # the streams, context, pages and slots planned
     weights: int
     kv_per_token: int
     state_per_stream: int
     workspace: int
     reserve: int
     available: int
-    checkpoints: int = 0  # prefix-checkpoint slots, each one state
     drafter: DrafterMemory = DrafterMemory()
-    kv_tokens: int = 0  # tokens of the KV page pool; 0: one whole context per stream
     alternatives: tuple[str, ...] = ()  # the largest configurations that fit, as flags would give them
     available_label: str = "free"  # what `available` is: the free memory, or a --gpu-memory-utilization budget
     notes: tuple[str, ...] = ()  # how automatic values were chosen
+
+    @property
+    def device(self) -> str:
+        return str(self.cache.device)
+
+    @property
+    def streams(self) -> int:
+        return self.cache.streams
+
+    @property
+    def ctx(self) -> int:
+        return self.cache.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def checkpoints(self) -> int:
+        """Prefix-checkpoint slots, each one state."""
+        return self.cache.checkpoint_slots
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of the configured KV page pool; 0: one whole context per stream."""
+        return self.cache.kv_blocks * self.cache.block_size
 
     @property
     def padded_ctx(self) -> int:
@@ -68,7 +101,7 @@ class MemoryPlan:
 
     @property
     def pool_tokens(self) -> int:
-        return self.kv_tokens or self.streams * self.padded_ctx
+        return self.cache.num_blocks * self.block_size
 
     @property
     def kv(self) -> int:
@@ -194,36 +227,23 @@ def total_memory(device: torch.device) -> int:
 
 def plan_memory(
     config: ModelConfig,
-    num_kv_layers: int,
+    cache: CacheSpec,
     weights: int,
-    dtype: torch.dtype,
-    state_dtype: torch.dtype,
-    streams: int,
-    ctx: int,
-    block_size: int,
-    batch_rows: int,
-    prefill_chunk: int,
-    device: torch.device,
-    available: int | None = None,
-    log_rows: int = 0,
-    checkpoints: int = 0,
-    graph_rows: int = 0,
+    workspace: Workspace,
     drafter: DrafterMemory = DrafterMemory(),
-    kv_tokens: int = 0,
-    materialized_scores: bool = True,
-    kv_dtype: torch.dtype | None = None,
+    available: int | None = None,
 ) -> MemoryPlan:
-    """Needs of `streams` sequences of `ctx` tokens for this model on `device`; `log_rows` > 0 adds each
-    slot's speculative replay log (one state plus the log, independent of how many drafts are accepted);
-    `checkpoints` prefix-checkpoint slots are each one more state; `graph_rows` rows of captured CUDA graphs
-    each keep their hidden state and logits (and a block drafter's features); `drafter` is the speculative
-    drafter's own memory; `kv_tokens` > 0 is
-    a KV pool of that many tokens instead of one context per stream; `materialized_scores`: attention runs on the
-    torch reference, which holds one prompt chunk's scores over the whole context (the kernels hold none);
-    `kv_dtype` is the KV cache's (default `dtype`; a quantized one adds each row's 16-byte tail holding its scale)."""
+    """Needs of `cache` for this model (its streams of its context, or its KV pool; a state slot per stream and per
+    prefix checkpoint, each with the speculative replay log of `log_rows` rows, however many drafts are accepted;
+    the hidden states and logits, and a block drafter's features, that each row of its captured CUDA graphs keeps)
+    with `weights` bytes of weights and one pass's `workspace`; `drafter` is the speculative drafter's own memory;
+    `available` defaults to the device's free memory. A quantized KV dtype adds each row's 16-byte tail holding
+    its scale."""
+    dtype, state_dtype, kv_dtype = cache.dtype, cache.state_dtype, cache.kv_dtype
+    num_kv_layers, log_rows = len(config.attention_layer_ids), cache.log_rows
+    batch_rows, ctx, streams = workspace.batch_rows, cache.max_model_len, cache.streams
     size = torch.tensor([], dtype=dtype).element_size()
     state_size = torch.tensor([], dtype=state_dtype).element_size()
-    kv_dtype = kv_dtype or dtype
     row_bytes = kv_row_width(config.head_dim, kv_dtype) * kv_dtype.itemsize
     kv_per_token = num_kv_layers * 2 * config.num_key_value_heads * row_bytes
     state = len(config.gdn_layer_ids) * (
@@ -253,23 +273,19 @@ def plan_memory(
     widest_projection = max(2 * config.num_attention_heads * config.head_dim, config.gdn_conv_dim, 2 * mlp_width)
     activations = batch_rows * (4 * config.hidden_size + widest_projection) * 4  # fp32 worst case
     logits = streams * config.vocab_size * 4
-    graph_outputs = graph_rows * ((config.vocab_size + config.hidden_size) * size + drafter.features_per_row)
+    graph_outputs = cache.captured_rows * ((config.vocab_size + config.hidden_size) * size + drafter.features_per_row)
     activations += batch_rows * drafter.features_per_row
-    attention_scores = min(prefill_chunk, batch_rows) * config.num_attention_heads * ctx * 4 * materialized_scores
+    scores_rows = min(workspace.prefill_chunk, batch_rows) * workspace.materialized_scores
+    attention_scores = scores_rows * config.num_attention_heads * ctx * 4
     return MemoryPlan(
-        device=str(device),
-        streams=streams,
-        ctx=ctx,
-        block_size=block_size,
+        cache=cache,
         weights=weights,
         kv_per_token=kv_per_token,
         state_per_stream=state,
         workspace=activations + logits + attention_scores + graph_outputs,
-        reserve=RESERVE.get(device.type, GIB // 2),
-        available=available_memory(device) if available is None else available,
-        checkpoints=checkpoints,
+        reserve=RESERVE.get(cache.device.type, GIB // 2),
+        available=available_memory(cache.device) if available is None else available,
         drafter=drafter,
-        kv_tokens=kv_tokens,
     )
 
 

@@ -11,6 +11,8 @@ the log, whatever the draft length.
 
 import torch
 
+from deltaspec.config.cache_spec import CacheSpec
+from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.ops.gdn import GDNLog
 
@@ -19,22 +21,13 @@ class GDNStateCache:
     """`state[layer]` [num_slots, Hv, Dk, Dv], `conv[layer]` [num_slots, K-1, conv_dim], and with
     `log_rows` > 0 the replay logs `log[layer]` (GDNLog) and `conv_log[layer]` [num_slots, L, conv_dim]."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        num_k_heads: int,
-        num_v_heads: int,
-        key_dim: int,
-        value_dim: int,
-        conv_dim: int,
-        conv_kernel: int,
-        state_dtype: torch.dtype,
-        conv_dtype: torch.dtype,
-        device: torch.device,
-        log_rows: int = 0,
-        checkpoint_slots: int = 0,
-    ):
+    def __init__(self, config: ModelConfig, spec: CacheSpec):
+        """The GDN layers of `config`, with `spec`'s running and checkpoint slots, dtypes and log rows."""
+        num_layers, num_slots, checkpoint_slots = len(config.gdn_layer_ids), spec.streams, spec.checkpoint_slots
+        num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        conv_dim, conv_kernel = config.gdn_conv_dim, config.linear_conv_kernel_dim
+        state_dtype, conv_dtype, device, log_rows = spec.state_dtype, spec.dtype, spec.device, spec.log_rows
         self.checkpoint_slots = range(num_slots, num_slots + checkpoint_slots)
         self.scratch_slot = num_slots + checkpoint_slots
         running_slots = num_slots

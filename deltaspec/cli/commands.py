@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
+from dataclasses import fields
 
 from deltaspec.bench.commands import add_bench_parser
 from deltaspec.cli.dialects import SERVER_FLAGS, add_foreign_flags
@@ -27,11 +28,16 @@ def cmd_ppl(args: argparse.Namespace) -> None:
         text = "".join(Path(f).read_text() for f in args.file)
     except (OSError, UnicodeDecodeError) as exc:
         raise DeltaspecError(f"Could not read the text to score ({exc}).") from None
-    llm = LLM(progress=True, **vars(engine_config(args)))
+    llm = LLM(progress=True, **engine_config(args).flat())
     result = perplexity(llm, text, window=args.window, max_windows=args.max_windows)
     print(
         json.dumps(
-            {"model": str(llm.engine.model_dir), "dtype": llm.engine.config.dtype, "window": args.window, **result},
+            {
+                "model": str(llm.engine.model_dir),
+                "dtype": llm.engine.config.load.dtype,
+                "window": args.window,
+                **result,
+            },
             indent=1,
         )
     )
@@ -246,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model_tag", nargs="?", metavar="MODEL", help="checkpoint directory or Hugging Face hub id (or --model)"
     )
     add_engine_flags(serve)
-    add_foreign_flags(add_config_flags(serve, ServerConfig, "server options"), SERVER_FLAGS)
+    add_foreign_flags(add_config_flags(serve, fields(ServerConfig), "server options"), SERVER_FLAGS)
     serve.set_defaults(func=cmd_serve)
 
     add_bench_parser(commands, add_engine_flags, engine_config)

@@ -10,10 +10,10 @@ config, then to the command's own defaults.
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, fields, replace
+from dataclasses import MISSING, Field, fields, replace
 
 from deltaspec.cli.dialects import ENGINE_FLAGS, add_foreign_flags
-from deltaspec.config.engine import EngineConfig
+from deltaspec.config.engine import EngineConfig, engine_fields
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.speculative_config import SPECULATIVE_CONFIG_HELP, parse_speculative_json, speculative_fields
@@ -28,13 +28,15 @@ def help_with_default(help_text: str, default: object) -> str:
     return f"{help_text} (default: {default})"
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config_cls: type, title: str) -> argparse._ArgumentGroup:
-    """One flag per field of the dataclass `config_cls` (`api_key` -> `--api-key`), help from its metadata, in an
+def add_config_flags(
+    parser: argparse.ArgumentParser, settings: tuple[Field, ...], title: str
+) -> argparse._ArgumentGroup:
+    """One flag per dataclass field of `settings` (`api_key` -> `--api-key`), help from its metadata, in an
     argument group named `title`. Boolean fields get `--name` / `--no-name`; the value's type is metadata `type`, else
     the default's (str for None); fields with metadata `cli: False` are Python-only; names in metadata `aliases`
     work too but stay out of --help."""
     group = parser.add_argument_group(title)
-    for f in fields(config_cls):
+    for f in settings:
         if not f.metadata.get("cli", True):
             continue
         default = None if f.default is MISSING else f.default
@@ -50,19 +52,19 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type, title: s
     return group
 
 
-def given_fields(args: argparse.Namespace, config_cls: type) -> dict:
-    """The fields of `config_cls` whose flags the user gave."""
-    return {f.name: getattr(args, f.name) for f in fields(config_cls) if hasattr(args, f.name)}
+def given_fields(args: argparse.Namespace, settings: tuple[Field, ...]) -> dict:
+    """The fields of `settings` whose flags the user gave."""
+    return {f.name: getattr(args, f.name) for f in settings if hasattr(args, f.name)}
 
 
 def config_from_args(args: argparse.Namespace, config_cls: type):
-    return config_cls(**given_fields(args, config_cls))
+    return config_cls(**given_fields(args, fields(config_cls)))
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The EngineConfig flags, --speculative-config, and llama-server's and vLLM's engine flags that are no
     setting here (`deltaspec.cli.dialects`)."""
-    group = add_config_flags(parser, EngineConfig, "engine options")
+    group = add_config_flags(parser, engine_fields(), "engine options")
     group.add_argument("--speculative-config", metavar="JSON", default=None, help=SPECULATIVE_CONFIG_HELP)
     add_foreign_flags(group, ENGINE_FLAGS)
 
@@ -79,13 +81,13 @@ def one_value(what: str, positional: str | None, flag_name: str, flag_value: str
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the flags given, the positional MODEL (serve) and --speculative-config."""
-    given = given_fields(args, EngineConfig)
+    given = given_fields(args, engine_fields())
     model = one_value("model", getattr(args, "model_tag", None), "--model", given.get("model"))
     if model is not None:
         given["model"] = model
     if args.speculative_config is not None:
         given.update(speculative_fields(parse_speculative_json(args.speculative_config), given))
-    return EngineConfig(**given)
+    return EngineConfig.from_flat(**given)
 
 
 def _default(name: str):

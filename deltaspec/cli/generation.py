@@ -28,7 +28,7 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 def load_llm(args: argparse.Namespace):
     from deltaspec.llm import LLM
 
-    return LLM(progress=True, **vars(engine_config(args)))
+    return LLM(progress=True, **engine_config(args).flat())
 
 
 def stats_line(output: RequestOutput, config) -> str:
@@ -37,14 +37,14 @@ def stats_line(output: RequestOutput, config) -> str:
     ttft = f"{m['time_to_first_token'] * 1000:.1f} ms" if m["time_to_first_token"] is not None else "n/a"
     tok_s = f"{m['decode_tok_s']:.1f}" if m["decode_tok_s"] is not None else "n/a"
     spec = (
-        f" | {config.speculative}: AL {m['acceptance_length']:.2f} over {m['spec_rounds']} rounds"
+        f" | {config.speculation.speculative}: AL {m['acceptance_length']:.2f} over {m['spec_rounds']} rounds"
         if m.get("spec_rounds")
         else ""
     )
     return (
         f"[prompt tokens: {m['num_prompt_tokens']} | new tokens: {m['num_generated_tokens']} | "
         f"time to first token: {ttft} | decode tok/s: {tok_s} | finish: {output.outputs[0].finish_reason} | "
-        f"{config.device} {config.dtype}{spec}]"
+        f"{config.host.device} {config.load.dtype}{spec}]"
     )
 
 

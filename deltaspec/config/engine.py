@@ -1,17 +1,22 @@
-"""`EngineConfig`: what the user chooses about running a model (dtype, device, cache sizes, speculation,
-parallelism). Its fields carry `help` metadata from which the CLI generates its flags; "auto" values are resolved
-in `deltaspec.config.resolve`."""
+"""`EngineConfig`: what the user chooses about running a model, composed of frozen groups (as vLLM's `VllmConfig`):
+`LoadConfig` (the model and its weights), `HostConfig` (device, threads, kernels), `SchedulerConfig` (streams, context,
+pass sizes), `CacheConfig` (cache dtypes, KV pages, prefix checkpoints), `SpeculativeConfig` (drafter, draft length,
+trees) and `ParallelConfig` (tensor and expert parallelism). Each setting's field carries `help` metadata from which the
+CLI generates its flag; a setting keeps one flat name (`block_size`, `--block-size`) whatever group holds it, and
+`EngineConfig.from_flat` is the way in from flat names (the `LLM` keywords, the flags). "auto" values are resolved in
+`deltaspec.config.resolve`, which also derives the resolved `CacheSpec` every cache reader takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields, replace
 
 MAX_TREE_ROWS = 64  # nodes of one tree of drafts, its root included (the kernels' ancestor masks are int64)
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """What the user chooses about running a model. "auto" fields are resolved on load."""
+class LoadConfig:
+    """What model is run and how its weights are built: the checkpoint (or a random-weight shape), the dtype,
+    the chat template."""
 
     model: str | None = field(
         default=None,
@@ -23,20 +28,6 @@ class EngineConfig:
     dtype: str = field(
         default="auto", metadata={"help": "weight and activation dtype: auto, float64, float32, bfloat16, float16"}
     )
-    device: str = field(default="auto", metadata={"help": "torch device: auto, cpu, cuda, cuda:N"})
-    state_dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "GDN recurrent state dtype: auto (float32, float64 for float64 models), float32, bfloat16, float16"
-        },
-    )
-    kv_cache_dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "attention KV cache dtype: auto (the model's dtype), fp8_e4m3 (fp8) or int8, each row with its "
-            "own scale computed when it is written"
-        },
-    )
     fp8_activations: str = field(
         default="none",
         metadata={
@@ -45,6 +36,72 @@ class EngineConfig:
             "activation_scheme dynamic, vLLM and transformers do, for Hopper's FP8 tensor cores)"
         },
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "Jinja chat template used instead of the model's: a file, or the template itself",
+            "aliases": ("--chat-template-file",),
+        },
+    )
+    random_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "build the model of --shape with random weights on the device (no checkpoint; the embedded "
+            "model's tokenizer); for benchmarks"
+        },
+    )
+    shape: str | None = field(
+        default=None,
+        metadata={
+            "help": "model shape for --random-weights: qwen3.5-0.8b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
+            "qwen3-next-80b-a3b"
+        },
+    )
+    quant: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --random-weights: keep the weights quantized as a llama.cpp preset (q4_k_m, q5_k_m, q6_k, "
+            "q8_0), one GGUF block type (q4_k, iq4_xs, ...), as a GGUF file would, fp8 (an FP8 block-scaled "
+            "checkpoint's weights) or int4 / i4_g32 / i4_g128 (a W4A16 checkpoint's groups); for benchmarks"
+        },
+    )
+    shape_overrides: tuple[tuple[str, int], ...] = field(
+        default=(),
+        metadata={
+            "cli": False,
+            "help": "(Python only) ModelConfig/MoEConfig fields replaced in the shape, for small tests",
+        },
+    )
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Where the engine runs: the device, the CPU threads, the op implementations and whether passes may be
+    CUDA graphs."""
+
+    device: str = field(default="auto", metadata={"help": "torch device: auto, cpu, cuda, cuda:N"})
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU threads for the engine (default: physical cores the process may use)",
+            "type": int,
+            "aliases": ("-t",),
+        },
+    )
+    kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "op implementations: auto (Triton kernels on CUDA, torch references elsewhere), reference "
+            "(torch references everywhere)"
+        },
+    )
+    enforce_eager: bool = field(default=False, metadata={"help": "run every pass eagerly, without CUDA graphs"})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many sequences run, how long they may be and how a pass is filled."""
+
     max_num_seqs: int = field(
         default=0,
         metadata={
@@ -68,6 +125,33 @@ class EngineConfig:
             "trained on)"
         },
     )
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "most rows in one forward pass (prompt chunks + decode rows)"}
+    )
+    prefill_chunk: int = field(
+        default=512,
+        metadata={"help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The caches' storage: state and KV dtypes, KV pages, the memory budget, prefix checkpoints."""
+
+    state_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "GDN recurrent state dtype: auto (float32, float64 for float64 models), float32, bfloat16, float16"
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "attention KV cache dtype: auto (the model's dtype), fp8_e4m3 (fp8) or int8, each row with its "
+            "own scale computed when it is written"
+        },
+    )
     gpu_memory_utilization: float = field(
         default=0.0,
         metadata={
@@ -79,29 +163,37 @@ class EngineConfig:
     num_kv_blocks: int = field(
         default=0, metadata={"help": "attention KV pages to allocate (0: enough for max_num_seqs x max_model_len)"}
     )
-    max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "most rows in one forward pass (prompt chunks + decode rows)"}
-    )
-    prefill_chunk: int = field(
-        default=512,
-        metadata={"help": "most prompt rows of one sequence in one pass: a long prompt delays others by at most this"},
-    )
-    seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
-    threads: int | None = field(
-        default=None,
+    enable_prefix_caching: bool = field(
+        default=True,
         metadata={
-            "help": "CPU threads for the engine (default: physical cores the process may use)",
-            "type": int,
-            "aliases": ("-t",),
+            "help": "resume requests from checkpoints of earlier ones that share their prefix (GDN state + KV pages)",
+            "aliases": ("--prefix-caching",),
         },
     )
-    chat_template: str | None = field(
-        default=None,
+    prefix_checkpoints: int = field(
+        default=0,
         metadata={
-            "help": "Jinja chat template used instead of the model's: a file, or the template itself",
-            "aliases": ("--chat-template-file",),
+            "help": "prefix checkpoints kept on the device, least recently used evicted first (0: three per stream)"
         },
     )
+    prefix_offload_gib: float = field(
+        default=0.0,
+        metadata={"help": "host memory (GiB) that keeps prefix checkpoints evicted from the device, for later reuse"},
+    )
+    prefix_checkpoint_min_prompt: int = field(
+        default=0,
+        metadata={
+            "help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end and may evict "
+            "older ones for them (a chat prompt's checkpoint where its next turn parts may evict whatever its "
+            "length) (0: the length whose KV takes the memory of one checkpoint's state)"
+        },
+    )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: the drafter, its draft length, the n-gram matches, trees of drafts."""
+
     speculative: str = field(
         default="none",
         metadata={
@@ -154,31 +246,12 @@ class EngineConfig:
             "block drafter's (DFlash layout) for speculative=block"
         },
     )
-    enable_prefix_caching: bool = field(
-        default=True,
-        metadata={
-            "help": "resume requests from checkpoints of earlier ones that share their prefix (GDN state + KV pages)",
-            "aliases": ("--prefix-caching",),
-        },
-    )
-    prefix_checkpoints: int = field(
-        default=0,
-        metadata={
-            "help": "prefix checkpoints kept on the device, least recently used evicted first (0: three per stream)"
-        },
-    )
-    prefix_offload_gib: float = field(
-        default=0.0,
-        metadata={"help": "host memory (GiB) that keeps prefix checkpoints evicted from the device, for later reuse"},
-    )
-    prefix_checkpoint_min_prompt: int = field(
-        default=0,
-        metadata={
-            "help": "prompts at least this long leave checkpoints 512 and 64 tokens before their end and may evict "
-            "older ones for them (a chat prompt's checkpoint where its next turn parts may evict whatever its "
-            "length) (0: the length whose KV takes the memory of one checkpoint's state)"
-        },
-    )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split across GPUs."""
+
     tensor_parallel_size: int = field(
         default=1,
         metadata={
@@ -195,46 +268,45 @@ class EngineConfig:
             "aliases": ("-ep",),
         },
     )
-    kernels: str = field(
-        default="auto",
-        metadata={
-            "help": "op implementations: auto (Triton kernels on CUDA, torch references elsewhere), reference "
-            "(torch references everywhere)"
-        },
-    )
-    enforce_eager: bool = field(default=False, metadata={"help": "run every pass eagerly, without CUDA graphs"})
-    random_weights: bool = field(
-        default=False,
-        metadata={
-            "help": "build the model of --shape with random weights on the device (no checkpoint; the embedded "
-            "model's tokenizer); for benchmarks"
-        },
-    )
-    shape: str | None = field(
-        default=None,
-        metadata={
-            "help": "model shape for --random-weights: qwen3.5-0.8b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
-            "qwen3-next-80b-a3b"
-        },
-    )
-    quant: str | None = field(
-        default=None,
-        metadata={
-            "help": "with --random-weights: keep the weights quantized as a llama.cpp preset (q4_k_m, q5_k_m, q6_k, "
-            "q8_0), one GGUF block type (q4_k, iq4_xs, ...), as a GGUF file would, fp8 (an FP8 block-scaled "
-            "checkpoint's weights) or int4 / i4_g32 / i4_g128 (a W4A16 checkpoint's groups); for benchmarks"
-        },
-    )
-    shape_overrides: tuple[tuple[str, int], ...] = field(
-        default=(),
-        metadata={
-            "cli": False,
-            "help": "(Python only) ModelConfig/MoEConfig fields replaced in the shape, for small tests",
-        },
-    )
 
-    @property
-    def log_rows(self) -> int:
-        """Rows of each state slot's speculative replay log: the rows of a verify pass (the drafts plus the bonus row,
-        or a tree's nodes), 0 without speculation."""
-        return max(self.draft_tokens + 1, self.speculative_tree) if self.speculative != "none" else 0
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user chooses about running a model, by group. "auto" fields are resolved on load."""
+
+    load: LoadConfig = LoadConfig()
+    host: HostConfig = HostConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+    speculation: SpeculativeConfig = SpeculativeConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    @classmethod
+    def from_flat(cls, **settings) -> EngineConfig:
+        """The configuration of settings given by their flat names (`EngineConfig.from_flat(max_num_seqs=4)`), the
+        rest at their defaults."""
+        return cls().with_settings(**settings)
+
+    def with_settings(self, **settings) -> EngineConfig:
+        """This configuration with the settings named (by their flat names) replaced."""
+        unknown = set(settings) - set(SETTING_GROUP)
+        if unknown:
+            raise TypeError(f"EngineConfig has no setting {', '.join(sorted(unknown))}")
+        changes = {}
+        for name, value in settings.items():
+            changes.setdefault(SETTING_GROUP[name], {})[name] = value
+        return replace(self, **{group: replace(getattr(self, group), **c) for group, c in changes.items()})
+
+    def flat(self) -> dict:
+        """Every setting by its flat name, as `from_flat` takes them."""
+        return {name: getattr(getattr(self, group), name) for name, group in SETTING_GROUP.items()}
+
+
+def engine_fields() -> tuple[Field, ...]:
+    """The fields of every setting, group by group: the flags and the `LLM` keywords."""
+    return tuple(f for group in fields(EngineConfig) for f in fields(group.default))
+
+
+SETTING_GROUP = {  # flat setting name -> the EngineConfig field of the group that holds it
+    f.name: group.name for group in fields(EngineConfig) for f in fields(group.default)
+}

@@ -1,16 +1,18 @@
 """Resolution of an `EngineConfig`: its "auto" device and dtypes decided and its values checked
-(`resolve_engine_config`, one pure function), the context checked against the model's positions, and the pools
-the planner decides written in (`with_pools`)."""
+(`resolve_engine_config`, one pure function), the context checked against the model's positions, the pools
+the planner decides written in (`with_pools`), and the one derivation of the cache facts every cache reader takes
+(`cache_spec`: torch dtypes, pages, slots, log rows, checkpoints, graph buckets)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
-from deltaspec.config.engine import MAX_TREE_ROWS, EngineConfig
+from deltaspec.config.engine import MAX_TREE_ROWS, EngineConfig, SpeculativeConfig
+from deltaspec.config.graph_buckets import uses_cuda_graphs
 from deltaspec.config.host import default_device, default_threads
 from deltaspec.errors import DeltaspecError
 
@@ -25,59 +27,68 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     slow there). state_dtype auto: float32, or float64 for a float64 model. kv_cache_dtype auto: the model's dtype
     (named as it, "fp8" as "fp8_e4m3").
     """
-    device = default_device() if cfg.device == "auto" else cfg.device
+    device = default_device() if cfg.host.device == "auto" else cfg.host.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DeltaspecError(f"Device {device!r} was asked for but CUDA is not available; use --device cpu.")
-    if cfg.dtype == "auto":
+    if cfg.load.dtype == "auto":
         dtype = (checkpoint_dtype or "bfloat16") if device.startswith("cuda") else "float32"
     else:
-        dtype = cfg.dtype
+        dtype = cfg.load.dtype
     dtype_name = str(parse_dtype(dtype)).removeprefix("torch.")
-    if cfg.state_dtype == "auto":
+    if cfg.cache.state_dtype == "auto":
         state_dtype = "float64" if dtype_name == "float64" else "float32"
     else:
-        state_dtype = str(parse_dtype(cfg.state_dtype)).removeprefix("torch.")
-    parse_kv_dtype(cfg.kv_cache_dtype, dtype_name)
+        state_dtype = str(parse_dtype(cfg.cache.state_dtype)).removeprefix("torch.")
+    parse_kv_dtype(cfg.cache.kv_cache_dtype, dtype_name)
     kv_cache_dtype = (
-        dtype_name if cfg.kv_cache_dtype == "auto" else {"fp8": "fp8_e4m3"}.get(cfg.kv_cache_dtype, cfg.kv_cache_dtype)
+        dtype_name
+        if cfg.cache.kv_cache_dtype == "auto"
+        else {"fp8": "fp8_e4m3"}.get(cfg.cache.kv_cache_dtype, cfg.cache.kv_cache_dtype)
     )
-    if cfg.prefix_offload_gib < 0:
-        raise DeltaspecError(f"prefix_offload_gib must be 0 (no offload) or more, got {cfg.prefix_offload_gib}.")
-    if cfg.prefix_checkpoints < 0:
-        raise DeltaspecError(f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.prefix_checkpoints}.")
-    if cfg.fp8_activations not in ("none", "dynamic"):
-        raise DeltaspecError(f"Unknown --fp8-activations {cfg.fp8_activations!r}; use none or dynamic.")
-    if cfg.speculative_tree and not 2 <= cfg.speculative_tree <= MAX_TREE_ROWS:
+    if cfg.cache.prefix_offload_gib < 0:
+        raise DeltaspecError(f"prefix_offload_gib must be 0 (no offload) or more, got {cfg.cache.prefix_offload_gib}.")
+    if cfg.cache.prefix_checkpoints < 0:
+        raise DeltaspecError(
+            f"prefix_checkpoints must be 0 (three per stream) or more, got {cfg.cache.prefix_checkpoints}."
+        )
+    if cfg.load.fp8_activations not in ("none", "dynamic"):
+        raise DeltaspecError(f"Unknown --fp8-activations {cfg.load.fp8_activations!r}; use none or dynamic.")
+    if cfg.speculation.speculative_tree and not 2 <= cfg.speculation.speculative_tree <= MAX_TREE_ROWS:
         raise DeltaspecError(
             f"speculative_tree is the most nodes of a tree of drafts, 2 to {MAX_TREE_ROWS} (0: chains); got "
-            f"{cfg.speculative_tree}."
+            f"{cfg.speculation.speculative_tree}."
         )
-    if cfg.speculative_tree and cfg.draft_tokens >= MAX_TREE_ROWS:
+    if cfg.speculation.speculative_tree and cfg.speculation.draft_tokens >= MAX_TREE_ROWS:
         raise DeltaspecError(
             f"With speculative_tree a draft is at most {MAX_TREE_ROWS - 1} tokens deep; got draft_tokens "
-            f"{cfg.draft_tokens}."
+            f"{cfg.speculation.draft_tokens}."
         )
-    if cfg.speculative_tree_shape not in ("dynamic", "static"):
-        raise DeltaspecError(f"Unknown speculative_tree_shape {cfg.speculative_tree_shape!r}; use dynamic or static.")
-    if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+    if cfg.speculation.speculative_tree_shape not in ("dynamic", "static"):
+        raise DeltaspecError(
+            f"Unknown speculative_tree_shape {cfg.speculation.speculative_tree_shape!r}; use dynamic or static."
+        )
+    if not 1 <= cfg.speculation.prompt_lookup_min <= cfg.speculation.prompt_lookup_max:
         raise DeltaspecError(
             "The n-gram drafter needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-            f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}."
+            f"{cfg.speculation.prompt_lookup_min} and {cfg.speculation.prompt_lookup_max}."
         )
-    if cfg.threads is not None and cfg.threads < 1:
-        raise DeltaspecError(f"threads must be at least 1, got {cfg.threads}; leave it out for the physical cores.")
-    if cfg.kernels not in ("auto", "reference"):
-        raise DeltaspecError(f"Unknown kernels setting {cfg.kernels!r}; use auto or reference.")
-    if not 0 <= cfg.gpu_memory_utilization <= 1:
+    if cfg.host.threads is not None and cfg.host.threads < 1:
+        raise DeltaspecError(
+            f"threads must be at least 1, got {cfg.host.threads}; leave it out for the physical cores."
+        )
+    if cfg.host.kernels not in ("auto", "reference"):
+        raise DeltaspecError(f"Unknown kernels setting {cfg.host.kernels!r}; use auto or reference.")
+    if not 0 <= cfg.cache.gpu_memory_utilization <= 1:
         raise DeltaspecError(
             f"gpu_memory_utilization is a fraction of the device's memory in (0, 1], or 0 for pools of exactly "
-            f"streams x context; got {cfg.gpu_memory_utilization}."
+            f"streams x context; got {cfg.cache.gpu_memory_utilization}."
         )
-    if cfg.gpu_memory_utilization and cfg.num_kv_blocks:
+    if cfg.cache.gpu_memory_utilization and cfg.cache.num_kv_blocks:
         raise DeltaspecError("--gpu-memory-utilization sizes the KV pool itself; give it or --num-kv-blocks, not both.")
+    settings = cfg.flat()
     for name in ("max_num_seqs", "max_model_len", "num_kv_blocks"):
-        if getattr(cfg, name) < 0:
-            raise DeltaspecError(f"{name} must be 0 (automatic) or more, got {getattr(cfg, name)}.")
+        if settings[name] < 0:
+            raise DeltaspecError(f"{name} must be 0 (automatic) or more, got {settings[name]}.")
     for name in (
         "tensor_parallel_size",
         "block_size",
@@ -85,17 +96,16 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         "prefill_chunk",
         "draft_tokens",
     ):
-        if getattr(cfg, name) < 1:
-            raise DeltaspecError(f"{name} must be at least 1, got {getattr(cfg, name)}.")
-    chat_template = None if cfg.chat_template is None else chat_template_text(cfg.chat_template)
-    return replace(
-        cfg,
+        if settings[name] < 1:
+            raise DeltaspecError(f"{name} must be at least 1, got {settings[name]}.")
+    chat_template = None if cfg.load.chat_template is None else chat_template_text(cfg.load.chat_template)
+    return cfg.with_settings(
         device=device,
         dtype=dtype_name,
         state_dtype=state_dtype,
         kv_cache_dtype=kv_cache_dtype,
         chat_template=chat_template,
-        threads=cfg.threads or default_threads(),
+        threads=cfg.host.threads or default_threads(),
     )
 
 
@@ -117,24 +127,63 @@ def chat_template_text(template: str) -> str:
 
 def check_context(cfg: EngineConfig, positions: int) -> None:
     """Refuse a --max-model-len beyond the model's trained positions unless it is explicitly allowed."""
-    if cfg.max_model_len > positions and not cfg.allow_long_max_model_len:
+    if cfg.scheduler.max_model_len > positions and not cfg.scheduler.allow_long_max_model_len:
         raise DeltaspecError(
-            f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings ({positions}); use "
-            f"{positions} or less, or add --allow-long-max-model-len to run past the positions it was trained on."
+            f"--max-model-len {cfg.scheduler.max_model_len} exceeds the model's max_position_embeddings "
+            f"({positions}); use {positions} or less, or add --allow-long-max-model-len to run past the positions it "
+            "was trained on."
         )
 
 
 def with_pools(cfg: EngineConfig, streams: int, ctx: int, kv_blocks: int) -> EngineConfig:
     """`cfg` with its streams, context and KV pool decided (by the planner) and its prefix checkpoints counted:
     0 means three per stream, none without prefix caching."""
-    pool = kv_blocks * cfg.block_size
+    pool = kv_blocks * cfg.cache.block_size
     if kv_blocks and pool < ctx:
         raise DeltaspecError(
-            f"The KV pool of {kv_blocks} pages x {cfg.block_size} tokens ({pool} tokens) cannot hold one full "
-            f"context of {ctx} tokens; use --num-kv-blocks {-(-ctx // cfg.block_size)} or more, or "
+            f"The KV pool of {kv_blocks} pages x {cfg.cache.block_size} tokens ({pool} tokens) cannot hold one full "
+            f"context of {ctx} tokens; use --num-kv-blocks {-(-ctx // cfg.cache.block_size)} or more, or "
             f"--max-model-len {pool} or less."
         )
-    checkpoints = (cfg.prefix_checkpoints or CHECKPOINTS_PER_STREAM * streams) if cfg.enable_prefix_caching else 0
-    return replace(
-        cfg, max_num_seqs=streams, max_model_len=ctx, num_kv_blocks=kv_blocks, prefix_checkpoints=checkpoints
+    return cfg.with_settings(
+        max_num_seqs=streams,
+        max_model_len=ctx,
+        num_kv_blocks=kv_blocks,
+        prefix_checkpoints=checkpoint_slots(cfg, streams),
+    )
+
+
+def checkpoint_slots(cfg: EngineConfig, streams: int) -> int:
+    """Prefix-checkpoint slots: `prefix_checkpoints`, 0 meaning three per stream; none without prefix caching."""
+    if not cfg.cache.enable_prefix_caching:
+        return 0
+    return cfg.cache.prefix_checkpoints or CHECKPOINTS_PER_STREAM * streams
+
+
+def log_rows(speculation: SpeculativeConfig) -> int:
+    """Rows of each state slot's speculative replay log: the rows of a verify pass (the drafts plus the bonus row,
+    or a tree's nodes), 0 without speculation."""
+    if speculation.speculative == "none":
+        return 0
+    return max(speculation.draft_tokens + 1, speculation.speculative_tree)
+
+
+def cache_spec(cfg: EngineConfig, streams: int, ctx: int, kv_blocks: int) -> CacheSpec:
+    """The cache facts of a resolved `cfg` run with `streams` streams of `ctx` tokens and a KV pool of `kv_blocks`
+    pages (0: one whole context per stream): what the planner sizes and the allocator, the graphs and the ranks
+    build."""
+    dtype = parse_dtype(cfg.load.dtype)
+    return CacheSpec(
+        device=torch.device(cfg.host.device),
+        dtype=dtype,
+        state_dtype=parse_dtype(cfg.cache.state_dtype),
+        kv_dtype=parse_kv_dtype(cfg.cache.kv_cache_dtype, dtype),
+        block_size=cfg.cache.block_size,
+        kv_blocks=kv_blocks,
+        streams=streams,
+        max_model_len=ctx,
+        log_rows=log_rows(cfg.speculation),
+        checkpoint_slots=checkpoint_slots(cfg, streams),
+        offload_bytes=int(cfg.cache.prefix_offload_gib * 2**30),
+        cuda_graphs=uses_cuda_graphs(cfg.host.device, cfg.host.enforce_eager, cfg.host.kernels),
     )

@@ -16,10 +16,7 @@ import logging
 import time
 from functools import partial
 
-import torch
-
 from deltaspec.cache.memory_plan import require_fit
-from deltaspec.config.dtypes import parse_dtype
 from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.admission import check_request
 from deltaspec.engine.executor import Executor
@@ -60,7 +57,7 @@ UNFIT = (
 class Engine:
     """Runs requests on one model. `drafter` and `draft_policy` replace the drafter and draft-length policy the
     configuration would build (tests and benchmarks inject their own); with a `drafter`, speculation runs whatever
-    `config.speculative` says, which becomes its name. `executor`: a follower rank's own, else the config's."""
+    `speculative` says, which becomes its name. `executor`: a follower rank's own, else the config's."""
 
     def __init__(
         self,
@@ -73,35 +70,33 @@ class Engine:
         planned = plan_for(config, drafter)
         require_fit(planned.plan)
         self.plan, self.config, self.model_config = planned.plan, planned.config, planned.model_config
-        self.model_dir, self.max_model_len = planned.model_dir, planned.config.max_model_len
-        self.device, self.dtype = torch.device(self.config.device), parse_dtype(self.config.dtype)
+        self.model_dir, self.max_model_len = planned.model_dir, planned.config.scheduler.max_model_len
+        self.device, self.dtype = planned.cache.device, planned.cache.dtype
         self.executor = executor or engine_executor(self.config, type(self))
         with self.executor.building():
             self._build(planned, progress, drafter, draft_policy)
 
     def _build(self, planned, progress: bool, drafter: Drafter | None, draft_policy: DraftLength | None) -> None:
-        reference_only = self.config.kernels == "reference"
-        ops = self.ops = ops_for(self.device, reference_only, self.config.fp8_activations)
+        reference_only = self.config.host.kernels == "reference"
+        ops = self.ops = ops_for(self.device, reference_only, self.config.load.fp8_activations)
         self.model = engine_model(planned, ops, progress, self.executor.tp)
         self.tokenizer = engine_tokenizer(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
         verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
         verify_costs = self.executor.share(verify_costs)  # rank 0's measurements: every rank drafts alike
-        self.cache = engine_cache(self.config, self.model_config, self.model.num_kv_layers)
+        self.cache = engine_cache(planned, self.model.num_kv_layers)
         self.scheduler = engine_scheduler(self.config, self.cache)
         running = lambda seq_id: next(s for s in self.scheduler.running if s.request_id == seq_id)  # noqa: E731
-        drafter = drafter or engine_drafter(
-            self.config, self.model_dir, self.model_config, self.model, self.cache, running, self.ops
-        )
+        drafter = drafter or engine_drafter(planned, self.model, self.cache, running, self.ops)
         self.speculator = engine_speculator(self.config, self.model, self.cache, drafter, draft_policy, verify_costs)
-        graphs = graph_runner(self.model, self.cache, self.config, progress)
-        self.runner = Runner(self.model, self.cache.caches, self.config.block_size, self.device, graphs)
+        graphs = graph_runner(self.model, self.cache, planned, progress)
+        self.runner = Runner(self.model, self.cache.caches, self.config.cache.block_size, self.device, graphs)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self.eos_ids = frozenset(set(self.model_config.eos_token_ids) | tokenizer_eos)
         self.stops = StopChecker(self.tokenizer, self.max_model_len)
         self.structured = StructuredCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.logprob_text = LogprobText(self.tokenizer)
-        self._seed_counter = itertools.count(self.config.seed)
+        self._seed_counter = itertools.count(self.config.scheduler.seed)
 
     def close(self) -> None:
         """Stop the executor's other ranks (nothing to do on one device)."""
@@ -161,7 +156,7 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
             self.executor.record("abort", seq.request_id)
-            seq.finish_reason, seq.finish_time = "abort", time.perf_counter()
+            seq.finish_reason, seq.stats.finish_time = "abort", time.perf_counter()
             self._finish(seq)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
@@ -173,7 +168,7 @@ class Engine:
         for seq in seqs:
             if not seq.finished:
                 seq.finish_reason, seq.error = "error", error
-                seq.finish_time = time.perf_counter()
+                seq.stats.finish_time = time.perf_counter()
                 self._finish(seq)
 
     def usage(self) -> dict:
@@ -231,30 +226,34 @@ class Engine:
         seq = out.seq
         if out.prompt_logits is not None:
             self.logprob_text.record_prompt(seq, out.first_position, out.prompt_logits)
-        self.cache.after_pass(seq, out.rows, out.logged)
-        if seq.isolated_until and seq.num_computed >= seq.isolated_until:
+        self.cache.after_pass(seq.cache, out.rows, out.logged, verifying=bool(seq.proposal.tokens))
+        if seq.isolated_until and seq.cache.num_computed >= seq.isolated_until:
             seq.isolated_until = 0  # past the failed pass: it runs with the others again
-        if seq.checkpoint_at and seq.checkpoint_at[0] == seq.num_computed and not out.verifying:
+        if seq.checkpoint_at and seq.checkpoint_at[0] == seq.cache.num_computed and not out.verifying:
             seq.checkpoint_at.pop(0)
-            self.cache.checkpoint(seq, evict=self.scheduler.may_evict_for(seq, seq.num_computed))
+            self.cache.checkpoint(
+                seq.cache, seq.all_ids, evict=self.scheduler.may_evict_for(seq, seq.cache.num_computed)
+            )
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
         """Append new tokens one by one, stopping at the first stop condition."""
         now = time.perf_counter()
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+        if seq.stats.first_token_time is None:
+            seq.stats.first_token_time = now
         for token, lp in zip(tokens, logprobs):
             seq.output_ids.append(token)
             if lp is not None:
                 seq.logprobs.append(self.logprob_text(lp))
             if self.stops(seq, token):
-                seq.finish_time = now
+                seq.stats.finish_time = now
                 self._finish(seq)
                 return
 
     def _finish(self, seq: Sequence) -> None:
-        if seq.finish_reason in ("stop", "length") and seq.state_slot is not None:  # where its state stands; a
-            self.cache.checkpoint(seq, evict=not seq.history_len)  # chat's next turn resumes where it parts instead
+        if seq.finish_reason in ("stop", "length") and seq.cache.state_slot is not None:  # where its state stands; a
+            self.cache.checkpoint(
+                seq.cache, seq.all_ids, evict=not seq.history_len
+            )  # chat's next turn resumes where it parts instead
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.finish(seq)

@@ -20,18 +20,19 @@ from deltaspec.cache.memory_plan import (
     GIB,
     DrafterMemory,
     MemoryPlan,
+    Workspace,
     available_memory,
     plan_memory,
     total_memory,
     weight_bytes,
 )
-from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
+from deltaspec.config.cache_spec import CacheSpec
+from deltaspec.config.dtypes import parse_dtype
 from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
-from deltaspec.config.resolve import CHECKPOINTS_PER_STREAM, check_context, resolve_engine_config, with_pools
+from deltaspec.config.resolve import cache_spec, check_context, resolve_engine_config, with_pools
 from deltaspec.engine.pool_sizing import PoolSizing
 from deltaspec.errors import DeltaspecError
-from deltaspec.execution.graph_buckets import graph_rows_of
 from deltaspec.model.checkpoint_names import target_name
 from deltaspec.model.gguf_load import gguf_weight_bytes
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 class Planned:
     plan: MemoryPlan
     config: EngineConfig  # resolved: no "auto" left; `speculative` names the drafter that will run
+    cache: CacheSpec  # the plan's: what the allocator, the graphs and the drafters build
     model_config: ModelConfig
     raw: dict  # the checkpoint's config.json ({} for random weights)
     model_dir: Path | None  # None for random weights; the file of a GGUF checkpoint
@@ -63,15 +65,15 @@ class Planned:
 
 def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     """The plan of `config`; with an injected `drafter`, speculation runs with it whatever `speculative` says."""
-    if config.quant and not config.random_weights:
+    if config.load.quant and not config.load.random_weights:
         raise DeltaspecError(
             "--quant quantizes --random-weights; a GGUF file carries its own types (deltaspec quantize makes one)."
         )
-    if config.random_weights or config.shape is not None:
+    if config.load.random_weights or config.load.shape is not None:
         model_config, raw, model_dir, gguf = _random_shape(config), {}, None, None
         resolved = resolve_engine_config(config, "bfloat16")
     else:
-        model_dir = model_dir_for(config.model)
+        model_dir = model_dir_for(config.load.model)
         gguf = _read_gguf(model_dir) if model_dir.suffix == ".gguf" else None
         raw = gguf.config if gguf else read_config_json(model_dir)
         names = gguf.tensors if gguf else (files := checkpoint_files(model_dir))
@@ -79,20 +81,20 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         resolved = resolve_engine_config(config, checkpoint_dtype(raw))
     check_context(resolved, model_config.max_position_embeddings)
     if drafter is not None:
-        resolved = replace(resolved, speculative=drafter.name)
-    if resolved.speculative_tree and resolved.speculative == "none":
+        resolved = resolved.with_settings(speculative=drafter.name)
+    if resolved.speculation.speculative_tree and resolved.speculation.speculative == "none":
         raise DeltaspecError("speculative_tree grows trees of drafts; it needs a drafter, e.g. --speculative mtp.")
-    dtype = parse_dtype(resolved.dtype)
-    with_mtp = drafter is None and uses(resolved.speculative, "mtp")
-    size = resolved.tensor_parallel_size
-    experts_whole = resolved.enable_expert_parallel
+    dtype = parse_dtype(resolved.load.dtype)
+    with_mtp = drafter is None and uses(resolved.speculation.speculative, "mtp")
+    size = resolved.parallel.tensor_parallel_size
+    experts_whole = resolved.parallel.enable_expert_parallel
     rank_config = shard_config(model_config, size, experts_whole)  # one rank's; refuses sizes that do not divide
     if size > 1:
         _check_parallel(resolved, drafter)
     if size > 1 and gguf is None:
         target, mtp = rank_weight_bytes(model_config, dtype, TensorParallel(0, size, experts_whole), with_mtp)
-    elif model_dir is None and resolved.quant:
-        target, mtp = random_quantized_bytes(model_config, dtype, resolved.quant, with_mtp)
+    elif model_dir is None and resolved.load.quant:
+        target, mtp = random_quantized_bytes(model_config, dtype, resolved.load.quant, with_mtp)
     elif model_dir is None:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
@@ -104,30 +106,18 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     memory = (
         DrafterMemory(drafter.name) if drafter is not None else drafter_memory(resolved, model_dir, model_config, mtp)
     )
-    device = torch.device(resolved.device)
+    device = torch.device(resolved.host.device)
     available, budget_note = _available(resolved, device)
+
+    workspace = Workspace(
+        resolved.scheduler.max_num_batched_tokens,
+        resolved.scheduler.prefill_chunk,
+        materialized_scores=device.type != "cuda" or resolved.host.kernels == "reference",
+    )
 
     def plan_at(streams: int, ctx: int, kv_blocks: int) -> MemoryPlan:
         return plan_memory(
-            rank_config,
-            len(model_config.attention_layer_ids),
-            target,
-            dtype,
-            parse_dtype(resolved.state_dtype),
-            streams,
-            ctx,
-            resolved.block_size,
-            resolved.max_num_batched_tokens,
-            resolved.prefill_chunk,
-            device,
-            available=available,
-            log_rows=resolved.log_rows,
-            checkpoints=_checkpoints(resolved, streams),
-            graph_rows=graph_rows_of(replace(resolved, max_num_seqs=streams)),
-            drafter=memory,
-            kv_tokens=kv_blocks * resolved.block_size,
-            materialized_scores=device.type != "cuda" or resolved.kernels == "reference",
-            kv_dtype=parse_kv_dtype(resolved.kv_cache_dtype, dtype),
+            rank_config, cache_spec(resolved, streams, ctx, kv_blocks), target, workspace, memory, available
         )
 
     sizing = PoolSizing(resolved, model_config.max_position_embeddings, plan_at)
@@ -140,14 +130,14 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         available_label="budget" if budget_note else "free",
     )
     plan = replace(plan, alternatives=sizing.alternatives(plan))
-    resolved = replace(
-        resolved, prefix_checkpoint_min_prompt=resolved.prefix_checkpoint_min_prompt or plan.state_in_tokens()
+    resolved = resolved.with_settings(
+        prefix_checkpoint_min_prompt=resolved.cache.prefix_checkpoint_min_prompt or plan.state_in_tokens()
     )
     if plan.fits:
         resolved = with_pools(resolved, streams, ctx, kv_blocks)
     else:  # refused by whoever runs it; the plan and its advice are what matter
-        resolved = replace(resolved, max_num_seqs=streams, max_model_len=ctx, prefix_checkpoints=plan.checkpoints)
-    return Planned(plan, resolved, model_config, raw, model_dir, with_mtp, gguf)
+        resolved = resolved.with_settings(max_num_seqs=streams, max_model_len=ctx, prefix_checkpoints=plan.checkpoints)
+    return Planned(plan, resolved, plan.cache, model_config, raw, model_dir, with_mtp, gguf)
 
 
 def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, with_mtp: bool) -> tuple[int, int]:
@@ -165,12 +155,12 @@ def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParalle
 
 def _check_parallel(config: EngineConfig, drafter: Drafter | None) -> None:
     """Refuse what tensor parallelism does not run, saying what does."""
-    size = config.tensor_parallel_size
-    if config.quant:
+    size = config.parallel.tensor_parallel_size
+    if config.load.quant:
         raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
     if drafter is not None:
         raise DeltaspecError("An injected drafter runs on one device; drop tensor_parallel_size or the drafter.")
-    if config.device.startswith("cuda") and size > torch.cuda.device_count():
+    if config.host.device.startswith("cuda") and size > torch.cuda.device_count():
         raise DeltaspecError(
             f"--tensor-parallel-size {size} needs {size} GPUs, one per rank, but {torch.cuda.device_count()} "
             "are visible; lower it or make more GPUs visible."
@@ -200,17 +190,11 @@ def _read_gguf(path: Path) -> GGUFCheckpoint:
     return read_gguf(path)
 
 
-def _checkpoints(config: EngineConfig, streams: int) -> int:
-    if not config.enable_prefix_caching:
-        return 0
-    return config.prefix_checkpoints or CHECKPOINTS_PER_STREAM * streams
-
-
 def _available(config: EngineConfig, device: torch.device) -> tuple[int, str | None]:
     """The memory this engine may use, and a note saying where that number comes from with
     --gpu-memory-utilization (the fraction of the whole device, which must be free now)."""
     free = available_memory(device)
-    fraction = config.gpu_memory_utilization
+    fraction = config.cache.gpu_memory_utilization
     if not fraction:
         return free, None
     total = total_memory(device)
@@ -226,21 +210,21 @@ def _available(config: EngineConfig, device: torch.device) -> tuple[int, str | N
 
 def _random_shape(config: EngineConfig) -> ModelConfig:
     """The model config of a `--random-weights --shape` configuration, after checking the flags go together."""
-    if not config.random_weights:
+    if not config.load.random_weights:
         raise DeltaspecError(
             "--shape only applies with --random-weights; add --random-weights, or drop --shape to load a checkpoint."
         )
-    if config.shape is None:
+    if config.load.shape is None:
         raise DeltaspecError(
             "--random-weights needs --shape NAME (qwen3.5-27b, qwen3.5-9b, qwen3.5-0.8b, "
             "qwen3.5-35b-a3b or qwen3-next-80b-a3b)."
         )
-    if config.model is not None:
+    if config.load.model is not None:
         raise DeltaspecError("--random-weights builds a model from --shape and loads no checkpoint; drop --model.")
-    if config.quant:
-        parse_quant(config.quant)
-    if uses(config.speculative, "draft") and not config.draft_model:
+    if config.load.quant:
+        parse_quant(config.load.quant)
+    if uses(config.speculation.speculative, "draft") and not config.speculation.draft_model:
         raise DeltaspecError(
             "speculative='draft' with --random-weights needs --draft-model PATH; or use mtp, block or ngram."
         )
-    return replace(shape_config(config.shape, config.shape_overrides), eos_token_ids=())
+    return replace(shape_config(config.load.shape, config.load.shape_overrides), eos_token_ids=())

@@ -50,11 +50,11 @@ class PoolSizing:
 
     def __init__(self, config: EngineConfig, positions: int, plan_at: PlanAt):
         self.config, self.positions, self.plan_at = config, positions, plan_at
-        self.block = config.block_size
+        self.block = config.cache.block_size
 
     @property
     def ctx_limit(self) -> int:
-        return SEARCH_LIMIT if self.config.allow_long_max_model_len else self.positions
+        return SEARCH_LIMIT if self.config.scheduler.allow_long_max_model_len else self.positions
 
     def most_streams(self, ctx: int, kv_blocks: int, hi: int = SEARCH_LIMIT) -> int:
         return max(largest(lambda streams: self.plan_at(streams, ctx, kv_blocks).fits, 1, hi), 0)
@@ -77,14 +77,18 @@ class PoolSizing:
     def decide(self) -> tuple[int, int, int, list[str]]:
         """Streams, context, KV pages (0: one context per stream) and notes on what was chosen automatically."""
         cfg = self.config
-        ctx = cfg.max_model_len or self.positions
-        if cfg.num_kv_blocks and not cfg.max_model_len:
-            ctx = min(ctx, cfg.num_kv_blocks * self.block)
-        if not cfg.gpu_memory_utilization:
-            streams = cfg.max_num_seqs or AUTO_STREAMS
+        ctx = cfg.scheduler.max_model_len or self.positions
+        if cfg.cache.num_kv_blocks and not cfg.scheduler.max_model_len:
+            ctx = min(ctx, cfg.cache.num_kv_blocks * self.block)
+        if not cfg.cache.gpu_memory_utilization:
+            streams = cfg.scheduler.max_num_seqs or AUTO_STREAMS
             whole = self.plan_at(streams, ctx, 0)
-            if cfg.max_model_len or cfg.num_kv_blocks or whole.total <= AUTO_CONTEXT_SHARE * whole.available:
-                return streams, ctx, cfg.num_kv_blocks, []
+            if (
+                cfg.scheduler.max_model_len
+                or cfg.cache.num_kv_blocks
+                or whole.total <= AUTO_CONTEXT_SHARE * whole.available
+            ):
+                return streams, ctx, cfg.cache.num_kv_blocks, []
             shorter = self.longest_ctx(streams, 0, AUTO_CONTEXT_SHARE) or self.longest_ctx(streams, 0)
             if not shorter:
                 return streams, ctx, 0, []
@@ -95,15 +99,15 @@ class PoolSizing:
             )
             return streams, shorter, 0, [note]
         notes = []
-        streams = cfg.max_num_seqs
+        streams = cfg.scheduler.max_num_seqs
         if not streams:
             streams = self.most_streams(ctx, 0, MAX_AUTO_STREAMS)
-            if not streams and not cfg.max_model_len:
+            if not streams and not cfg.scheduler.max_model_len:
                 ctx = self.longest_ctx(1, 0) or ctx
             streams = max(streams, 1)
             notes.append(f"streams: {streams}, as many as fit at {ctx} tokens each (at most {MAX_AUTO_STREAMS})")
         pages = self.largest_pool(streams, ctx)
-        if pages * self.block < ctx and pages and not cfg.max_model_len:
+        if pages * self.block < ctx and pages and not cfg.scheduler.max_model_len:
             ctx = pages * self.block
         if pages * self.block < ctx:
             return streams, ctx, 0, notes

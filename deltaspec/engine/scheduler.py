@@ -57,7 +57,7 @@ class Scheduler:
         self.unfit: list[Sequence] = []  # sequences the last `schedule` could not give pages even alone
 
     def add(self, seq: Sequence) -> None:
-        seq.enqueued_step = self.step_count
+        seq.stats.enqueued_step = self.step_count
         if self.cache.prefix is not None:  # a follow-up's remaining work is what its checkpoint leaves
             found = self.cache.prefix.lookup(seq.all_ids, touch=False)
             seq.expected_cached = len(found.tokens) if found is not None else 0
@@ -75,8 +75,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _priority(self, seq: Sequence) -> float:
-        age = self.step_count - seq.enqueued_step
-        done = seq.num_computed if seq.status is Status.RUNNING else max(seq.num_computed, seq.expected_cached)
+        age = self.step_count - seq.stats.enqueued_step
+        done = (
+            seq.cache.num_computed if seq.status is Status.RUNNING else max(seq.cache.num_computed, seq.expected_cached)
+        )
         return (seq.num_tokens - done) / 2 ** (age / self.aging_steps)
 
     def _preempt_for(self, needy: Sequence) -> bool:
@@ -84,18 +86,18 @@ class Scheduler:
         victims = [s for s in self.running if s is not needy]
         if not victims:
             return False
-        self._requeue(max(victims, key=lambda s: s.admitted_step))
+        self._requeue(max(victims, key=lambda s: s.stats.admitted_step))
         self.num_preemptions += 1
         return True
 
     def _requeue(self, seq: Sequence) -> None:
         """Free a running sequence's caches and put it first in the queue, to recompute from its tokens."""
         self.running.remove(seq)
-        self.cache.release(seq)
-        seq.num_computed = 0
-        seq.cut_draft(0)
+        self.cache.release(seq.cache)
+        seq.cache.num_computed = 0
+        seq.proposal.cut(0)
         seq.status = Status.WAITING
-        seq.enqueued_step = self.step_count
+        seq.stats.enqueued_step = self.step_count
         self.waiting.appendleft(seq)
 
     def quarantine(self, schedule: list[Scheduled]) -> None:
@@ -104,7 +106,7 @@ class Scheduler:
         for item in reversed(schedule):
             seq = item.seq
             if seq in self.running:
-                seq.isolated_until = max(1, min(seq.num_computed + item.num_rows, seq.num_tokens))
+                seq.isolated_until = max(1, min(seq.cache.num_computed + item.num_rows, seq.num_tokens))
                 self._requeue(seq)
 
     def long_prompt(self, seq: Sequence) -> bool:
@@ -125,18 +127,18 @@ class Scheduler:
         positions = {seq.history_len} if 0 < seq.history_len < length else set()
         if self.long_prompt(seq):
             positions |= {length - offset for offset in CHECKPOINT_OFFSETS}
-        return sorted(p for p in positions if p > seq.num_computed)
+        return sorted(p for p in positions if p > seq.cache.num_computed)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Rows of `seq`'s next prompt chunk: within the chunk limit and the budget, ending at its next
         checkpoint position if it has one."""
-        rows = min(seq.num_tokens - seq.num_computed, self.prefill_chunk, budget)
+        rows = min(seq.num_tokens - seq.cache.num_computed, self.prefill_chunk, budget)
         if seq.checkpoint_at:
-            rows = min(rows, seq.checkpoint_at[0] - seq.num_computed)
+            rows = min(rows, seq.checkpoint_at[0] - seq.cache.num_computed)
         return rows
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        while not self.cache.reserve(seq, num_tokens):
+        while not self.cache.reserve(seq.cache, num_tokens):
             if not self._preempt_for(seq):
                 return False
         return True
@@ -150,33 +152,33 @@ class Scheduler:
         batch = self._decode_rows()
         budget = self.budget - sum(item.num_rows for item in batch)
         scheduled = {id(item.seq) for item in batch}
-        prefills = [s for s in self.running if id(s) not in scheduled and s.num_computed < s.num_tokens]
+        prefills = [s for s in self.running if id(s) not in scheduled and s.cache.num_computed < s.num_tokens]
         batch += self._admit_and_chunk(sorted([*prefills, *self.waiting], key=self._priority), budget)
         batch = [item for item in batch if item.seq in self.running]
         for item in batch:
-            item.seq.scheduled_step = self.step_count
+            item.seq.stats.scheduled_step = self.step_count
         return batch
 
     def _decode_rows(self) -> list[Scheduled]:
         """One row for each decoding sequence, then its draft rows as far as the budget and free pages allow."""
-        decoding = [s for s in self.running if s.remaining_prompt == 0 and s.num_computed < s.num_tokens]
+        decoding = [s for s in self.running if s.remaining_prompt == 0 and s.cache.num_computed < s.num_tokens]
         batch: list[Scheduled] = []
-        for seq in sorted(decoding, key=lambda s: s.scheduled_step):
-            if len(batch) < self.budget and seq in self.running and self._reserve(seq, seq.num_computed + 1):
+        for seq in sorted(decoding, key=lambda s: s.stats.scheduled_step):
+            if len(batch) < self.budget and seq in self.running and self._reserve(seq, seq.cache.num_computed + 1):
                 batch.append(Scheduled(seq, 1))
         batch = [item for item in batch if item.seq in self.running]  # a later one's pages may have preempted it
         budget = self.budget - len(batch)
         chosen = {id(item.seq) for item in batch}
         for seq in decoding:
             if id(seq) not in chosen:
-                seq.cut_draft(0)  # not in this pass: its draft is for a pass that does not happen
+                seq.proposal.cut(0)  # not in this pass: its draft is for a pass that does not happen
         for item in batch:
             seq = item.seq
-            k = min(len(seq.draft), budget)
-            while k and not self.cache.fits_without_eviction(seq, seq.num_computed + 1 + k):
+            k = min(len(seq.proposal.tokens), budget)
+            while k and not self.cache.fits_without_eviction(seq.cache, seq.cache.num_computed + 1 + k):
                 k -= 1
-            self.cache.reserve(seq, seq.num_computed + 1 + k)
-            seq.cut_draft(k)
+            self.cache.reserve(seq.cache, seq.cache.num_computed + 1 + k)
+            seq.proposal.cut(k)
             item.num_rows = 1 + k
             budget -= k
         return batch
@@ -190,22 +192,22 @@ class Scheduler:
             if not self.cache.can_admit():
                 self.unfit.append(seq)
                 return []
-            self.cache.admit(seq)
+            self.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
             seq.checkpoint_at = self._checkpoint_positions(seq)
             self._start(seq)
-        seq.cut_draft(0)
+        seq.proposal.cut(0)
         rows = self._chunk(seq, self.budget)
-        if not self._reserve(seq, seq.num_computed + rows):
+        if not self._reserve(seq, seq.cache.num_computed + rows):
             self.unfit.append(seq)
             return []
-        seq.scheduled_step = self.step_count
+        seq.stats.scheduled_step = self.step_count
         return [Scheduled(seq, rows)]
 
     def _start(self, seq: Sequence) -> None:
         """A waiting sequence that has its caches runs from now on."""
         self.waiting.remove(seq)
         seq.status = Status.RUNNING
-        seq.admitted_step = self.step_count
+        seq.stats.admitted_step = self.step_count
         self.running.append(seq)
 
     def _admit_and_chunk(self, candidates: list[Sequence], budget: int) -> list[Scheduled]:
@@ -218,19 +220,19 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 if not self.cache.can_admit():
                     continue
-                self.cache.admit(seq)
+                self.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
                 seq.checkpoint_at = self._checkpoint_positions(seq)
                 rows = self._chunk(seq, budget)
-                if not self.cache.reserve(seq, seq.num_computed + rows):
-                    self.cache.release(seq)
-                    seq.num_computed = seq.num_cached_tokens = 0
+                if not self.cache.reserve(seq.cache, seq.cache.num_computed + rows):
+                    self.cache.release(seq.cache)
+                    seq.cache.num_computed = seq.cache.num_cached_tokens = 0
                     if not self.running and not batch:
                         self.unfit.append(seq)
                     continue
                 self._start(seq)
             else:
                 rows = self._chunk(seq, budget)
-                if seq not in self.running or not self._reserve(seq, seq.num_computed + rows):
+                if seq not in self.running or not self._reserve(seq, seq.cache.num_computed + rows):
                     if seq in self.running and len(self.running) == 1:
                         self.unfit.append(seq)
                     continue
@@ -244,4 +246,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.release(seq)
+        self.cache.release(seq.cache)

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from deltaspec.cache.manager import CacheManager
-from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
 from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
 from deltaspec.engine.executor import Executor, SingleDevice
@@ -21,7 +20,6 @@ from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.workers import launch
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
-from deltaspec.execution.graph_buckets import uses_cuda_graphs
 from deltaspec.execution.sequence import Sequence
 from deltaspec.model.block_drafter import load_block_drafter, random_block_drafter
 from deltaspec.model.generation_config import FILE_NAME, sampling_defaults
@@ -45,19 +43,27 @@ ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf
 
 
 def engine_executor(config: EngineConfig, replica: Callable) -> Executor:
-    """The ranks the engine runs on: its one device, or rank 0 of `config.tensor_parallel_size` ranks, whose
+    """The ranks the engine runs on: its one device, or rank 0 of `config.parallel.tensor_parallel_size` ranks, whose
     followers each build their engine with `replica` (the engine's class; `deltaspec.engine.workers`)."""
-    return launch(config, replica) if config.tensor_parallel_size > 1 else SingleDevice()
+    return launch(config, replica) if config.parallel.tensor_parallel_size > 1 else SingleDevice()
 
 
 def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE) -> HybridModel:
     """The engine's model (a tensor-parallel rank's share of it): random weights of the shape, or the checkpoint;
     its MTP head only when it drafts. Sets the process's torch CPU threads to the engine's `threads` first."""
-    cfg, dtype, device = planned.config, parse_dtype(planned.config.dtype), torch.device(planned.config.device)
-    torch.set_num_threads(cfg.threads)
-    if cfg.random_weights:
+    cfg, dtype, device = planned.config, planned.cache.dtype, planned.cache.device
+    torch.set_num_threads(cfg.host.threads)
+    if cfg.load.random_weights:
         return random_model(
-            planned.model_config, dtype, device, ops, cfg.seed, progress, planned.with_mtp, quant=cfg.quant, tp=tp
+            planned.model_config,
+            dtype,
+            device,
+            ops,
+            cfg.scheduler.seed,
+            progress,
+            planned.with_mtp,
+            quant=cfg.load.quant,
+            tp=tp,
         )
     if planned.gguf is not None:
         return load_gguf_model(planned.gguf, planned.model_config, dtype, device, ops, progress, planned.with_mtp, tp)
@@ -75,8 +81,8 @@ def engine_tokenizer(planned: Planned) -> Tokenizer | None:
         tokenizer = Tokenizer.from_dir(planned.model_dir)
     else:
         tokenizer = borrowed_tokenizer(planned.model_config)
-    if tokenizer is not None and planned.config.chat_template is not None:
-        return tokenizer.with_chat_template(planned.config.chat_template)
+    if tokenizer is not None and planned.config.load.chat_template is not None:
+        return tokenizer.with_chat_template(planned.config.load.chat_template)
     return tokenizer
 
 
@@ -94,32 +100,22 @@ def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:
     return defaults
 
 
-def engine_cache(config: EngineConfig, model_config: ModelConfig, num_kv_layers: int) -> CacheManager:
-    """KV pages for every stream's whole context (or `num_kv_blocks`), state slots, logs and checkpoints; a
-    tensor-parallel rank's hold its heads only."""
-    num_blocks = config.num_kv_blocks or config.max_num_seqs * -(-config.max_model_len // config.block_size)
-    return CacheManager(
-        shard_config(model_config, config.tensor_parallel_size, config.enable_expert_parallel),
-        num_kv_layers,
-        config.max_num_seqs,
-        num_blocks,
-        config.block_size,
-        parse_dtype(config.dtype),
-        parse_dtype(config.state_dtype),
-        torch.device(config.device),
-        log_rows=config.log_rows,
-        checkpoint_slots=config.prefix_checkpoints,
-        offload_bytes=int(config.prefix_offload_gib * 2**30),
-        kv_dtype=parse_kv_dtype(config.kv_cache_dtype, config.dtype),
+def engine_cache(planned: Planned, num_kv_layers: int) -> CacheManager:
+    """The caches the plan sized (KV pages, state slots, logs, checkpoints); a tensor-parallel rank's hold its heads
+    only."""
+    cfg = planned.config
+    rank_config = shard_config(
+        planned.model_config, cfg.parallel.tensor_parallel_size, cfg.parallel.enable_expert_parallel
     )
+    return CacheManager(rank_config, num_kv_layers, planned.cache)
 
 
 def engine_scheduler(config: EngineConfig, cache: CacheManager) -> Scheduler:
     return Scheduler(
         cache,
-        config.max_num_batched_tokens,
-        config.prefill_chunk,
-        checkpoint_min_prompt=config.prefix_checkpoint_min_prompt,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.prefill_chunk,
+        checkpoint_min_prompt=config.cache.prefix_checkpoint_min_prompt,
     )
 
 
@@ -141,7 +137,7 @@ def route_gemms(
     model's expert reads (which grow with the rows) added at the bandwidth they imply; elsewhere keep torch's
     matmul and the default cost estimate. Weights too small to be bandwidth-bound stay on torch's matmul
     without measuring; a model with no large weight keeps the default estimate."""
-    if device.type != "cuda" or config.kernels == "reference" or dtype not in (torch.bfloat16, torch.float16):
+    if device.type != "cuda" or config.host.kernels == "reference" or dtype not in (torch.bfloat16, torch.float16):
         return VerifyCostTable()
     from deltaspec.ops.gemm_routing import GemmRouter
 
@@ -152,56 +148,41 @@ def route_gemms(
         return VerifyCostTable()
     router = GemmRouter(shapes, dtype, device, show_progress=progress)
     model.use_ops(replace(ops, linear=router.linear))
-    return VerifyCostTable(router.relative_costs(max(config.draft_tokens + 1, 2), model.expected_expert_bytes))
+    return VerifyCostTable(
+        router.relative_costs(max(config.speculation.draft_tokens + 1, 2), model.expected_expert_bytes)
+    )
 
 
 def engine_drafter(
-    config: EngineConfig,
-    model_dir: Path | None,
-    model_config: ModelConfig,
-    model: HybridModel,
-    cache: CacheManager,
-    running: Callable[[str], Sequence],
-    ops: OpTable,
+    planned: Planned, model: HybridModel, cache: CacheManager, running: Callable[[str], Sequence], ops: OpTable
 ) -> Drafter | None:
-    """The drafter `config.speculative` asks for (None for none). The MTP head drafts from the engine's model,
+    """The drafter the plan's `speculative` asks for (None for none). The MTP head drafts from the engine's model,
     caches and running sequences (`running` finds one by id); a block drafter reads the engine's model's layer
-    outputs, embeddings and LM head (a random-weight model without --draft-model gets a random one sized for it)."""
-    device, dtype = torch.device(config.device), parse_dtype(config.dtype)
+    outputs, embeddings and LM head (a random-weight model without --draft-model gets a random one sized for it);
+    a draft model keeps caches of its own, as the plan's cache spec gives them (`CacheSpec.for_draft_model`)."""
+    config, model_config = planned.config, planned.model_config
+    device, dtype = planned.cache.device, planned.cache.dtype
 
     def mtp() -> MTPDrafter:
-        return MTPDrafter(model, cache, running, device, config.seed)
+        return MTPDrafter(model, cache, running, device, config.scheduler.seed)
 
     def block(path: Path | None) -> BlockDrafter:
         if path is None:
-            net = random_block_drafter(model_config, ops, dtype, device, config.seed)
+            net = random_block_drafter(model_config, ops, dtype, device, config.scheduler.seed)
         else:
             net = load_block_drafter(path, model_config, ops, dtype, device)
-        return BlockDrafter(net, model, device, config.seed)
+        return BlockDrafter(net, model, device, config.scheduler.seed)
 
-    return make_drafter(config, model_dir, model_config.vocab_size, mtp, block)
+    return make_drafter(config, planned.cache, planned.model_dir, model_config.vocab_size, mtp, block)
 
 
-def graph_runner(
-    model: HybridModel, cache: CacheManager, config: EngineConfig, progress: bool
-) -> CudaGraphRunner | None:
-    """CUDA graphs for decode and verify passes, captured now, where `uses_cuda_graphs` allows them and the
+def graph_runner(model: HybridModel, cache: CacheManager, planned: Planned, progress: bool) -> CudaGraphRunner | None:
+    """CUDA graphs for decode and verify passes, captured now, where the plan's cache spec allows them and the
     model's passes never read device values on the host."""
-    if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels):
+    if not planned.cache.cuda_graphs or model.syncs_with_host(planned.cache.dtype):
         return None
-    if model.syncs_with_host(parse_dtype(config.dtype)):
-        return None
-    graphs = CudaGraphRunner(
-        model,
-        cache.caches,
-        config.block_size,
-        torch.device(config.device),
-        config.max_num_seqs,
-        config.log_rows,
-        config.max_model_len,
-        cache.gdn.scratch_slot,
-        trees=config.speculative_tree > 0,
-    )
+    trees = planned.config.speculation.speculative_tree > 0
+    graphs = CudaGraphRunner(model, cache.caches, planned.cache, cache.gdn.scratch_slot, trees)
     graphs.capture_all(progress)
     return graphs
 
@@ -215,13 +196,15 @@ def engine_speculator(
     costs: VerifyCostTable,
 ) -> Speculator | None:
     """The speculator around `drafter` (None without one): the model returns the layer outputs the drafter reads,
-    and the draft length adapts within `config.draft_tokens` by the verify costs unless `policy` replaces it."""
+    and the draft length adapts within `draft_tokens` by the verify costs unless `policy` replaces it."""
     if drafter is None:
         return None
     model.feature_layers = tuple(getattr(drafter, "target_layers", ()))
     trees = None
-    if config.speculative_tree:  # sized by the verify costs, unless a given policy fixes the draft length
+    if config.speculation.speculative_tree:  # sized by the verify costs, unless a given policy fixes the draft length
         sized = costs if policy is None or isinstance(policy, DraftLengthPolicy) else None
-        trees = TreeSettings(config.speculative_tree - 1, config.speculative_tree_shape == "static", sized)
-    policy = policy or DraftLengthPolicy(max_k=config.draft_tokens, table=costs)
-    return Speculator(drafter, policy, cache, config.max_model_len, model.config.vocab_size, trees)
+        trees = TreeSettings(
+            config.speculation.speculative_tree - 1, config.speculation.speculative_tree_shape == "static", sized
+        )
+    policy = policy or DraftLengthPolicy(max_k=config.speculation.draft_tokens, table=costs)
+    return Speculator(drafter, policy, cache, config.scheduler.max_model_len, model.config.vocab_size, trees)

@@ -169,7 +169,7 @@ def _unfinished(engine, request_id: str):
 
 def _join(rank: int, config, init_method: str) -> tuple[TensorParallel, object]:
     """Rank `rank` of the group `config` describes: joined, with its gloo control group."""
-    size, device = config.tensor_parallel_size, torch.device(config.device)
+    size, device = config.parallel.tensor_parallel_size, torch.device(config.host.device)
     if device.type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -178,13 +178,13 @@ def _join(rank: int, config, init_method: str) -> tuple[TensorParallel, object]:
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if device.type == "cuda":  # NCCL sets its communicator up at the first collective, which must not be in a capture
         dist.all_reduce(torch.zeros(1, device="cuda"))
-    return TensorParallel(rank, size, config.enable_expert_parallel), control
+    return TensorParallel(rank, size, config.parallel.enable_expert_parallel), control
 
 
 def launch(config, replica: Callable) -> Leader:
-    """Rank 0: start the followers of `config.tensor_parallel_size` ranks, each building its engine as
+    """Rank 0: start the followers of `config.parallel.tensor_parallel_size` ranks, each building its engine as
     `replica(config, progress=False, executor=...)`, and join the group with them."""
-    size = config.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")
     followers = [

@@ -21,7 +21,7 @@ class Scheduled:
     @property
     def completes_prompt(self) -> bool:
         """After this pass the sequence has computed all of its tokens and samples a new one."""
-        return self.seq.num_computed + self.num_rows >= self.seq.num_tokens
+        return self.seq.cache.num_computed + self.num_rows >= self.seq.num_tokens
 
 
 @functools.lru_cache(maxsize=512)
@@ -37,23 +37,23 @@ def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device
     when a sequence verifies a tree of drafts or folds the path of one)."""
     token_ids, positions, slot_mapping, tables = [], [], [], []
     for item in schedule:
-        seq, start = item.seq, item.seq.num_computed
+        seq, start = item.seq, item.seq.cache.num_computed
         span = range(start, start + item.num_rows)
         ids = seq.row_ids
         token_ids.extend(ids[p] for p in span)
         positions.extend(seq.row_positions(item.num_rows))
-        slot_mapping.extend(seq.kv_slots(span, block_size))
-        tables.append(seq.blocks)
+        slot_mapping.extend(seq.cache.kv_slots(span, block_size))
+        tables.append(seq.cache.blocks)
     layout = SeqLayout.build(
         [item.num_rows for item in schedule],
-        [item.seq.num_computed + item.num_rows for item in schedule],
-        [item.seq.state_slot for item in schedule],
+        [item.seq.cache.num_computed + item.num_rows for item in schedule],
+        [item.seq.cache.state_slot for item in schedule],
         device,
-        fold=[item.seq.replay.pending_fold for item in schedule],
-        speculative=[bool(item.seq.draft) for item in schedule],
+        fold=[item.seq.cache.replay.pending_fold for item in schedule],
+        speculative=[bool(item.seq.proposal.tokens) for item in schedule],
         block_tables=tables,
-        parents=[item.seq.row_parents(item.num_rows) for item in schedule],
-        fold_rows=[item.seq.replay.fold_rows for item in schedule],
+        parents=[item.seq.proposal.row_parents(item.num_rows) for item in schedule],
+        fold_rows=[item.seq.cache.replay.fold_rows for item in schedule],
     )
 
     def tensor(values):

@@ -24,8 +24,8 @@ import torch
 from tqdm import tqdm
 
 from deltaspec.cache.model_caches import ModelCaches
+from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.execution.batch import Scheduled, device_index
-from deltaspec.execution.graph_buckets import batch_sizes, row_sizes
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.ops.layout import SeqLayout, ancestor_masks, chain_parents, recurrence_flags
@@ -73,23 +73,21 @@ class CudaGraphRunner:
         self,
         model: HybridModel,
         caches: ModelCaches,
-        block_size: int,
-        device: torch.device,
-        max_num_seqs: int,
-        log_rows: int,
-        max_model_len: int,
+        spec: CacheSpec,
         scratch_slot: int,
         trees: bool = False,
     ):
+        """Graphs of `model` over `caches` for the buckets of `spec`; padding sequences use state slot
+        `scratch_slot`; with `trees`, verify buckets take trees of drafts."""
         self.model = model
         self.caches = caches
-        self.block_size = block_size
-        self.device = device
-        self.batch_sizes = batch_sizes(max_num_seqs)
-        self.row_sizes = row_sizes(log_rows)
-        self.table_width = -(-(max_model_len + max(self.row_sizes)) // block_size)
+        self.block_size = block_size = spec.block_size
+        self.device = spec.device
+        self.batch_sizes = spec.graph_batch_sizes
+        self.row_sizes = spec.graph_row_sizes
+        self.table_width = -(-(spec.max_model_len + max(self.row_sizes)) // block_size)
         self.scratch_slot = scratch_slot
-        self.log_rows, self.trees = log_rows, trees
+        self.log_rows, self.trees = spec.log_rows, trees
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.replays: Counter[tuple[int, int]] = Counter()  # replays per bucket since start
@@ -109,13 +107,13 @@ class CudaGraphRunner:
         for item in schedule:
             seq = item.seq
             if (
-                item.num_rows != 1 + len(seq.draft)
-                or seq.num_computed < len(seq.prompt_ids)
+                item.num_rows != 1 + len(seq.proposal.tokens)
+                or seq.cache.num_computed < len(seq.prompt_ids)
                 or seq.params.prompt_logprobs is not None
             ):
                 return None
             rows = max(rows, item.num_rows)
-        if any(item.seq.draft for item in schedule):
+        if any(item.seq.proposal.tokens for item in schedule):
             fitting = [r for r in self.row_sizes if r >= rows and r > 1]
             if not fitting:
                 return None
@@ -140,22 +138,22 @@ class CudaGraphRunner:
         token_ids, positions, slot_mapping = [0] * (size * rows), list(range(rows)) * size, [-1] * (size * rows)
         context, slots, fold = [rows] * size, [self.scratch_slot] * size, [0] * size
         parents, fold_rows = [chain_parents(rows)] * size, [[]] * size
-        used = max(len(item.seq.blocks) for item in schedule)
+        used = max(len(item.seq.cache.blocks) for item in schedule)
         tables = [[0] * used for _ in range(size)]
         real_rows = []
         for b, item in enumerate(schedule):
-            seq, start, n = item.seq, item.seq.num_computed, item.num_rows
+            seq, start, n = item.seq, item.seq.cache.num_computed, item.num_rows
             real = seq.row_positions(n)
             positions[b * rows : (b + 1) * rows] = real + list(range(start + n, start + rows))
             token_ids[b * rows : b * rows + n] = seq.row_ids[start : start + n]
-            slot_mapping[b * rows : b * rows + n] = seq.kv_slots(range(start, start + n), self.block_size)
-            context[b], slots[b], fold[b] = start + rows, seq.state_slot, seq.replay.pending_fold
-            tables[b][: len(seq.blocks)] = seq.blocks
-            tree = seq.row_parents(n)
+            slot_mapping[b * rows : b * rows + n] = seq.cache.kv_slots(range(start, start + n), self.block_size)
+            context[b], slots[b], fold[b] = start + rows, seq.cache.state_slot, seq.cache.replay.pending_fold
+            tables[b][: len(seq.cache.blocks)] = seq.cache.blocks
+            tree = seq.proposal.row_parents(n)
             if tree is not None:  # padding rows follow the last real row
                 parents[b] = tree + list(range(n - 1, rows - 1))
-            if seq.replay.fold_rows is not None:
-                fold_rows[b] = seq.replay.fold_rows
+            if seq.cache.replay.fold_rows is not None:
+                fold_rows[b] = seq.cache.replay.fold_rows
             real_rows.append(n)
         longs, ints = token_ids + positions + slot_mapping + slots, context + fold
         if self.trees:

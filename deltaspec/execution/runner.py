@@ -40,7 +40,7 @@ class SeqOutput:
 
 def token_rows(item: Scheduled) -> range:
     """Rows (within the sequence's rows of the pass) whose next token the engine decides."""
-    if item.seq.draft:
+    if item.seq.proposal.tokens:
         return range(item.num_rows)
     return range(item.num_rows - 1, item.num_rows) if item.completes_prompt else range(0)
 
@@ -121,16 +121,16 @@ class Runner:
             seq, count = item.seq, len(token_rows(item))
             logits = token_logits(taken, taken + count) if count and not seq.plain_greedy else None
             prompt_logits = None
-            if seq.params.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
-                prompt_rows = min(item.num_rows, len(seq.prompt_ids) - seq.num_computed)
+            if seq.params.prompt_logprobs is not None and seq.cache.num_computed < len(seq.prompt_ids):
+                prompt_rows = min(item.num_rows, len(seq.prompt_ids) - seq.cache.num_computed)
                 prompt_logits = row_logits(start, start + prompt_rows)
-            logged = bool(seq.draft) if all_logged is None else all_logged
+            logged = bool(seq.proposal.tokens) if all_logged is None else all_logged
             outputs.append(
                 SeqOutput(
                     seq,
-                    seq.num_computed,
+                    seq.cache.num_computed,
                     item.num_rows,
-                    bool(seq.draft),
+                    bool(seq.proposal.tokens),
                     logged,
                     hidden[start : start + item.num_rows],
                     None if features is None else features[start : start + item.num_rows],

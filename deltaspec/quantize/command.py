@@ -43,7 +43,9 @@ def calibrate(
     if max_windows is not None and max_windows < 1:
         raise DeltaspecError("--calibration-windows must be at least 1.")
     text = read_corpus(files)
-    llm = LLM(progress=True, **vars(scoring_config(EngineConfig(model=model, dtype=dtype, device=device), window)))
+    llm = LLM(
+        progress=True, **scoring_config(EngineConfig.from_flat(model=model, dtype=dtype, device=device), window).flat()
+    )
     means, windows = collect_importance(llm, text, window, max_windows)
     layout = layout_for(source.config, source.arch)
     values = dict(pair for name, mean in means.items() for pair in gguf_importance(name, mean, layout))
@@ -52,7 +54,7 @@ def calibrate(
 
 def device_of(device: str) -> torch.device:
     """The torch device --device names ("auto": CUDA when there is one), or one sentence why not."""
-    resolved = resolve_engine_config(EngineConfig(device=device), None).device
+    resolved = resolve_engine_config(EngineConfig.from_flat(device=device), None).host.device
     try:
         return torch.device(resolved)
     except RuntimeError:

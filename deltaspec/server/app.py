@@ -64,9 +64,9 @@ def served_model_name(engine: Engine, config: ServerConfig) -> str:
     --random-weights)."""
     if config.served_model_name:
         return config.served_model_name
-    if engine.config.random_weights:
-        return f"{engine.config.shape}-random"
-    model = engine.config.model
+    if engine.config.load.random_weights:
+        return f"{engine.config.load.shape}-random"
+    model = engine.config.load.model
     if model is None:
         return DEFAULT_MODEL_NAME
     return Path(model).name if Path(model).exists() else model  # a directory or a GGUF file: its name, no path
@@ -190,9 +190,9 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
             id=ctx.model_name,
             root=ctx.model_name,
             max_model_len=ctx.max_model_len,
-            shape=config.shape if config.random_weights else None,
-            speculative=config.speculative,
-            draft_tokens=config.draft_tokens if config.speculative != "none" else None,
+            shape=config.load.shape if config.load.random_weights else None,
+            speculative=config.speculation.speculative,
+            draft_tokens=config.speculation.draft_tokens if config.speculation.speculative != "none" else None,
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 

@@ -39,7 +39,7 @@ class ServerContext:
             config.structured_outputs_timeout,
             config.max_constraint_bytes,
         )
-        dirs = {engine.model_dir, engine.config.model, engine.config.draft_model, default_model_path()}
+        dirs = {engine.model_dir, engine.config.load.model, engine.config.speculation.draft_model, default_model_path()}
         paths = {str(p) for d in dirs if d is not None for p in (Path(d), Path(d).resolve()) if p.is_absolute()}
         self.private_paths = tuple(sorted(paths, key=len, reverse=True))
         self.vllm_metrics = VllmMetrics(
@@ -63,7 +63,7 @@ class ServerContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.config.max_model_len
+        return self.engine.engine.config.scheduler.max_model_len
 
     @property
     def trusts_request_templates(self) -> bool:

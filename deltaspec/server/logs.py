@@ -50,15 +50,15 @@ def memory(size: int) -> str:
 def model_origin(engine: Engine) -> str:
     """Where the served weights came from: a checkpoint directory, a hub id, the embedded model or random weights."""
     config = engine.config
-    if config.random_weights:
-        return f"random weights, shape {config.shape}"
-    if config.model is None:
+    if config.load.random_weights:
+        return f"random weights, shape {config.load.shape}"
+    if config.load.model is None:
         return "embedded default model"
-    if Path(config.model).expanduser().is_dir():
+    if Path(config.load.model).expanduser().is_dir():
         return f"checkpoint {engine.model_dir}"
     if engine.model_dir is not None and engine.model_dir.suffix == ".gguf":
         return f"GGUF file {engine.model_dir}"
-    return f"hub id {config.model}, files in {engine.model_dir}"
+    return f"hub id {config.load.model}, files in {engine.model_dir}"
 
 
 def weights_format(engine: Engine) -> str:
@@ -78,18 +78,21 @@ def weights_format(engine: Engine) -> str:
 def startup_summary(engine: Engine, model_name: str) -> list[str]:
     """The lines `deltaspec serve` logs once the engine is built."""
     config, plan, cache = engine.config, engine.plan, engine.cache
-    pages, block = cache.kv.allocator.num_blocks, config.block_size
+    pages, block = cache.kv.allocator.num_blocks, config.cache.block_size
     streams, checkpoints = cache.num_slots, len(cache.gdn.checkpoint_slots)
     drafter = "none"
-    if config.speculative != "none":
-        drafter = f"{config.speculative}, up to {config.draft_tokens} draft tokens, {memory(plan.drafter_bytes)}"
+    speculation = config.speculation
+    if speculation.speculative != "none":
+        drafter = (
+            f"{speculation.speculative}, up to {speculation.draft_tokens} draft tokens, {memory(plan.drafter_bytes)}"
+        )
     rows = [
         ("model", f"'{model_name}' ({model_origin(engine)})"),
         ("format", weights_format(engine)),
         (
             "device",
-            f"{config.device}, dtype {config.dtype}, GDN state dtype {config.state_dtype}, KV cache dtype "
-            f"{config.kv_cache_dtype}",
+            f"{config.host.device}, dtype {config.load.dtype}, GDN state dtype {config.cache.state_dtype}, "
+            f"KV cache dtype {config.cache.kv_cache_dtype}",
         ),
         ("weights", memory(plan.weights)),
         ("KV cache", f"{memory(cache.kv.bytes())}, {pages * block} tokens ({pages} pages x {block})"),
@@ -98,7 +101,7 @@ def startup_summary(engine: Engine, model_name: str) -> list[str]:
             f"{memory(cache.gdn.bytes())}, {streams + checkpoints + 1} slots ({streams} streams, "
             f"{checkpoints} prefix checkpoints, 1 scratch)",
         ),
-        ("streams", f"{config.max_num_seqs} x {config.max_model_len} tokens"),
+        ("streams", f"{config.scheduler.max_num_seqs} x {config.scheduler.max_model_len} tokens"),
         ("drafter", drafter),
     ]
     width = max(len(name) for name, _ in rows) + 1

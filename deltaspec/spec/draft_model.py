@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from deltaspec.cache.manager import CacheManager
+from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.batch import Scheduled, build_batch
@@ -134,31 +135,25 @@ class DraftModelDrafter:
         self,
         model_dir: Path,
         target_vocab: int,
-        dtype: torch.dtype,
-        state_dtype: torch.dtype,
-        device: torch.device,
-        max_seqs: int,
-        max_model_len: int,
-        block_size: int,
+        cache: CacheSpec,
         seed: int,
     ):
+        """The draft model at `model_dir`, with caches of `cache` (`CacheSpec.for_draft_model`)."""
         raw, self.config, gguf = draft_checkpoint(model_dir)
         if self.config.vocab_size != target_vocab:
             raise DeltaspecError(
                 f"The draft model at {model_dir} has a vocabulary of {self.config.vocab_size} "
                 f"tokens but the target has {target_vocab}; a draft model must share its tokenizer."
             )
-        self.device = device
+        self.device = device = cache.device
+        dtype = cache.dtype
         ops = ops_for(device)
         if gguf is not None:
             self.model = load_gguf_model(gguf, self.config, dtype, device, ops, progress=False, with_mtp=False)
         else:
             self.model = load_model(model_dir, self.config, raw, dtype, device, ops, progress=False, with_mtp=False)
-        self.block_size = block_size
-        blocks = max_seqs * -(-max_model_len // block_size)
-        self.cache = CacheManager(
-            self.config, self.model.num_kv_layers, max_seqs, blocks, block_size, dtype, state_dtype, device
-        )
+        self.block_size = cache.block_size
+        self.cache = CacheManager(self.config, self.model.num_kv_layers, cache)
         self.seqs: dict[str, Sequence] = {}
         self.snapshots: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -167,12 +162,12 @@ class DraftModelDrafter:
     def _sequence(self, req: DraftRequest) -> Sequence:
         self._restore(req.seq_id)  # drafts that were never verified (no commit came) are forgotten too
         seq = self.seqs.get(req.seq_id)
-        if seq is not None and seq.num_computed >= len(req.token_ids):  # the target went back: start over
+        if seq is not None and seq.cache.num_computed >= len(req.token_ids):  # the target went back: start over
             self.on_finish(req.seq_id)
             seq = None
         if seq is None:
             seq = Sequence(req.seq_id, None, [], GREEDY, frozenset())
-            self.cache.admit(seq)
+            self.cache.admit(seq.cache, seq.all_ids)
             self.seqs[req.seq_id] = seq
         seq.prompt_ids = list(req.token_ids)
         return seq
@@ -180,7 +175,7 @@ class DraftModelDrafter:
     def _forward(self, items: list[Scheduled]) -> torch.Tensor:
         """One pass of the draft model; logits of each item's last row [len(items), V]."""
         for item in items:
-            if not self.cache.reserve(item.seq, item.seq.num_computed + item.num_rows):
+            if not self.cache.reserve(item.seq.cache, item.seq.cache.num_computed + item.num_rows):
                 raise DeltaspecError(
                     "The draft model's KV cache is full; lower --draft-tokens or the number of streams."
                 )
@@ -189,7 +184,7 @@ class DraftModelDrafter:
             hidden = self.model(batch, self.cache.caches)
             logits = self.model.compute_logits(hidden[batch.last_row_indices])
         for item in items:
-            item.seq.num_computed += item.num_rows
+            item.seq.cache.num_computed += item.num_rows
         return logits
 
     def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -200,11 +195,11 @@ class DraftModelDrafter:
         drafts: dict[str, tuple[list[int], list[torch.Tensor]]] = {r.seq_id: ([], []) for r in live}
         if live:
             seqs = [self._sequence(r) for r in live]
-            logits = self._forward([Scheduled(s, len(s.prompt_ids) - s.num_computed) for s in seqs])
+            logits = self._forward([Scheduled(s, len(s.prompt_ids) - s.cache.num_computed) for s in seqs])
             for seq in seqs:  # the committed point: restored on commit
-                slot = seq.state_slot
+                slot = seq.cache.state_slot
                 self.snapshots[seq.request_id] = (
-                    seq.num_computed,
+                    seq.cache.num_computed,
                     [(st[slot].clone(), cv[slot].clone()) for st, cv in zip(self.cache.gdn.state, self.cache.gdn.conv)],
                 )
             active = list(range(len(live)))
@@ -233,17 +228,17 @@ class DraftModelDrafter:
         if seq is None or seq_id not in self.snapshots:
             return
         committed, states = self.snapshots.pop(seq_id)
-        slot = seq.state_slot
+        slot = seq.cache.state_slot
         for (state, conv), st, cv in zip(states, self.cache.gdn.state, self.cache.gdn.conv):
             st[slot].copy_(state)
             cv[slot].copy_(conv)
-        seq.num_computed = committed  # the drafted rows are forgotten; accepted ones are caught up next time
+        seq.cache.num_computed = committed  # the drafted rows are forgotten; accepted ones are caught up next time
         del seq.prompt_ids[committed:]
 
     def on_finish(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            self.cache.release(seq)
+            self.cache.release(seq.cache)
         self.snapshots.pop(seq_id, None)
         self.generators.pop(seq_id, None)
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from deltaspec.cache.memory_plan import DrafterMemory, plan_memory, weight_bytes
-from deltaspec.config.dtypes import parse_dtype
+from deltaspec.cache.memory_plan import DrafterMemory, Workspace, plan_memory, weight_bytes
+from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
+from deltaspec.config.resolve import cache_spec
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.block_drafter import BlockDrafterConfig, block_drafter_config
 from deltaspec.model.checkpoint_names import target_name
@@ -49,7 +50,11 @@ def default_draft_model(target_dir: Path | None, kind: str = "draft") -> Path | 
 def draft_model_dir(config: EngineConfig, target_dir: Path | None, kind: str = "draft") -> Path:
     """The drafter checkpoint of `kind` ("draft": a draft model; "block": a block drafter): --draft-model, or the
     one shipped with the embedded default model."""
-    path = resolve_model_path(config.draft_model) if config.draft_model else default_draft_model(target_dir, kind)
+    path = (
+        resolve_model_path(config.speculation.draft_model)
+        if config.speculation.draft_model
+        else default_draft_model(target_dir, kind)
+    )
     if path is None:
         what = "draft model" if kind == "draft" else "block drafter (a DFlash-layout directory)"
         raise DeltaspecError(
@@ -62,7 +67,7 @@ def draft_model_dir(config: EngineConfig, target_dir: Path | None, kind: str = "
 def block_drafter_dir(config: EngineConfig, target_dir: Path | None) -> Path | None:
     """The block drafter's directory; None for a random-weight model without --draft-model, which drafts with a
     random drafter sized for its shape (benchmarks of the drafter's cost)."""
-    if config.random_weights and not config.draft_model:
+    if config.load.random_weights and not config.speculation.draft_model:
         return None
     return draft_model_dir(config, target_dir, "block")
 
@@ -75,13 +80,14 @@ def drafter_memory(
     drafter's weights, context keys and values (every stream's whole context; a sliding-window layer's, two
     windows per stream) and the tapped features each pass returns. The n-gram drafter's index lives in host memory
     (a few hundred bytes per context token) and is not counted."""
-    check_choice(config.speculative)
-    dtype, state_dtype = parse_dtype(config.dtype), parse_dtype(config.state_dtype)
-    if uses(config.speculative, "mtp"):
+    check_choice(config.speculation.speculative)
+    one_page = cache_spec(config, streams=1, ctx=config.cache.block_size, kv_blocks=0).for_draft_model()
+    dtype = one_page.dtype
+    if uses(config.speculation.speculative, "mtp"):
         size = torch.empty(0, dtype=dtype).element_size()
         kv = model_config.num_mtp_layers * 2 * model_config.num_key_value_heads * model_config.head_dim * size
-        return DrafterMemory(config.speculative, weights=mtp_weights, kv_per_token=kv, shares_pool=True)
-    if uses(config.speculative, "block"):
+        return DrafterMemory(config.speculation.speculative, weights=mtp_weights, kv_per_token=kv, shares_pool=True)
+    if uses(config.speculation.speculative, "block"):
         size = torch.empty(0, dtype=dtype).element_size()
         path = block_drafter_dir(config, target_dir)
         if path is None:
@@ -91,13 +97,13 @@ def drafter_memory(
             block = block_drafter_config(path)
             weights = weight_bytes(checkpoint_files(path), dtype, skip=lambda name: False)
         return DrafterMemory(
-            config.speculative,
+            config.speculation.speculative,
             weights=weights,
             kv_per_token=block.kv_bytes_per_token(dtype),
             state_per_stream=block.window_bytes_per_stream(dtype),
             features_per_row=len(block.target_layer_ids) * block.target_hidden_size * size,
         )
-    if uses(config.speculative, "draft"):
+    if uses(config.speculation.speculative, "draft"):
         path = draft_model_dir(config, target_dir)
         _, draft_config, gguf = draft_checkpoint(path)
         if gguf is not None:
@@ -105,31 +111,19 @@ def drafter_memory(
         else:
             files = checkpoint_files(path)
             weights = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
-        plan = plan_memory(
-            draft_config,
-            len(draft_config.attention_layer_ids),
-            weights,
-            dtype,
-            state_dtype,
-            streams=1,
-            ctx=config.block_size,
-            block_size=config.block_size,
-            batch_rows=1,
-            prefill_chunk=1,
-            device=torch.device(config.device),
-            available=0,
-        )
+        plan = plan_memory(draft_config, one_page, weights, Workspace(batch_rows=1, prefill_chunk=1), available=0)
         return DrafterMemory(
-            config.speculative,
+            config.speculation.speculative,
             weights=plan.weights,
             kv_per_token=plan.kv_per_token,
             state_per_stream=2 * plan.state_per_stream,
         )
-    return DrafterMemory(config.speculative)
+    return DrafterMemory(config.speculation.speculative)
 
 
 def make_drafter(
     config: EngineConfig,
+    cache: CacheSpec,
     target_dir: Path | None,
     target_vocab: int,
     mtp: Callable[[], Drafter],
@@ -139,29 +133,23 @@ def make_drafter(
     `mtp` builds the MTP drafter (it lives on the engine's own model and caches), `block` the block drafter from
     its checkpoint directory, or a random one sized for the model when that is None (it reads the engine's
     model's features, embeddings and LM head)."""
-    check_choice(config.speculative)
-    if config.speculative == "none":
+    check_choice(config.speculation.speculative)
+    if config.speculation.speculative == "none":
         return None
     drafters: list[Drafter] = []
-    if uses(config.speculative, "mtp"):
+    if uses(config.speculation.speculative, "mtp"):
         drafters.append(mtp())
-    if uses(config.speculative, "block"):
+    if uses(config.speculation.speculative, "block"):
         drafters.append(block(block_drafter_dir(config, target_dir)))
-    if uses(config.speculative, "draft"):
+    if uses(config.speculation.speculative, "draft"):
         drafters.append(
             DraftModelDrafter(
-                draft_model_dir(config, target_dir),
-                target_vocab,
-                parse_dtype(config.dtype),
-                parse_dtype(config.state_dtype),
-                torch.device(config.device),
-                config.max_num_seqs,
-                config.max_model_len,
-                config.block_size,
-                config.seed,
+                draft_model_dir(config, target_dir), target_vocab, cache.for_draft_model(), config.scheduler.seed
             )
         )
-    if uses(config.speculative, "ngram"):
-        earlier = EARLIER_OCCURRENCES if config.speculative_tree else 0
-        drafters.append(NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, earlier=earlier))
+    if uses(config.speculation.speculative, "ngram"):
+        earlier = EARLIER_OCCURRENCES if config.speculation.speculative_tree else 0
+        drafters.append(
+            NgramDrafter(config.speculation.prompt_lookup_min, config.speculation.prompt_lookup_max, earlier=earlier)
+        )
     return drafters[0] if len(drafters) == 1 else CombinedDrafter(drafters[0], drafters[1])

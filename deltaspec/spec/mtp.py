@@ -68,9 +68,9 @@ class MTPDrafter:
         for seq, toks, pos, h in rows:
             token_ids += toks
             positions += pos
-            slots += seq.kv_slots(pos, bs)
+            slots += seq.cache.kv_slots(pos, bs)
             hidden.append(h)
-            tables.append(seq.blocks)
+            tables.append(seq.cache.blocks)
             lens.append(len(toks))
             ctx.append(pos[-1] + 1)
 
@@ -95,7 +95,7 @@ class MTPDrafter:
             if (
                 unseen
                 or (not positions and req.seq_id not in self.heads)
-                or not self.cache.reserve(seq, n + req.max_tokens + 1)
+                or not self.cache.reserve(seq.cache, n + req.max_tokens + 1)
             ):
                 drafts.pop(req.seq_id)  # hidden states it was never shown (after a reset), or no pages: no draft
             elif positions:

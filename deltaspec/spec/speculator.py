@@ -86,11 +86,19 @@ def row_logits(out: SeqOutput, tree: DraftTree | None = None) -> torch.Tensor:
     applied per row: row i continues the output with the drafts on its way (a chain's first i, a tree's path to
     row i), so its counts include them, and its mask is the constraint's after them."""
     seq, rows = out.seq, out.logits.shape[0]
-    paths = [tree.path_tokens(i) for i in range(rows)] if tree is not None else [seq.draft[:i] for i in range(rows)]
+    paths = (
+        [tree.path_tokens(i) for i in range(rows)]
+        if tree is not None
+        else [seq.proposal.tokens[:i] for i in range(rows)]
+    )
     outputs = [seq.output_ids + path for path in paths]
     logits = apply_penalties(out.logits, [seq.prompt_ids] * rows, outputs, [seq.params] * rows, [seq.eos_ids] * rows)
     if seq.grammar is not None:
-        masks = seq.grammar.path_masks(paths) if tree is not None else seq.grammar.draft_masks(seq.draft[: rows - 1])
+        masks = (
+            seq.grammar.path_masks(paths)
+            if tree is not None
+            else seq.grammar.draft_masks(seq.proposal.tokens[: rows - 1])
+        )
         logits = apply_bitmask(logits, masks)
     return logits
 
@@ -150,7 +158,7 @@ class Speculator:
             if self.trees is not None:
                 self._plant(seq, draft)
             else:
-                seq.draft, seq.draft_probs = self._within_constraint(seq, list(draft.tokens), draft.probs)
+                seq.proposal.tokens, seq.proposal.probs = self._within_constraint(seq, list(draft.tokens), draft.probs)
 
     def _valid(self, draft: Draft, max_tokens: int) -> bool:
         """Whether a draft (its candidates and branches too) stays within its length and the vocabulary."""
@@ -174,8 +182,8 @@ class Speculator:
                 if seq.grammar.valid_prefix(tree.path_tokens(row)) < depths[row - 1]
             }
             tree = tree.without(refused)
-        seq.draft, seq.draft_probs = list(tree.tokens), None
-        seq.draft_parents = None if tree.is_chain else list(tree.parents)
+        seq.proposal.tokens, seq.proposal.probs = list(tree.tokens), None
+        seq.proposal.parents = None if tree.is_chain else list(tree.parents)
         self.grown[seq.request_id] = (tree, list(draft.tokens))
         if not tree.tokens:  # nothing was worth verifying: the drafting was wasted, as if its first token failed
             self.policy.update(seq.request_id, len(draft.tokens), 0)
@@ -229,11 +237,14 @@ class Speculator:
         outputs_of_chains = [out for out in outputs if id(out) not in trees]
         greedy = [out for out in outputs_of_chains if out.logits is None]
         sampled = [out for out in outputs_of_chains if out.logits is not None]
-        by_argmax = verify_greedy_tokens([out.argmax for out in greedy], [out.seq.draft for out in greedy])
+        by_argmax = verify_greedy_tokens([out.argmax for out in greedy], [out.seq.proposal.tokens for out in greedy])
         by_sampling = verify_sampling(
             [row_logits(out) for out in sampled],
-            [out.seq.draft for out in sampled],
-            [None if out.seq.draft_probs is None else out.seq.draft_probs[: len(out.seq.draft)] for out in sampled],
+            [out.seq.proposal.tokens for out in sampled],
+            [
+                None if out.seq.proposal.probs is None else out.seq.proposal.probs[: len(out.seq.proposal.tokens)]
+                for out in sampled
+            ],
             [out.seq.params for out in sampled],
             [out.seq.generator for out in sampled],
         )
@@ -244,9 +255,9 @@ class Speculator:
 
     def _tree_of(self, seq: Sequence) -> DraftTree | None:
         """The tree `seq` verifies (cut as far as the scheduler cut its draft), None for a chain."""
-        if seq.draft_parents is None or seq.request_id not in self.grown:
+        if seq.proposal.parents is None or seq.request_id not in self.grown:
             return None
-        return self.grown[seq.request_id][0].cut(len(seq.draft))
+        return self.grown[seq.request_id][0].cut(len(seq.proposal.tokens))
 
     def _verify_trees(self, outputs: list[SeqOutput], trees: dict[int, DraftTree]) -> dict[int, Verdict]:
         greedy = [out for out in outputs if out.logits is None]
@@ -274,10 +285,10 @@ class Speculator:
 
     def commit(self, out: SeqOutput, verdict: Verdict, append: Append) -> None:
         """Keep the accepted rows of `out`'s sequence, record the round, append the tokens, tell the drafter."""
-        seq, drafted, accepted = out.seq, len(out.seq.draft), verdict.accepted
+        seq, drafted, accepted = out.seq, len(out.seq.proposal.tokens), verdict.accepted
         tree = self._tree_of(seq)
         # the last sampled token's row and the accepted drafts: a chain's first rows, a tree's path
-        self.cache.keep_verified(seq, 1 + accepted if verdict.rows is None else verdict.rows)
+        self.cache.keep_verified(seq.cache, 1 + accepted if verdict.rows is None else verdict.rows)
         grown = self.grown.pop(seq.request_id, None)
         if tree is not None:
             drafted = max(tree.depths)
@@ -286,8 +297,8 @@ class Speculator:
         if grown is not None:  # of the drafter's own chain, the tokens that were committed
             accepted = next((i for i, (d, t) in enumerate(zip(grown[1], verdict.tokens)) if d != t), len(grown[1]))
             accepted = min(accepted, len(verdict.tokens) - 1)
-        seq.cut_draft(0)
-        seq.acceptance.record(drafted, verdict.accepted)
+        seq.proposal.cut(0)
+        seq.stats.acceptance.record(drafted, verdict.accepted)
         # the policy picks how deep the drafter drafts: with trees, its chain's depth, however much the tree kept
         self.policy.update(seq.request_id, drafted if grown is None else len(grown[1]), verdict.accepted)
         append(seq, verdict.tokens, verdict.logprobs)
@@ -300,9 +311,9 @@ class Speculator:
         if not self.drafter.needs_hidden:
             return
         for out in outputs:
-            committed = out.seq.num_computed - out.first_position
+            committed = out.seq.cache.num_computed - out.first_position
             states = out.hidden if out.features is None else out.features
-            path = out.seq.replay.fold_rows if out.verifying else None  # a tree's accepted path
+            path = out.seq.cache.replay.fold_rows if out.verifying else None  # a tree's accepted path
             if path is not None:
                 states = states[torch.tensor(path, device=states.device)]
             if not out.seq.finished and committed > 0:

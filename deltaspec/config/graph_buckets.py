@@ -1,9 +1,8 @@
-"""Which passes run as CUDA graphs and the (batch, rows) buckets captured for them: shared by the graph
-runner (engine/cuda_graphs.py) and the memory planner, which counts the captured graphs' outputs."""
+"""Which passes run as CUDA graphs and the (batch, rows) buckets captured for them: read through the resolved
+`CacheSpec` by the graph runner (execution/cuda_graphs.py) and the memory planner, which counts the captured
+graphs' outputs."""
 
 from __future__ import annotations
-
-from deltaspec.config.engine import EngineConfig
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ROW_BUCKETS = (2, 4, 8, 16, 32, 64)
@@ -32,10 +31,3 @@ def uses_cuda_graphs(device: str, enforce_eager: bool, kernels: str) -> bool:
 def captured_rows(max_num_seqs: int, log_rows: int) -> int:
     """Rows over all captured buckets: each keeps its hidden states and logits for its replays."""
     return sum(size * rows for size in batch_sizes(max_num_seqs) for rows in row_sizes(log_rows))
-
-
-def graph_rows_of(config: EngineConfig) -> int:
-    """`captured_rows` of a resolved engine config, 0 when its passes run eagerly."""
-    if not uses_cuda_graphs(config.device, config.enforce_eager, config.kernels):
-        return 0
-    return captured_rows(config.max_num_seqs, config.log_rows)
