@@ -26,8 +26,9 @@ BLOCK_SHAPES = {  # leading dims, blocks per row
 def random_blocks(qtype: str, leading: tuple[int, ...], n_blocks: int, seed: int) -> np.ndarray:
     """Random bytes [*leading, n_blocks * type_size], each float16 field a random finite value (no NaN/Inf).
 
-    The float16 fields keep their random sign, exponent and mantissa, subnormals included; only the
-    all-ones exponent is moved down. F32 and BF16 keep every pattern, NaNs included: they only widen.
+    The float16 fields (and IQ1_M's float16 scale, spread over its scale words) keep their random sign, exponent
+    and mantissa, subnormals included; only the all-ones exponent is moved down. F32 and BF16 keep every pattern,
+    NaNs included: they only widen.
     """
     fmt = format_of(qtype)
     rng = np.random.default_rng(seed)
@@ -38,6 +39,16 @@ def random_blocks(qtype: str, leading: tuple[int, ...], n_blocks: int, seed: int
             half = blocks[..., offset : offset + n_bytes].copy().view(np.uint16)
             half = np.where((half & 0x7C00) == 0x7C00, half & np.uint16(0xBFFF), half)
             blocks[..., offset : offset + n_bytes] = half.view(np.uint8)
+        if name == "scales" and qtype == "IQ1_M":  # its float16 scale is the top nibbles of these four words
+            words = blocks[..., offset : offset + n_bytes].copy().view(np.uint16)
+            d = (
+                (words[..., 0] >> 12)
+                | ((words[..., 1] >> 8) & 0xF0)
+                | ((words[..., 2] >> 4) & 0xF00)
+                | (words[..., 3] & 0xF000)
+            )
+            words[..., 3] = np.where((d & 0x7C00) == 0x7C00, words[..., 3] & np.uint16(0xBFFF), words[..., 3])
+            blocks[..., offset : offset + n_bytes] = words.view(np.uint8)
         offset += n_bytes
     return blocks.reshape(*leading, n_blocks * fmt.type_size)
 
