@@ -176,15 +176,14 @@ class Launch:
 
 
 # block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken.
-# One row: graph-timed on an H200. The GEMV's blocks of 2..16 rows: picked from their sm_90 SASS (no spills; issue
-# slots per weight value against each type's bytes per value), pending graph timings (`tools/quant_kernel_sweep.py
-# --table`); Q4_K, Q6_K and int4 rows past 8 stay on the tiles, whose dequantization costs no more per row there.
+# One row: graph-timed on an H200. The GEMV's blocks of rows: graph-timed on an H100 against one row
+# (benchmarks/h100/c6d6957/quant-gemv-rows.json): 2 rows cost 1.23-1.79x one row there, where a tile costs what
+# it costs at 16 rows (2.36x for Q4_K, 2.64x Q6_K, 4.8x I4_G128); past 2 rows the GEMV's per-row decoding makes
+# it compute-bound (8 rows 4.3-6.5x), so only Q6_K's and int4's 4-row blocks, which beat the tiles, stay.
 LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
     "Q4_K": (
         (1, Launch("gemv", 64, 8, 2)),
         (2, Launch("gemv", 64, 8, 2, m_block=2)),
-        (4, Launch("gemv", 64, 8, 4, m_block=4)),
-        (8, Launch("gemv", 64, 8, 8, m_block=8)),
         (16, Launch("tile", 128, 4)),
         (MAX_ROWS, Launch("tile", 32, 4, paired=False)),
     ),
@@ -192,39 +191,27 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
         (1, Launch("gemv", 32, 8, 2)),
         (2, Launch("gemv", 32, 8, 2, m_block=2)),
         (4, Launch("gemv", 32, 8, 4, m_block=4)),
-        (8, Launch("gemv", 32, 8, 8, m_block=8)),
         (MAX_ROWS, Launch("tile", 32, 4)),
     ),
-    "Q8_0": (
-        (1, Launch("gemv", 32, 8)),
-        (2, Launch("gemv", 32, 8, 4, m_block=2)),
-        (4, Launch("gemv", 32, 8, 8, m_block=4)),
-        (8, Launch("gemv", 32, 8, 8, m_block=8)),
-        (16, Launch("gemv", 16, 8, 8, m_block=16)),
-        (MAX_ROWS, Launch("tile", 32, 4)),
-    ),
+    "Q8_0": ((1, Launch("gemv", 32, 8)), (2, Launch("gemv", 32, 8, 4, m_block=2)), (MAX_ROWS, Launch("tile", 32, 4))),
     # FP8: the one-row launch graph-timed on an H200 over the 27B shape's four products (weights past L2)
     "FP8_B128": (
         (1, Launch("gemv", 32, 4)),
         (2, Launch("gemv", 32, 4, 4, m_block=2)),
-        (4, Launch("gemv", 32, 4, 8, m_block=4)),
-        (8, Launch("gemv", 32, 4, 8, m_block=8)),
-        (16, Launch("gemv", 16, 4, 8, m_block=16)),
         (MAX_ROWS, Launch("tile", 32, 4)),
     ),
-    # int4: one row and the tiles graph-timed on an H200 at 1 and 16 rows only (the 27B shapes, weights past L2)
+    # int4: one row and the tiles graph-timed on an H200 at 1 and 16 rows (the 27B shapes, weights past L2); the
+    # row blocks on an H100 for I4_G128, I4_G32 taking the same kernel
     "I4_G32": (
         (1, Launch("gemv", 32, 4, 2)),
         (2, Launch("gemv", 32, 4, 2, m_block=2)),
         (4, Launch("gemv", 32, 4, 4, m_block=4)),
-        (8, Launch("gemv", 32, 4, 8, m_block=8)),
         (MAX_ROWS, Launch("tile", 32, 4)),
     ),
     "I4_G128": (
         (1, Launch("gemv", 64, 8)),
         (2, Launch("gemv", 64, 8, 8, m_block=2)),
         (4, Launch("gemv", 64, 8, 8, m_block=4)),
-        (8, Launch("gemv", 64, 8, 8, m_block=8)),
         (MAX_ROWS, Launch("tile", 64, 2)),
     ),
 }
