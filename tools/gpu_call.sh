@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One GPU-machine call of a development session, run from the repo root there with `.whl` and `.scratch` carried:
+# install the carried wheels, unpack a committed snapshot (.scratch/snap.tar.gz, its commit in .scratch/snap.commit,
+# so that uncommitted edits in the working tree never reach the GPU run) to /tmp/snap with the sent tree's model and
+# test data, then run the steps in order. Make the snapshot here with
+#   git archive HEAD $(git ls-tree -r --name-only HEAD | grep -v '^deltaspec/default_model/\|^tests/data/\|^benchmarks/') \
+#     | gzip > .scratch/snap.tar.gz && git rev-parse --short HEAD > .scratch/snap.commit
+# and, for `train`, a packed corpus in .scratch/pack (train.bin.xz, heldout_{code,chat}.bin; tools/README.md).
+# Steps:
+#   kernels:SECONDS    the routed GEMV launches' sweep for 1-16 rows
+#   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
+#   treeprof:SHAPE     cProfile of bench tree-oracle on a random-weight shape (host time of chain vs tree rounds)
+#   tests:SECONDS      pytest -m "gpu or kernel" over tests/, 8 workers
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+export PYTHONPATH=/tmp/site
+repo=$(pwd)
+rm -rf /tmp/snap && mkdir -p /tmp/snap && tar xzf .scratch/snap.tar.gz -C /tmp/snap
+cp -r deltaspec/default_model /tmp/snap/deltaspec/ && cp -r tests/data /tmp/snap/tests/
+cd /tmp/snap
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat $repo/.scratch/snap.commit;
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } | tee $OUT/device.txt
+for step in "$@"; do
+  name=${step%%:*}; arg=${step#*:}
+  echo "== $step $(date +%T)"
+  case $name in
+    kernels)  # the routed launches graph-timed for 1-16 rows, each checked against the reference
+      PYTHONPATH=/tmp/snap:/tmp/site timeout ${arg:-180} python3 tools/quant_kernel_sweep.py $OUT/quant_sweep.json --table \
+        --rows=1,2,4,8,16 --types=Q4_K,Q6_K,Q8_0,FP8_B128,I4_G128 > $OUT/quant_sweep.stdout 2> $OUT/quant_sweep.log
+      echo "sweep exit $?"; tail -12 $OUT/quant_sweep.stdout; grep -c . $OUT/quant_sweep.log ;;
+    train)
+      mkdir -p /tmp/dm/block && cp -r deltaspec/default_model/target /tmp/dm/target
+      [ -f $repo/.scratch/block_ckpt/checkpoint.pt ] && cp $repo/.scratch/block_ckpt/checkpoint.pt /tmp/dm/block/
+      (cd tools && timeout $(( arg * 60 + 150 )) python3 train_block.py --target /tmp/dm/target --pack $repo/.scratch/pack \
+        --out /tmp/dm/block --minutes "$arg" --resume ${BLOCK_ARGS:-} > $OUT/block.log 2>&1); echo "train exit $?"
+      grep -v "^block step" $OUT/block.log | tail -5; grep "^block step" $OUT/block.log | tail -3
+      cp /tmp/dm/block/{config.json,model.safetensors,training_curve.json,checkpoint.pt} $OUT/ 2>/dev/null ;;
+    treeprof)  # where a tree round's time goes: host profile of bench tree-oracle on shape $arg
+      timeout 300 python3 -m cProfile -o $OUT/tree.prof -m deltaspec.cli bench tree-oracle --random-weights \
+        --shape "$arg" --device cuda --dtype bfloat16 --rows 16 --max-tokens 128 --runs 1 --out $OUT/tree_oracle.json \
+        > $OUT/treeprof.log 2>&1; echo "treeprof exit $?"; tail -3 $OUT/treeprof.log
+      python3 -c "import pstats; pstats.Stats('$OUT/tree.prof').sort_stats('tottime').print_stats(25)" > $OUT/tree_prof.txt 2>&1
+      python3 -c "import pstats; pstats.Stats('$OUT/tree.prof').sort_stats('cumulative').print_stats(60)" >> $OUT/tree_prof.txt 2>&1 ;;
+    tests)
+      timeout "$arg" python3 -m pytest -q -m "gpu or kernel" -n 8 -p no:cacheprovider --durations=15 -rfE tests \
+        > $OUT/gpu_tests.log 2>&1; echo "pytest exit $?"
+      grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -30 ;;
+  esac
+done
+ls -la $OUT
