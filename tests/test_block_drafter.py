@@ -287,6 +287,7 @@ def test_sliding_window_layers_keep_only_their_window_and_draft_the_same(checkpo
 
 def test_the_plan_counts_the_drafter_weights_its_full_context_and_its_windows(checkpoints, tmp_path):
     from deltaspec.config.engine import EngineConfig
+    from deltaspec.config.resolve import resolve_engine_config
     from deltaspec.model.hf_config import parse_model_config, read_config_json
     from deltaspec.spec.factory import drafter_memory
 
@@ -302,6 +303,7 @@ def test_the_plan_counts_the_drafter_weights_its_full_context_and_its_windows(ch
     config = EngineConfig.from_flat(
         model=str(target), speculative="block", draft_model=str(path), dtype="float32", state_dtype="float32"
     )
+    config = resolve_engine_config(config, checkpoint_dtype="float32")
     memory = drafter_memory(config, target, parse_model_config(read_config_json(target)), 0)
     weights = sum(t.numel() * 4 for t in load_file(path / "model.safetensors").values())
     row = 2 * 2 * 16 * 4  # keys and values, 2 KV heads of 16 values, float32
