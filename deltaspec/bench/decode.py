@@ -8,12 +8,11 @@ untimed run's steps read), measured copy bandwidth, the roofline and the fractio
 `deltaspec.bench.reference`; `--compare-hf` adds transformers' speed on the same
 weights (`deltaspec.bench.hf_compare`).
 
-spec-oracle: per run, a plain greedy decode of the prompt (timed), then a reference continuation computed by
-passes of the measured run's shape (`shaped_reference`); then the same prompt decodes speculatively with the
-oracle drafter (`deltaspec.spec.oracle`) at a fixed draft length and the given acceptance profile, timing the
-whole propose / verify / rollback / commit path (re-anchored on its own output if it still drifts, see
-`spec_run`). Reported: plain and speculative decode
-tok/s, the speed-up, measured AL against the profile's expected AL.
+spec-oracle: per run, a plain greedy decode of the prompt (timed), whose output is the oracle's reference; then the
+same prompt decodes speculatively with the oracle drafter (`deltaspec.spec.oracle`) at a fixed draft length and the
+given acceptance profile, timing the whole propose / verify / rollback / commit path. The oracle engine's target
+agrees with the reference (`agreeing`), so no pass's rounding moves the run off it. Reported: plain and speculative
+decode tok/s, the speed-up, measured AL against the profile's expected AL.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from deltaspec.bench.device import (
     bench_engine,
     copy_bandwidth,
     device_name,
-    drive,
     identity,
     random_prompt,
     run,
@@ -38,6 +36,7 @@ from deltaspec.config.engine import EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.engine.planning import plan_for
 from deltaspec.errors import DeltaspecError
+from deltaspec.execution.runner import Scheduled, SeqOutput
 from deltaspec.execution.sequence import Sequence
 from deltaspec.spec.oracle import OracleDrafter, expected_acceptance_length
 from deltaspec.spec.policy import FixedDraftLength
@@ -97,9 +96,9 @@ def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int,
 def oracle_engine(
     config: EngineConfig, longest: int, draft_tokens: int, streams: int = 1, tree: int = 0
 ) -> tuple[Engine, OracleDrafter]:
-    """An engine drafting with an oracle: replay logs for `draft_tokens` drafts, and every round as long a draft
-    as the sequence's expectation allows (trees of at most `tree` rows, each as large as the oracle's candidates
-    allow); sequences the oracle expects nothing of decode plainly."""
+    """An engine drafting with an oracle whose target agrees with it (`agreeing`): replay logs for `draft_tokens`
+    drafts, and every round as long a draft as the sequence's expectation allows (trees of at most `tree` rows,
+    each as large as the oracle's candidates allow); sequences the oracle expects nothing of decode plainly."""
     k = max(draft_tokens, 1)
     oracle = OracleDrafter(plan_for(config).model_config.vocab_size, config.scheduler.seed)
     engine = bench_engine(
@@ -109,20 +108,34 @@ def oracle_engine(
         drafter=oracle,
         draft_policy=FixedDraftLength(k),
     )
+    engine.runner.execute = agreeing(engine.runner.execute, oracle)
     return engine, oracle
 
 
-def shaped_reference(
-    engine: Engine, oracle: OracleDrafter, prompt: list[int], max_tokens: int, plain_ids: list[int], k: int
-) -> list[int]:
-    """The greedy continuation as passes of the measured run's shape compute it: when the oracle's first draft
-    token is always wrong, every pass verifies k drafts and keeps one token, so every token comes from a
-    (k + 1)-row verify pass, as in the measured run. A verify pass can round differently from a 1-row decode
-    pass in bf16, but rows of passes of one shape round alike, so the measured run follows this reference."""
-    seq = start(engine, [prompt], max_tokens)[0]
-    oracle.expect(seq.request_id, len(prompt), plain_ids, [0.0] * k, keep_length=True)
-    drive(engine, [seq])
-    return seq.output_ids
+def predicted_positions(out: SeqOutput) -> list[int]:
+    """Per token row of `out` (the rows its argmax covers), the position of the token the row predicts: one past
+    the row's path for a verify pass (a tree's rows at their depths), one past the pass for a decode or a prompt's
+    last chunk."""
+    if not out.verifying:
+        return [out.first_position + out.rows] * len(out.argmax)
+    parents = out.seq.proposal.row_parents(out.rows) or [-1, *range(out.rows - 1)]
+    depths = [0]
+    for parent in parents[1:]:
+        depths.append(depths[parent] + 1)
+    return [out.first_position + 1 + depth for depth in depths]
+
+
+def agreeing(execute, oracle: OracleDrafter):
+    """`execute` (a runner's) with the target agreeing with `oracle`: each pass runs as it is, then the argmax of
+    the token rows of the sequences the oracle drafts for is the reference's (`OracleDrafter.agree`)."""
+
+    def execute_agreeing(schedule: list[Scheduled]) -> list[SeqOutput]:
+        outputs = execute(schedule)
+        for out in outputs:
+            out.argmax = oracle.agree(out.seq.request_id, predicted_positions(out), out.argmax)
+        return outputs
+
+    return execute_agreeing
 
 
 def full_draft_steps(engine: Engine, oracle: OracleDrafter, seq: Sequence, k: int) -> list[float]:
@@ -147,24 +160,15 @@ def spec_run(
     profile: list[float],
     prompt: list[int],
     max_tokens: int,
-    calibrations: int = 8,
     ranks: list[float] | None = None,
 ) -> dict:
-    """A plain greedy run (timed), a reference run of the measured run's pass shape (`shaped_reference`), then
-    the prompt with the oracle drafting at `profile` (a tree at the per-rank profile `ranks`, when the engine grows
-    trees). When the speculative run's tokens still drift from the reference, its own output becomes the next
-    reference and it runs again: the passes before the drift repeat exactly, so each retry drifts later, if at
-    all. The last attempt is the timed one; `attempts` says how many ran. `verify_step_ms` is the median step that
-    verified a full-length draft."""
+    """A plain greedy run (timed), then the prompt with the oracle drafting its output at `profile` (a tree at the
+    per-rank profile `ranks`, when the engine grows trees). `verify_step_ms` is the median step that verified a
+    full-length draft; `matches_plain` says that the run committed the reference."""
     plain = run(engine, [prompt], max_tokens)[0]
-    reference = shaped_reference(engine, oracle, prompt, max_tokens, plain.output_ids, len(profile))
-    for attempt in range(1, calibrations + 2):
-        seq = start(engine, [prompt], max_tokens)[0]
-        oracle.expect(seq.request_id, len(prompt), reference, profile, ranks=ranks)
-        steps = full_draft_steps(engine, oracle, seq, len(profile))
-        if seq.request_id not in oracle.diverged or attempt == calibrations + 1:
-            break
-        reference = seq.output_ids
+    seq = start(engine, [prompt], max_tokens)[0]
+    oracle.expect(seq.request_id, len(prompt), plain.output_ids, profile, ranks=ranks)
+    steps = full_draft_steps(engine, oracle, seq, len(profile))
     m, stats = seq.metrics(), seq.stats.acceptance
     return {
         "plain_decode_tok_s": plain.metrics()["decode_tok_s"],
@@ -175,8 +179,6 @@ def spec_run(
         "verify_step_ms": 1000 * statistics.median(steps) if steps else None,
         "verify_steps": len(steps),
         "matches_plain": seq.output_ids == plain.output_ids,
-        "attempts": attempt,
-        "diverged": seq.request_id in oracle.diverged,
     }
 
 
@@ -208,6 +210,5 @@ def bench_spec_oracle(config: EngineConfig, profile: list[float], context: int, 
         plain_decode_tok_s=plain,
         spec_decode_tok_s=spec,
         speedup=spec / plain,
-        diverged_runs=sum(r["diverged"] for r in per_run),
         per_run=per_run,
     )

@@ -1,6 +1,6 @@
 """`deltaspec bench verify`: the cost of one pass with r rows for one sequence, r in {1, 2, 4, ..., 64}.
 
-For each r the oracle drafter (`deltaspec.spec.oracle`, all-accept profile, `keep_length`) proposes r - 1
+For each r the oracle drafter (`deltaspec.spec.oracle`, all-accept profile) proposes r - 1
 tokens every round, so each decode pass of the sequence verifies exactly r rows at about the given
 context. Every engine step is timed on its own (the host waits for the sampled tokens, so a step's time
 is its device time plus the host's work); a row count's step time is the median over the steps with
@@ -25,7 +25,7 @@ def timed_passes(engine: Engine, oracle: OracleDrafter, rows: int, prompt: list[
     max_tokens = rounds * rows + 1
     reference = run(engine, [prompt], max_tokens)[0].output_ids
     seq = start(engine, [prompt], max_tokens)[0]
-    oracle.expect(seq.request_id, len(prompt), reference, [1.0] * (rows - 1), keep_length=True)
+    oracle.expect(seq.request_id, len(prompt), reference, [1.0] * (rows - 1))
     times = []
     while engine.has_unfinished():
         decoding, proposals = seq.decoding, len(oracle.proposed)

@@ -18,12 +18,12 @@ with the profile's values as their probabilities (wrong ones: the reference toke
 chain is the rank-0 candidates. Candidates depend on the depth only (as per-position heads' do), so a tree's
 accepted path follows the right candidates as deep as they are all present and in the tree.
 
-In low precision a verify pass can round differently from plain decoding, so the target's committed
-tokens may drift from the reference. The oracle re-anchors each round: if the committed tokens no longer
-match the reference it proposes nothing for that sequence from then on (`diverged` counts such
-sequences), so the measured acceptance is honest rather than the profile's. With `keep_length` (the
-verify-cost benchmark, where only the row count matters) it keeps proposing full-length drafts of
-reference tokens instead. `proposed` lists the length of every draft it returned.
+The target agrees with the reference (`agree`): the benchmark's engine reads the target's argmax at every token row
+of a sequence the oracle drafts for as the reference's token after that row's path. A pass's rounding (bf16 verify
+rows round unlike a 1-row decode, and a tree's rows unlike a chain's) then cannot make the committed tokens leave
+the reference, so every round drafts at the profile and the measured decode speed is that of the profile's
+acceptance; the passes, the verification, the rollback and the commits run as they always do. `proposed` lists the
+length of every draft it returned.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ class Expectation:
     prompt_len: int
     reference: list[int]  # the target's greedy continuation of the prompt
     profile: list[float]  # conditional acceptance per draft position; its length caps the draft
-    keep_length: bool  # keep drafting full-length drafts after the committed tokens left the reference
     ranks: list[float] | None = None  # per-rank profile for requests drafting for a tree (module docstring)
 
 
@@ -94,7 +93,6 @@ class OracleDrafter:
         self.vocab_size, self.seed = vocab_size, seed
         self.proposed: list[int] = []
         self.expected: dict[str, Expectation] = {}
-        self.diverged: set[str] = set()
 
     def expect(
         self,
@@ -102,14 +100,13 @@ class OracleDrafter:
         prompt_len: int,
         continuation: list[int],
         profile: list[float],
-        keep_length: bool = False,
         ranks: list[float] | None = None,
     ) -> None:
         """Draft for sequence `seq_id` (its prompt has `prompt_len` tokens, the target's greedy continuation is
         `continuation`) at the acceptance `profile`, or, for a tree, `len(profile)` positions deep at the per-rank
         profile `ranks`."""
         self.expected[seq_id] = Expectation(
-            prompt_len, list(continuation), list(profile), keep_length, None if ranks is None else list(ranks)
+            prompt_len, list(continuation), list(profile), None if ranks is None else list(ranks)
         )
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -119,15 +116,15 @@ class OracleDrafter:
 
     def _draft(self, request: DraftRequest) -> Draft:
         expected = self.expected.get(request.seq_id)
-        if expected is None or (request.seq_id in self.diverged and not expected.keep_length):
+        if expected is None:
             return Draft([])
         ref = expected.reference
-        generated = request.token_ids[expected.prompt_len :]
-        if generated != ref[: len(generated)]:
-            self.diverged.add(request.seq_id)
-            if not expected.keep_length:
-                return Draft([])
-        start = len(generated)
+        start = len(request.token_ids) - expected.prompt_len
+        if request.token_ids[expected.prompt_len :] != ref[:start]:
+            raise DeltaspecError(
+                f"Sequence {request.seq_id} left the oracle's reference: its engine must let the target agree "
+                "with the oracle (`agree`)."
+            )
         rng = random.Random(f"{self.seed}:{hash(tuple(request.token_ids[: expected.prompt_len]))}:{start}")
         if expected.ranks is not None and request.candidates:
             return self._tree_draft(expected, start, request.max_tokens, rng)
@@ -156,6 +153,16 @@ class OracleDrafter:
                     wrong[rank] = truth
             candidates.append(list(zip(wrong, expected.ranks)))
         return Draft([position[0][0] for position in candidates], candidates=candidates)
+
+    def agree(self, seq_id: str, positions: list[int], argmax: list[int]) -> list[int]:
+        """The target's argmax at a pass's token rows as the oracle's target gives it: at each row that predicts the
+        token at position `positions[i]` within sequence `seq_id`'s reference, the reference's token; elsewhere
+        (sequences the oracle drafts nothing for, positions past the reference) `argmax[i]` as the pass found it."""
+        expected = self.expected.get(seq_id)
+        if expected is None:
+            return argmax
+        ref, offset = expected.reference, expected.prompt_len
+        return [ref[p - offset] if offset <= p < offset + len(ref) else t for p, t in zip(positions, argmax)]
 
     def observe(self, seq_id: str, first_position: int, hidden) -> None:
         """Not conditioned on the target's hidden states."""
