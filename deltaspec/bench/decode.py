@@ -114,15 +114,10 @@ def oracle_engine(
 
 def predicted_positions(out: SeqOutput) -> list[int]:
     """Per token row of `out` (the rows its argmax covers), the position of the token the row predicts: one past
-    the row's path for a verify pass (a tree's rows at their depths), one past the pass for a decode or a prompt's
-    last chunk."""
+    the row's own position (a tree's rows sit at their depths), read before the engine advances the sequence."""
     if not out.verifying:
         return [out.first_position + out.rows] * len(out.argmax)
-    parents = out.seq.proposal.row_parents(out.rows) or [-1, *range(out.rows - 1)]
-    depths = [0]
-    for parent in parents[1:]:
-        depths.append(depths[parent] + 1)
-    return [out.first_position + 1 + depth for depth in depths]
+    return [position + 1 for position in out.seq.row_positions(out.rows)]
 
 
 def agreeing(execute, oracle: OracleDrafter):
