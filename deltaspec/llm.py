@@ -13,6 +13,7 @@ from deltaspec.config.engine import SETTING_GROUP, EngineConfig
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence
+from deltaspec.model.vision.sources import image_bytes, message_images
 from deltaspec.outputs import CompletionOutput, RequestOutput
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.drafter import Drafter
@@ -20,7 +21,7 @@ from deltaspec.spec.speculative_config import speculative_fields
 from deltaspec.spec.speculator import DraftLength
 
 PromptType = str | dict
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "history_len")  # of a dict prompt: vLLM's TextPrompt / TokensPrompt
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "history_len", "multi_modal_data")  # vLLM's TextPrompt / TokensPrompt
 
 
 @dataclass
@@ -93,7 +94,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete each prompt: a string, {"prompt": text} (vLLM's TextPrompt), or {"prompt_token_ids": [...]}
         (optionally with "prompt", and "history_len": the prompt tokens a follow-up will share, kept as a prefix
-        checkpoint; see `chat_prompt`)."""
+        checkpoint; see `chat_prompt`); a dict may carry {"multi_modal_data": {"image": images}} for the image
+        tokens of a multimodal checkpoint's prompt (Pillow images, encoded bytes, data: URLs; see `docs/vision.md`)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = sampling_params or self.get_default_sampling_params()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
@@ -140,7 +142,7 @@ class LLM:
     ) -> dict:
         """One conversation as a prompt for `generate` or `stream`: its rendered text, token ids and `history_len`,
         the tokens of its history (without the generation prompt), where a prefix checkpoint lets the next turn
-        resume."""
+        resume; and the images of its content parts (`deltaspec.model.vision.sources`) as `multi_modal_data`."""
         if self.tokenizer is None:
             raise DeltaspecError("This checkpoint has no tokenizer, so chat() cannot render messages; use generate().")
         options = chat_template_kwargs or {}
@@ -149,7 +151,9 @@ class LLM:
         )
         ids = self.engine.encode(text)
         history = self.tokenizer.history_length(ids, messages, tools=tools, **options)
-        return {"prompt": text, "prompt_token_ids": ids, "history_len": history}
+        images = message_images(messages, self.engine.config.load.allowed_local_media_path)
+        prompt = {"prompt": text, "prompt_token_ids": ids, "history_len": history}
+        return prompt | {"multi_modal_data": {"image": images}} if images else prompt
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamStep]:
         """Complete one prompt (as `generate` takes it), yielding each engine step's new tokens as they are produced;
@@ -168,29 +172,42 @@ class LLM:
         finally:
             self.engine.abort(seq)
 
-    def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int], int]:
-        """A prompt's text (None for bare token ids), token ids, and the tokens a follow-up will share."""
+    def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int], int, tuple[bytes, ...]]:
+        """A prompt's text (None for bare token ids), token ids, the tokens a follow-up will share, and its images."""
         if isinstance(prompt, str):
-            return prompt, self.engine.encode(prompt), 0
+            return prompt, self.engine.encode(prompt), 0, ()
         if not isinstance(prompt, dict):
             raise DeltaspecError(f"A prompt is a string or a dict, not {type(prompt).__name__}.")
         if unknown := sorted(set(prompt) - set(PROMPT_KEYS)):
             raise DeltaspecError(
                 f"A dict prompt has unknown key(s) {', '.join(unknown)}; deltaspec reads {', '.join(PROMPT_KEYS)}."
             )
+        images = self._images(prompt.get("multi_modal_data") or {})
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), prompt.get("history_len", 0)
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), prompt.get("history_len", 0), images
         if isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.engine.encode(prompt["prompt"]), prompt.get("history_len", 0)
+            return prompt["prompt"], self.engine.encode(prompt["prompt"]), prompt.get("history_len", 0), images
         raise DeltaspecError("A dict prompt needs a 'prompt' string or a 'prompt_token_ids' list.")
 
+    def _images(self, data: dict) -> tuple[bytes, ...]:
+        """The images of a prompt's `multi_modal_data` ({"image": one or a list}, as vLLM takes them)."""
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise DeltaspecError(
+                'multi_modal_data takes {"image": an image or a list of them}; images are all it reads.'
+            )
+        found = data.get("image", [])
+        found = found if isinstance(found, (list, tuple)) else [found]
+        return tuple(image_bytes(item, self.engine.config.load.allowed_local_media_path) for item in found)
+
     def _add(self, prompt: PromptType, params: SamplingParams) -> list[Sequence]:
-        text, ids, history_len = self._prompt(prompt)
+        text, ids, history_len, images = self._prompt(prompt)
         request_id = str(next(self._ids))
         samples = []
         for i in range(params.n):
             sample_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-            samples.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sample_params, history_len))
+            samples.append(
+                self.engine.add_request(f"{request_id}-{i}", text, ids, sample_params, history_len, images=images)
+            )
         return samples
 
     def _output(self, group: list[Sequence]) -> RequestOutput:

@@ -418,7 +418,9 @@ class ScriptedOutput:
     def __init__(self, token_ids: list[int], finish_reason: str = "stop", error: str | None = None) -> None:
         self.token_ids, self.finish_reason, self.error = token_ids, finish_reason, error
 
-    def __call__(self, request_id: str, prompt, prompt_ids: list[int], params, history_len: int = 0) -> RequestStream:
+    def __call__(
+        self, request_id: str, prompt, prompt_ids: list[int], params, history_len: int = 0, images=None
+    ) -> RequestStream:
         stream = RequestStream(request_id)
         pieces = [self.token_ids[i : i + 2] for i in range(0, len(self.token_ids), 2)] or [[]]
         for i, piece in enumerate(pieces):
@@ -530,9 +532,21 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "needs a content"),
     (
         "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+        400,
+        "only text and image_url parts",
+    ),
+    (
+        "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
-        "only text parts",
+        "image_url part without a URL",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png;base64,iVBO"}]}]},
+        400,
+        "takes no images",
     ),
     ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo is not supported"),

@@ -84,3 +84,43 @@ def reference_tower(model_dir: Path, dtype: torch.dtype):
     state = {k.removeprefix("model.visual."): v for k, v in weights.items() if k.startswith("model.visual.")}
     tower.load_state_dict(state, strict=True)
     return tower.eval()
+
+
+# The user turn of Qwen3-VL's and Qwen3.5's chat templates: content parts, an image part becoming one placeholder.
+VISION_CHAT_TEMPLATE = r"""{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\n' }}
+    {%- if message.content is string %}
+        {{- message.content }}
+    {%- else %}
+        {%- for content in message.content %}
+            {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif 'text' in content %}
+                {{- content.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+
+
+def write_vision_tokenizer(directory: Path) -> None:
+    """The tiny test tokenizer (`tests.tiny_tokenizer`) with reserved tokens up to the tiny checkpoints' vision ids
+    (<|image_pad|> at IMAGE_TOKEN, as a real Qwen3.5 tokenizer has its own) and a chat template whose user turns
+    take content parts."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    write_tiny_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    reserved = [f"<|reserved_{i}|>" for i in range(tokenizer.get_vocab_size(), IMAGE_TOKEN)]
+    vision = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # IMAGE_TOKEN, ... VISION_END
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved + vision])
+    assert [tokenizer.token_to_id(t) for t in ("<|image_pad|>", "<|vision_start|>")] == [IMAGE_TOKEN, VISION_START]
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": VISION_CHAT_TEMPLATE}))

@@ -48,11 +48,13 @@ class DrafterMemory:
 class Workspace:
     """What one forward pass holds besides the caches: at most `batch_rows` rows, a prompt chunk of at most
     `prefill_chunk` rows, and with `materialized_scores` the attention scores of that chunk over the whole context
-    (the torch reference holds them; the kernels hold none)."""
+    (the torch reference holds them; the kernels hold none). `images`: the bytes a vision tower holds while it
+    encodes one image, between passes (0 without one)."""
 
     batch_rows: int
     prefill_chunk: int
     materialized_scores: bool = True
+    images: int = 0
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,7 @@ def plan_memory(
         weights=weights,
         kv_per_token=kv_per_token,
         state_per_stream=state,
-        workspace=activations + logits + attention_scores + graph_outputs,
+        workspace=max(activations + logits + attention_scores, workspace.images) + graph_outputs,
         reserve=RESERVE.get(cache.device.type, GIB // 2),
         available=available_memory(cache.device) if available is None else available,
         drafter=drafter,

@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--message", default=None, help="the message, as a flag (default: a conversation on stdin)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image file the first message shows the model (repeatable; a multimodal checkpoint only)",
+    )
+    chat.add_argument(
         "--thinking",
         action=argparse.BooleanOptionalAction,
         default=None,

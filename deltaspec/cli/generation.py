@@ -12,6 +12,7 @@ import argparse
 import itertools
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TextIO
 
 from deltaspec.cli.flags import engine_config, one_value, sampling_params
@@ -48,7 +49,7 @@ def stats_line(output: RequestOutput, config) -> str:
     )
 
 
-def text_deltas(llm, prompt: str, params, on_finish: Callable[[RequestOutput], None]) -> Iterator[str]:
+def text_deltas(llm, prompt: str | dict, params, on_finish: Callable[[RequestOutput], None]) -> Iterator[str]:
     """The completion of `prompt` as printable text deltas; `on_finish` gets the finished request. The request is
     added (and checked) on the first delta, so a bad request raises before anything is printed."""
     detokenizer = IncrementalDetokenizer(llm.tokenizer, params.skip_special_tokens, params.stop)
@@ -121,10 +122,19 @@ def print_answer(deltas: Iterator[str], in_thinking: bool, out: TextIO, err: Tex
     return answer
 
 
+def read_image(path: str) -> bytes:
+    """The bytes of an image file the user names with --image."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise DeltaspecError(f"The image file {path} cannot be read ({exc.strerror}); check the path.") from None
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
     """One answer to the message (the argument or --message), or a conversation on stdin (an empty line or EOF
     ends it). The chat template's own thinking default holds unless --thinking or --no-thinking is given."""
     one_message = one_value("message", args.message_text, "--message", args.message)
+    images = [{"type": "image", "image": read_image(path)} for path in args.image or []]
     llm = load_llm(args)
     if llm.tokenizer is None:
         raise DeltaspecError("This checkpoint has no tokenizer, so chat cannot render messages; use generate.")
@@ -134,11 +144,13 @@ def cmd_chat(args: argparse.Namespace) -> None:
     turns = [one_message] if one_message is not None else iter(lambda: input("> "), "")
     try:
         for message in turns:
-            history.append({"role": "user", "content": message})
-            prompt = llm.tokenizer.apply_chat_template(history, add_generation_prompt=True, **options)
+            content = [*images, {"type": "text", "text": message}] if images else message
+            history.append({"role": "user", "content": content})
+            images = []  # the first message carries them; later turns see them in the history
+            prompt = llm.chat_prompt(history, chat_template_kwargs=options)
             finished: list[RequestOutput] = []
             deltas = text_deltas(llm, prompt, params, finished.append)
-            answer = print_answer(deltas, started_in_thinking(prompt), sys.stdout, sys.stderr)
+            answer = print_answer(deltas, started_in_thinking(prompt["prompt"]), sys.stdout, sys.stderr)
             history.append({"role": "assistant", "content": answer})
             print(stats_line(finished[0], llm.engine.config), file=sys.stderr)
     except EOFError:

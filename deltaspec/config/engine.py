@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields, replace
 
+DEFAULT_IMAGES_PER_PROMPT = 8  # a multimodal checkpoint's limit when limit_mm_per_prompt leaves it out
 MAX_TREE_ROWS = 64  # nodes of one tree of drafts, its root included (the kernels' ancestor masks are int64)
 
 
@@ -63,6 +64,20 @@ class LoadConfig:
             "help": "with --random-weights: keep the weights quantized as a llama.cpp preset (q4_k_m, q5_k_m, q6_k, "
             "q8_0), one GGUF block type (q4_k, iq4_xs, ...), as a GGUF file would, fp8 (an FP8 block-scaled "
             "checkpoint's weights) or int4 / i4_g32 / i4_g128 (a W4A16 checkpoint's groups); for benchmarks"
+        },
+    )
+    limit_mm_per_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": 'the most images one prompt may carry, as vLLM spells it: {"image": N} or image=N (default: '
+            f"{DEFAULT_IMAGES_PER_PROMPT}; 0 leaves a multimodal checkpoint's vision tower unloaded)"
+        },
+    )
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "a directory whose image files requests may name (file:// URLs or paths); without it images come "
+            "only inline, as data: URLs (never fetched from the network)"
         },
     )
     shape_overrides: tuple[tuple[str, int], ...] = field(

@@ -5,13 +5,14 @@ the planner decides written in (`with_pools`), and the one derivation of the cac
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
-from deltaspec.config.engine import MAX_TREE_ROWS, EngineConfig, SpeculativeConfig
+from deltaspec.config.engine import DEFAULT_IMAGES_PER_PROMPT, MAX_TREE_ROWS, EngineConfig, SpeculativeConfig
 from deltaspec.config.graph_buckets import uses_cuda_graphs
 from deltaspec.config.host import default_device, default_threads
 from deltaspec.errors import DeltaspecError
@@ -76,6 +77,7 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         raise DeltaspecError(
             f"threads must be at least 1, got {cfg.host.threads}; leave it out for the physical cores."
         )
+    images_per_prompt(cfg.load.limit_mm_per_prompt)  # refuses a malformed limit before anything loads
     if cfg.host.kernels not in ("auto", "reference"):
         raise DeltaspecError(f"Unknown kernels setting {cfg.host.kernels!r}; use auto or reference.")
     if not 0 <= cfg.cache.gpu_memory_utilization <= 1:
@@ -187,3 +189,26 @@ def cache_spec(cfg: EngineConfig, streams: int, ctx: int, kv_blocks: int) -> Cac
         offload_bytes=int(cfg.cache.prefix_offload_gib * 2**30),
         cuda_graphs=uses_cuda_graphs(cfg.host.device, cfg.host.enforce_eager, cfg.host.kernels),
     )
+
+
+def images_per_prompt(limit: str | None) -> int:
+    """The most images a prompt may carry, from `limit_mm_per_prompt` as vLLM spells it: a JSON object
+    {"image": N} or image=N (other modalities may be named with 0); None: the default."""
+    if limit is None:
+        return DEFAULT_IMAGES_PER_PROMPT
+    try:
+        if limit.lstrip().startswith("{"):
+            parsed = json.loads(limit)
+        else:
+            parsed = {key.strip(): int(value) for key, value in (part.split("=") for part in limit.split(","))}
+    except ValueError:
+        parsed = None
+    counts = parsed.values() if isinstance(parsed, dict) else [None]
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in counts) or any(
+        n for key, n in (parsed or {}).items() if key != "image"
+    ):
+        raise DeltaspecError(
+            f'limit_mm_per_prompt {limit!r} is not a limit deltaspec reads; give {{"image": N}} or image=N with N >= 0 '
+            "(images are the one modality it takes)."
+        )
+    return parsed.get("image", DEFAULT_IMAGES_PER_PROMPT)

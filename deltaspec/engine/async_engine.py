@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from deltaspec.engine.engine import Engine
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.sequence import Sequence
+from deltaspec.model.vision.prompt import PromptImages
 from deltaspec.sample.params import SamplingParams
 
 log = logging.getLogger("deltaspec.engine")
@@ -93,13 +94,19 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, history_len: int = 0
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        history_len: int = 0,
+        images: PromptImages | None = None,
     ) -> RequestStream:
         """Validate (DeltaspecError on bad input, EngineStopping once shutdown began) and queue a request; call
-        from the event loop."""
+        from the event loop, with its `images` already encoded (`Engine.images.prompt`, off the loop)."""
         if not self.accepting:
             raise EngineStopping("The server is shutting down and takes no new requests; send it to another one.")
-        seq = self.engine.new_sequence(request_id, prompt, prompt_ids, params, history_len)
+        seq = self.engine.new_sequence(request_id, prompt, prompt_ids, params, history_len, images=images)
         stream = RequestStream(request_id)
         self._commands.put(("add", seq, stream))
         self._wake.set()

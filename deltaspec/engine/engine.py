@@ -1,12 +1,10 @@
 """Engine: loads a model and runs requests. `step()` = schedule -> execute -> update (DESIGN §3).
 
-The update after a pass advances every scheduled sequence (the cache manager records what the pass did to
-its state), lets the Speculator commit what verification accepted, picks the next token of every sequence
-that samples one, and appends tokens until a stop condition.
-
-The engine steps one executor (`deltaspec.engine.executor`), the ranks it runs on: it records every change made from
-outside (`admit`, `abort`, `fail`), and with `tensor_parallel_size` > 1 each follower rank's engine applies them and
-steps in lock step (`deltaspec.engine.workers`).
+The update after a pass advances every scheduled sequence (the cache manager records what the pass did to its
+state), lets the Speculator commit what verification accepted, picks the next token of every sequence that samples
+one, and appends tokens until a stop condition. The engine steps one executor (`deltaspec.engine.executor`), the
+ranks it runs on: it records every change made from outside (`admit`, `abort`, `fail`), and with
+`tensor_parallel_size` > 1 each follower rank's engine applies them and steps in lock step (`deltaspec.engine.workers`).
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from deltaspec.engine.setup import (
     engine_cache,
     engine_drafter,
     engine_executor,
+    engine_images,
     engine_model,
     engine_sampling_defaults,
     engine_scheduler,
@@ -40,6 +39,7 @@ from deltaspec.engine.stopping import StopChecker
 from deltaspec.errors import DeltaspecError, error_text
 from deltaspec.execution.runner import Runner, SeqOutput
 from deltaspec.execution.sequence import Sequence
+from deltaspec.model.vision.prompt import PromptImages
 from deltaspec.ops.dispatch import ops_for
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.sampler import make_generator
@@ -80,7 +80,7 @@ class Engine:
         reference_only = self.config.host.kernels == "reference"
         ops = self.ops = ops_for(self.device, reference_only, self.config.load.fp8_activations)
         self.model = engine_model(planned, ops, progress, self.executor.tp)
-        self.tokenizer = engine_tokenizer(planned)
+        self.tokenizer, self.images = engine_tokenizer(planned), engine_images(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
         verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
         verify_costs = self.executor.share(verify_costs)  # rank 0's measurements: every rank drafts alike
@@ -104,10 +104,10 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise DeltaspecError(
-                f"The checkpoint at {self.model_dir} has no tokenizer.json, so text prompts "
-                "cannot be encoded; pass {'prompt_token_ids': [...]} instead."
+            no_tokenizer = (
+                f"The checkpoint at {self.model_dir} has no tokenizer.json, so text prompts cannot be encoded"
             )
+            raise DeltaspecError(no_tokenizer + "; pass {'prompt_token_ids': [...]} instead.")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -121,11 +121,12 @@ class Engine:
         params: SamplingParams,
         history_len: int = 0,
         seed: int | None = None,
+        images: tuple[bytes, ...] | PromptImages | None = (),
     ) -> Sequence:
-        """Validate a request and make its sequence (not yet scheduled); user errors raise DeltaspecError.
-        `history_len`: the prompt's first tokens that a follow-up will share (a chat's history), kept as a prefix
-        checkpoint; `seed`: its sampling seed when neither the request nor the engine's counter gives it (a
-        tensor-parallel follower takes rank 0's)."""
+        """Validate a request and make its (unscheduled) sequence; user errors raise DeltaspecError. `history_len`: the
+        prompt's first tokens a follow-up will share (kept as a prefix checkpoint); `seed`: the sampling seed if neither
+        the request nor the engine's counter gives it (a follower rank's: rank 0's); `images`: the prompt's images."""
+        prompt_ids, prompt_images, history_len = self.images.prompt(prompt_ids, images, history_len)
         check_request(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
         if seed is None:
             seed = params.seed if params.seed is not None else next(self._seed_counter)
@@ -139,18 +140,21 @@ class Engine:
             seed=seed,
             history_len=history_len,
             grammar=self.structured.state(params.structured_outputs) if params.structured_outputs else None,
+            images=prompt_images,
         )
 
-    def add_request(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, history_len: int = 0
-    ) -> Sequence:
-        seq = self.new_sequence(request_id, prompt, prompt_ids, params, history_len)
+    def add_request(self, *request, **options) -> Sequence:
+        """`new_sequence` (of the same arguments) and `admit` in one."""
+        seq = self.new_sequence(*request, **options)
         self.admit(seq)
         return seq
 
     def admit(self, seq: Sequence) -> None:
         """Queue a sequence made by `new_sequence`."""
-        self.executor.record("admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed)
+        files = seq.images.files if seq.images else ()
+        self.executor.record(
+            "admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed, files
+        )
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -231,9 +235,8 @@ class Engine:
             seq.isolated_until = 0  # past the failed pass: it runs with the others again
         if seq.checkpoint_at and seq.checkpoint_at[0] == seq.cache.num_computed and not out.verifying:
             seq.checkpoint_at.pop(0)
-            self.cache.checkpoint(
-                seq.cache, seq.all_ids, evict=self.scheduler.may_evict_for(seq, seq.cache.num_computed)
-            )
+            evict = self.scheduler.may_evict_for(seq, seq.cache.num_computed)
+            self.cache.checkpoint(seq.cache, seq.cache_ids, evict=evict)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
         """Append new tokens one by one, stopping at the first stop condition."""
@@ -250,10 +253,8 @@ class Engine:
                 return
 
     def _finish(self, seq: Sequence) -> None:
-        if seq.finish_reason in ("stop", "length") and seq.cache.state_slot is not None:  # where its state stands; a
-            self.cache.checkpoint(
-                seq.cache, seq.all_ids, evict=not seq.history_len
-            )  # chat's next turn resumes where it parts instead
+        if seq.finish_reason in ("stop", "length") and seq.cache.state_slot is not None:  # where its state stands (a
+            self.cache.checkpoint(seq.cache, seq.cache_ids, evict=not seq.history_len)  # chat's next turn resumes)
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.finish(seq)

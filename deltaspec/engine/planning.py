@@ -30,7 +30,8 @@ from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.dtypes import parse_dtype
 from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
-from deltaspec.config.resolve import cache_spec, check_context, resolve_engine_config, with_pools
+from deltaspec.config.resolve import cache_spec, check_context, images_per_prompt, resolve_engine_config, with_pools
+from deltaspec.engine.images import has_vision_tower, tower_workspace
 from deltaspec.engine.pool_sizing import PoolSizing
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.checkpoint_names import target_name
@@ -40,6 +41,9 @@ from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_quant import parse_quant, quantized_bytes, quantized_config, tensor_types
 from deltaspec.model.safetensors_files import checkpoint_files
 from deltaspec.model.shapes import parameter_counts, shape_config
+from deltaspec.model.vision.config import parse_vision_config
+from deltaspec.model.vision.load import TOWER_PREFIXES
+from deltaspec.model.vision.preprocess import read_image_processing
 from deltaspec.model.weights import count_mtp_layers, model_dir_for
 from deltaspec.ops.dispatch import REFERENCE
 from deltaspec.parallel.group import TensorParallel
@@ -61,6 +65,7 @@ class Planned:
     model_dir: Path | None  # None for random weights; the file of a GGUF checkpoint
     with_mtp: bool  # whether the MTP head is loaded: only when it drafts
     gguf: GGUFCheckpoint | None = None  # the GGUF file's contents, read once
+    images_per_prompt: int = 0  # the most images a prompt may carry; 0: the vision tower stays unloaded
 
 
 def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
@@ -103,6 +108,12 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
+    images, image_workspace = 0, 0
+    if gguf is None and model_dir is not None and has_vision_tower(raw, files):
+        images = images_per_prompt(resolved.load.limit_mm_per_prompt)
+    if images:  # the tower's weights, and what it holds while it encodes the largest image
+        target += weight_bytes(files, dtype, skip=lambda name: not name.startswith(TOWER_PREFIXES))
+        image_workspace = tower_workspace(parse_vision_config(raw), read_image_processing(model_dir), dtype)
     memory = (
         DrafterMemory(drafter.name) if drafter is not None else drafter_memory(resolved, model_dir, model_config, mtp)
     )
@@ -113,6 +124,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         resolved.scheduler.max_num_batched_tokens,
         resolved.scheduler.prefill_chunk,
         materialized_scores=device.type != "cuda" or resolved.host.kernels == "reference",
+        images=image_workspace,
     )
 
     def plan_at(streams: int, ctx: int, kv_blocks: int) -> MemoryPlan:
@@ -137,7 +149,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         resolved = with_pools(resolved, streams, ctx, kv_blocks)
     else:  # refused by whoever runs it; the plan and its advice are what matter
         resolved = resolved.with_settings(max_num_seqs=streams, max_model_len=ctx, prefix_checkpoints=plan.checkpoints)
-    return Planned(plan, resolved, plan.cache, model_config, raw, model_dir, with_mtp, gguf)
+    return Planned(plan, resolved, plan.cache, model_config, raw, model_dir, with_mtp, gguf, images)
 
 
 def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, with_mtp: bool) -> tuple[int, int]:

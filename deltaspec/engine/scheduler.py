@@ -59,7 +59,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.stats.enqueued_step = self.step_count
         if self.cache.prefix is not None:  # a follow-up's remaining work is what its checkpoint leaves
-            found = self.cache.prefix.lookup(seq.all_ids, touch=False)
+            found = self.cache.prefix.lookup(seq.cache_ids, touch=False)
             seq.expected_cached = len(found.tokens) if found is not None else 0
         self.waiting.append(seq)
 
@@ -192,7 +192,7 @@ class Scheduler:
             if not self.cache.can_admit():
                 self.unfit.append(seq)
                 return []
-            self.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
+            self.cache.admit(seq.cache, seq.cache_ids, resume=seq.params.prompt_logprobs is None)
             seq.checkpoint_at = self._checkpoint_positions(seq)
             self._start(seq)
         seq.proposal.cut(0)
@@ -220,7 +220,7 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 if not self.cache.can_admit():
                     continue
-                self.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
+                self.cache.admit(seq.cache, seq.cache_ids, resume=seq.params.prompt_logprobs is None)
                 seq.checkpoint_at = self._checkpoint_positions(seq)
                 rows = self._chunk(seq, budget)
                 if not self.cache.reserve(seq.cache, seq.cache.num_computed + rows):

@@ -15,6 +15,7 @@ from deltaspec.cache.manager import CacheManager
 from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
 from deltaspec.engine.executor import Executor, SingleDevice
+from deltaspec.engine.images import ImageInput, TextOnly
 from deltaspec.engine.planning import Planned
 from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.workers import launch
@@ -84,6 +85,13 @@ def engine_tokenizer(planned: Planned) -> Tokenizer | None:
     if tokenizer is not None and planned.config.load.chat_template is not None:
         return tokenizer.with_chat_template(planned.config.load.chat_template)
     return tokenizer
+
+
+def engine_images(planned: Planned) -> ImageInput | TextOnly:
+    """A multimodal checkpoint's vision tower and image processing; `TextOnly` for a model that takes no images."""
+    if not planned.images_per_prompt:
+        return TextOnly(planned.model_dir)
+    return ImageInput(planned.model_dir, planned.cache.dtype, planned.cache.device, planned.images_per_prompt)
 
 
 def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:

@@ -144,8 +144,8 @@ def follow(engine) -> None:
             if kind == "stop":
                 return
             if kind == "admit":
-                request_id, prompt, prompt_ids, params, history_len, seed = args
-                engine.admit(engine.new_sequence(request_id, prompt, prompt_ids, params, history_len, seed))
+                request_id, prompt, prompt_ids, params, history_len, seed, images = args
+                engine.admit(engine.new_sequence(request_id, prompt, prompt_ids, params, history_len, seed, images))
             elif kind == "abort":
                 engine.abort(_unfinished(engine, args[0]))
             elif kind == "fail":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaspec.execution.sequence import Sequence
-from deltaspec.model.forward_batch import ForwardBatch
+from deltaspec.model.forward_batch import ForwardBatch, ImageRows
 from deltaspec.ops.layout import SeqLayout
 
 
@@ -41,7 +41,7 @@ def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device
         span = range(start, start + item.num_rows)
         ids = seq.row_ids
         token_ids.extend(ids[p] for p in span)
-        positions.extend(seq.row_positions(item.num_rows))
+        positions.extend(seq.rope_positions(item.num_rows))
         slot_mapping.extend(seq.cache.kv_slots(span, block_size))
         tables.append(seq.cache.blocks)
     layout = SeqLayout.build(
@@ -59,4 +59,31 @@ def build_batch(schedule: list[Scheduled], block_size: int, device: torch.device
     def tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return ForwardBatch(tensor(token_ids), tensor(positions), tensor(slot_mapping), layout)
+    return ForwardBatch(
+        tensor(token_ids), tensor(positions), tensor(slot_mapping), layout, image_rows(schedule, positions, device)
+    )
+
+
+def image_rows(schedule: list[Scheduled], positions: list[int], device: torch.device) -> ImageRows | None:
+    """The pass's image rows (`ImageRows`) when some of its rows are image tokens of a prompt, else None: the
+    three position streams of every row (a text row's are its `positions` entry thrice) and the embeddings of the
+    image-token rows."""
+    if all(item.seq.images is None for item in schedule):
+        return None
+    streams = torch.tensor(positions, dtype=torch.long).expand(3, -1).clone()
+    rows, embeds, first, sections = [], [], 0, None
+    for item in schedule:
+        seq, start = item.seq, item.seq.cache.num_computed
+        images, prompt_rows = seq.images, range(start, min(start + item.num_rows, len(seq.prompt_ids)))
+        if images is not None and any(images.embed_rows[p] >= 0 for p in prompt_rows):
+            streams[:, first : first + len(prompt_rows)] = images.positions[:, prompt_rows.start : prompt_rows.stop]
+            taken = [p for p in prompt_rows if images.embed_rows[p] >= 0]
+            rows.extend(first + p - start for p in taken)
+            embeds.append(images.embeds[[images.embed_rows[p] for p in taken]])
+            sections = images.sections
+        first += item.num_rows
+    if not rows:
+        return None
+    return ImageRows(
+        streams.to(device), sections, torch.tensor(rows, dtype=torch.long, device=device), torch.cat(embeds)
+    )

@@ -143,7 +143,7 @@ class CudaGraphRunner:
         real_rows = []
         for b, item in enumerate(schedule):
             seq, start, n = item.seq, item.seq.cache.num_computed, item.num_rows
-            real = seq.row_positions(n)
+            real = seq.rope_positions(n)
             positions[b * rows : (b + 1) * rows] = real + list(range(start + n, start + rows))
             token_ids[b * rows : b * rows + n] = seq.row_ids[start : start + n]
             slot_mapping[b * rows : b * rows + n] = seq.cache.kv_slots(range(start, start + n), self.block_size)

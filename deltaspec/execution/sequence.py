@@ -1,6 +1,6 @@
-"""A sequence: one request (its prompt, sampling parameters and constraint) and the tokens generated for it, made of
-owned parts: its place in the caches (`CacheHandle`, which the cache layer receives), the drafts its next pass
-verifies (`Proposal`) and its statistics (`SequenceStats`)."""
+"""A sequence: one request (its prompt, its images, sampling parameters and constraint) and the tokens generated for
+it, made of owned parts: its place in the caches (`CacheHandle`, which the cache layer receives), the drafts its next
+pass verifies (`Proposal`) and its statistics (`SequenceStats`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from deltaspec.cache.handle import CacheHandle
 from deltaspec.execution.proposal import Proposal
 from deltaspec.execution.statistics import SequenceStats
+from deltaspec.model.vision.prompt import PromptImages
 from deltaspec.sample.params import SamplingParams
 from deltaspec.sample.structured import GrammarState
 
@@ -44,6 +45,7 @@ class Sequence:
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to leave prefix checkpoints at
     history_len: int = 0  # prompt tokens a follow-up will share: a chat's history without its generation prompt
     grammar: GrammarState | None = None  # where its output stands in its structured_outputs constraint
+    images: PromptImages | None = None  # the prompt's images: their embeddings, positions and cache ids
     cache: CacheHandle = field(default_factory=CacheHandle)  # its slot, pages, computed tokens, replay cursor
     proposal: Proposal = field(default_factory=Proposal)  # the drafts its next pass verifies
     stats: SequenceStats = field(default_factory=SequenceStats)  # its timings and acceptance
@@ -51,6 +53,13 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """Its tokens as the prefix cache keys them: image tokens by their image's bytes (`PromptImages`)."""
+        if self.images is None:
+            return self.all_ids
+        return [*self.images.cache_ids, *self.output_ids]
 
     @property
     def row_ids(self) -> list[int]:
@@ -68,6 +77,12 @@ class Sequence:
         for parent in parents[1:]:
             positions.append(positions[parent] + 1)
         return positions
+
+    def rope_positions(self, rows: int) -> list[int]:
+        """The RoPE positions of the next pass's `rows` rows (`row_positions`, on the text streams of a prompt with
+        images: `PromptImages.rope_position`)."""
+        positions = self.row_positions(rows)
+        return positions if self.images is None else [self.images.rope_position(p) for p in positions]
 
     @property
     def decoding(self) -> bool:

@@ -23,6 +23,7 @@ from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, SparseMoE, make_mlp
 from deltaspec.model.mtp import MTPHead
 from deltaspec.ops.dispatch import OpTable
+from deltaspec.ops.mrope import mrope_cos_sin
 from deltaspec.ops.norms import compute_dtype
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.rope import cos_sin, inv_frequencies
@@ -41,8 +42,12 @@ class RotaryTable(nn.Module):
             persistent=False,
         )
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cos_sin(positions, self.inv_freq, self.dtype)
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] of the batch's rows: from its positions, or its three position streams when it
+        holds image tokens."""
+        if batch.images is not None:
+            return mrope_cos_sin(batch.images.positions, self.inv_freq, batch.images.sections, self.dtype)
+        return cos_sin(batch.positions, self.inv_freq, self.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -176,8 +181,10 @@ class HybridModel(nn.Module):
     def run(self, batch: ForwardBatch, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All rows of `batch` through the stack -> (final hidden states [T, hidden], the outputs of the layers in
         `feature_layers` side by side [T, len(feature_layers) * hidden], or None when it is empty)."""
-        cos, sin = self.rotary(batch.positions)
+        cos, sin = self.rotary(batch)
         embeds = self.model.embed_tokens(batch.token_ids)
+        if batch.images is not None:  # the tower's embeddings in place of the image tokens'
+            embeds = embeds.index_copy(0, batch.images.rows, batch.images.embeds.to(embeds.dtype))
         hidden, taps = run_blocks(
             self.model.layers, embeds, self.model.norm, batch, caches, cos, sin, self.feature_layers
         )
@@ -189,7 +196,7 @@ class HybridModel(nn.Module):
 
     def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor, caches: ModelCaches) -> torch.Tensor:
         """The MTP head on rows (token t_{i+1}, hidden h_i) -> its hidden states [T, hidden]."""
-        cos, sin = self.rotary(batch.positions)
+        cos, sin = self.rotary(batch)
         return self.mtp(self.model.embed_tokens(batch.token_ids), hidden, batch, caches, cos, sin)
 
 

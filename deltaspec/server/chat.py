@@ -146,7 +146,14 @@ def submit_chat(ctx: ServerContext, plan: ChatPlan, request_id: str) -> list[Sam
     prompt = plan.prompt
     count = candidates(plan.request)
     return submit(
-        ctx.engine, request_id, prompt.text, prompt.token_ids, plan.params, count, history_len=prompt.history_len
+        ctx.engine,
+        request_id,
+        prompt.text,
+        prompt.token_ids,
+        plan.params,
+        count,
+        history_len=prompt.history_len,
+        images=prompt.images,
     )
 
 

@@ -1,7 +1,8 @@
 """A conversation -> the prompt the model reads: OpenAI messages and tools through the chat template.
 
 Owns turning messages and tools into the template's input (`tool_choice` "none" passes no tools, a named choice
-passes only that tool; text parts joined, `developer` read as `system`, a history call's JSON arguments parsed as
+passes only that tool; text parts joined, image_url parts kept where the template puts their placeholders and their
+images encoded (`deltaspec.engine.images`), `developer` read as `system`, a history call's JSON arguments parsed as
 templates expect), which `chat_template_kwargs` the template may get (not the renderer's own globals nor what a
 request field says), and vLLM's template options:
 
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.model.vision.prompt import PromptImages
+from deltaspec.model.vision.sources import image_bytes
 from deltaspec.server.context import ServerContext
 from deltaspec.server.errors import APIError, shown
-from deltaspec.server.protocol import ChatMessage, ChatTemplateFields, NamedToolChoice
+from deltaspec.server.protocol import ChatMessage, ChatTemplateFields, ImageURL, NamedToolChoice
 
 # What a request field says, which chat_template_kwargs must not say instead.
 _REQUEST_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template")
@@ -57,6 +60,7 @@ class ChatPrompt:
     token_ids: list[int]
     tools: list[dict] | None  # None: no tools (none given, or tool_choice "none")
     history_len: int  # prompt tokens the next turn will share
+    images: PromptImages | None = None  # the images of its image_url parts, encoded by the vision tower
 
     @property
     def thinking(self) -> bool:
@@ -64,20 +68,31 @@ class ChatPrompt:
         return self.text.rstrip().endswith("<think>")
 
 
-def _part_text(message_index: int, content: list) -> str:
-    texts = []
+def _content(message_index: int, content: list) -> tuple[str | list[dict], list]:
+    """A list-valued content as the template takes it (text parts joined; with images, a list of text and image
+    parts, each image where the template puts its placeholder) and the images' sources, in order."""
+    parts, images = [], []
     for j, part in enumerate(content):
         where = f"messages[{message_index}].content[{j}]"
+        if part.type == "image_url":
+            url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+            if not url:
+                raise APIError(400, f"{where} is an image_url part without a URL; add it.", param=f"{where}.image_url")
+            parts.append({"type": "image"})
+            images.append((url, f"{where}.image_url"))
+            continue
         if part.type != "text":
             raise APIError(
                 400,
-                f"{where} is a {shown(part.type)} part, but only text parts are supported.",
+                f"{where} is a {shown(part.type)} part, but only text and image_url parts are supported.",
                 param=f"messages[{message_index}].content",
             )
         if part.text is None:
             raise APIError(400, f"{where} is a text part without 'text'; add its text.", param=f"{where}.text")
-        texts.append(part.text)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part.text})
+    if not images:
+        return "\n".join(part["text"] for part in parts), []
+    return parts, images
 
 
 def _tool_call_for_template(call: dict) -> dict:
@@ -93,26 +108,27 @@ def _tool_call_for_template(call: dict) -> dict:
     return call
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages as chat-template dicts: text parts joined, `developer` read as `system`."""
-    out = []
+def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], list[tuple[str, str]]]:
+    """OpenAI messages as chat-template dicts (text parts joined, `developer` read as `system`) and the sources of
+    their images in order, each with the request field it came from."""
+    out, images = [], []
     for i, message in enumerate(messages):
         content = message.content
         if content is None and message.role != "assistant":
             raise APIError(
                 400, f"messages[{i}] ({shown(message.role)}) needs a content.", param=f"messages[{i}].content"
             )
-        item: dict = {
-            "role": "system" if message.role == "developer" else message.role,
-            "content": _part_text(i, content) if isinstance(content, list) else content,
-        }
+        if isinstance(content, list):
+            content, found = _content(i, content)
+            images += found
+        item: dict = {"role": "system" if message.role == "developer" else message.role, "content": content}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(message, key) is not None:
                 item[key] = getattr(message, key)
         if message.tool_calls:
             item["tool_calls"] = [_tool_call_for_template(c.model_dump(exclude_none=True)) for c in message.tool_calls]
         out.append(item)
-    return out
+    return out, images
 
 
 def template_tools(req: ChatTemplateFields) -> list[dict] | None:
@@ -205,15 +221,34 @@ def render_chat(ctx: ServerContext, req: ChatTemplateFields, add_special_tokens:
     check_template_fields(req, ctx.trusts_request_templates)
     tokenizer = _template_tokenizer(ctx.require_tokenizer("chat messages cannot be rendered"), req.chat_template)
     tools = template_tools(req)
-    messages, options = template_messages(req.messages), req.chat_template_kwargs or {}
+    (messages, sources), options = template_messages(req.messages), req.chat_template_kwargs or {}
+    try:
+        ctx.engine.engine.images.check(len(sources))
+    except DeltaspecError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    files = image_files(ctx, sources)
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=req.add_generation_prompt, **options
         )
         if req.continue_final_message:
-            text = continued(text, messages[-1]["content"])
+            final = messages[-1]["content"]
+            text = continued(text, final if not isinstance(final, list) else "".join(p.get("text", "") for p in final))
         token_ids = ctx.encode_prompt(tokenizer, text, add_special_tokens)
         history_len = tokenizer.history_length(token_ids, messages, tools=tools, **options)
+        token_ids, images, history_len = ctx.engine.engine.images.prompt(token_ids, files, history_len)
     except DeltaspecError as exc:
         raise APIError(400, str(exc)) from None
-    return ChatPrompt(tokenizer, text, token_ids, tools, history_len)
+    return ChatPrompt(tokenizer, text, token_ids, tools, history_len, images)
+
+
+def image_files(ctx: ServerContext, sources: list[tuple[str, str]]) -> tuple[bytes, ...]:
+    """The encoded images of the request's image_url parts (data: URLs; files only under the allowed local media
+    path; never the network); each problem is a 400 naming its part."""
+    files = []
+    for url, param in sources:
+        try:
+            files.append(image_bytes(url, ctx.engine.engine.config.load.allowed_local_media_path))
+        except DeltaspecError as exc:
+            raise APIError(400, str(exc), param=param) from None
+    return tuple(files)

@@ -103,11 +103,18 @@ class SamplingFields(_Request):
     json_schema: dict[str, Any] | None = None  # llama-server's guided_json
 
 
-class TextPart(_Request):
-    """One part of a list-valued message content; only `text` parts are supported."""
+class ImageURL(_Request):
+    url: str
+    detail: str | None = None  # OpenAI's resolution hint; the checkpoint's processor decides the size
+
+
+class ContentPart(_Request):
+    """One part of a list-valued message content: `text`, or `image_url` (a data: URL, or a file under
+    --allowed-local-media-path) for a model that reads images."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionCall(_Request):
@@ -125,7 +132,7 @@ class ToolCallParam(_Request):
 
 class ChatMessage(_Request):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None

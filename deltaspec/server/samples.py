@@ -20,6 +20,7 @@ from starlette.requests import Request
 from deltaspec.engine.async_engine import SHUTDOWN_ERROR, AsyncEngine, EngineStopping, RequestDelta, RequestStream
 from deltaspec.errors import DeltaspecError, request_error_message
 from deltaspec.model.tokenizer import Tokenizer
+from deltaspec.model.vision.prompt import PromptImages
 from deltaspec.sample.params import SamplingParams, StructuredOutputsParams
 from deltaspec.server.errors import APIError
 from deltaspec.server.metrics import TokenTally
@@ -138,16 +139,17 @@ def submit(
     n: int,
     first_index: int = 0,
     history_len: int = 0,
+    images: PromptImages | None = None,
 ) -> list[Sample]:
     """Queue `n` samples of one prompt; choice indices start at `first_index`; `history_len` prompt tokens are a
-    chat's history, which the next turn will share. DeltaspecError -> 400."""
+    chat's history, which the next turn will share; `images`: the prompt's, encoded. DeltaspecError -> 400."""
     samples: list[Sample] = []
     try:
         for i in range(n):
             index = first_index + i
             sample_params = params if params.seed is None else replace(params, seed=params.seed + i)
             sample_id = f"{request_id}-{index}"
-            stream = engine.add_request(sample_id, prompt, prompt_ids, sample_params, history_len)
+            stream = engine.add_request(sample_id, prompt, prompt_ids, sample_params, history_len, images=images)
             samples.append(Sample(index, sample_id, stream, sample_params, len(prompt_ids)))
     except EngineStopping as exc:
         abort_unfinished(engine, samples)

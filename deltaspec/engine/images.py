@@ -1,0 +1,124 @@
+"""The engine's image input (`ImageInput`): a multimodal checkpoint's vision tower and image processing, and a
+request's images turned into its prompt's `PromptImages` when the request arrives.
+
+A prompt marks each image with a run of image tokens, usually one (the chat template's
+`<|vision_start|><|image_pad|><|vision_end|>`; a run already expanded by another processor is taken too); each run
+becomes as many image tokens as its image has embeddings, the tower encodes the images one at a time (so
+its workspace is one image's, whatever the count), and the three RoPE position streams and the prefix-cache ids of
+the expanded prompt are computed once. What the planner counts: the tower's weights and one image's workspace at
+the processor's largest size (`tower_workspace`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deltaspec.errors import DeltaspecError
+from deltaspec.model.hf_config import read_config_json
+from deltaspec.model.vision.config import VisionConfig, parse_vision_config
+from deltaspec.model.vision.load import TOWER_PREFIXES, load_vision_tower
+from deltaspec.model.vision.preprocess import ImageProcessing, decode_image, preprocess, read_image_processing
+from deltaspec.model.vision.prompt import PromptImages, image_cache_ids
+from deltaspec.model.vision.rope_index import expand_image_tokens, mrope_positions
+
+DECODE_PIXEL_LIMIT = 64 * 2**20  # the most pixels an image file may declare before it is decoded at all
+
+
+def has_vision_tower(raw: dict, tensor_names) -> bool:
+    """Whether a checkpoint (its parsed config.json and tensor names) is multimodal with its tower stored."""
+    return "vision_config" in raw and any(name.startswith(TOWER_PREFIXES) for name in tensor_names)
+
+
+def tower_workspace(config: VisionConfig, processing: ImageProcessing, dtype: torch.dtype) -> int:
+    """Bytes the tower holds while it encodes one image of the processor's largest size: the float32 patches and,
+    per patch, the block's widest activations (the input, q, k, v, the attention output and the MLP's hidden)."""
+    patches = processing.max_pixels // processing.patch_size**2
+    widest = 5 * config.hidden_size + config.intermediate_size
+    return patches * (config.patch_dim * 4 + widest * dtype.itemsize)
+
+
+class TextOnly:
+    """The image input of a model that takes no images: a text-only checkpoint, or one whose tower stays unloaded."""
+
+    def __init__(self, model_dir: Path | None):
+        self.model_dir = model_dir
+
+    def check(self, count: int) -> None:
+        """One sentence if a prompt carries images."""
+        if count:
+            raise DeltaspecError(
+                f"The model at {self.model_dir} takes no images (a text-only checkpoint, or --limit-mm-per-prompt "
+                "image=0); send text only."
+            )
+
+    def prompt(
+        self, prompt_ids: list[int], images: tuple[bytes, ...] | PromptImages | None, history_len: int
+    ) -> tuple[list[int], PromptImages | None, int]:
+        """The prompt as it is; one sentence if it carries images."""
+        if images:
+            self.check(1 if isinstance(images, PromptImages) else len(images))
+        return list(prompt_ids), None, history_len
+
+
+class ImageInput:
+    """The vision tower of the checkpoint at `model_dir` on `device` in `dtype`, taking at most `limit` images per
+    prompt."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, limit: int):
+        self.config = parse_vision_config(read_config_json(model_dir))
+        self.processing = read_image_processing(model_dir)
+        self.tower = load_vision_tower(model_dir, dtype, device)
+        self.limit = limit
+
+    def check(self, count: int) -> None:
+        """One sentence if a prompt carries more images than the limit."""
+        if count > self.limit:
+            raise DeltaspecError(
+                f"The prompt carries {count} images, more than the limit of {self.limit}; send fewer or raise "
+                "--limit-mm-per-prompt."
+            )
+
+    def prompt(
+        self, prompt_ids: list[int], images: tuple[bytes, ...] | PromptImages | None, history_len: int
+    ) -> tuple[list[int], PromptImages | None, int]:
+        """The prompt with each run of image tokens expanded to its image's size, its `PromptImages` (None without
+        images) and `history_len` counted in the expanded prompt (a history ends with a text token: it keeps as many
+        text tokens as before); one sentence for too many images, undecodable bytes, an image over the pixel limit
+        or placeholders that do not match."""
+        if not images:
+            return list(prompt_ids), None, history_len
+        if isinstance(images, PromptImages):  # encoded already, its prompt expanded (`deltaspec.server`)
+            return list(prompt_ids), images, history_len
+        self.check(len(images))
+        token, merge = self.config.image_token_id, self.config.spatial_merge_size
+        runs = [t for i, t in enumerate(prompt_ids) if t != token or i == 0 or prompt_ids[i - 1] != token]
+        if runs.count(token) != len(images):
+            raise DeltaspecError(
+                f"The prompt has {runs.count(token)} image placeholders for {len(images)} images; put one image token "
+                "(the chat template's <|image_pad|>) where each image goes."
+            )
+        decoded = [decode_image(data, DECODE_PIXEL_LIMIT) for data in images]
+        grids, embeds = [], []
+        for image in decoded:
+            pixels, (grid,) = preprocess([image], self.processing)
+            grids.append(grid)
+            embeds.append(self.tower(pixels, [grid]))
+        ids = expand_image_tokens(runs, grids, token, merge)
+        positions, delta = mrope_positions(ids, grids, token, merge)
+        rows, count = [], 0
+        for t in ids:
+            rows.append(count if t == token else -1)
+            count += t == token
+        text = sum(1 for t in prompt_ids[:history_len] if t != token)
+        ends = [i + 1 for i, row in enumerate(rows) if row < 0]  # after each text token
+        found = PromptImages(
+            torch.cat(embeds),
+            positions,
+            delta,
+            tuple(rows),
+            image_cache_ids(ids, token, list(images)),
+            self.config.mrope_section,
+            tuple(images),
+        )
+        return ids, found, ends[text - 1] if text else 0
