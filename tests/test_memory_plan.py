@@ -268,3 +268,20 @@ def test_plan_counts_the_outputs_of_every_captured_cuda_graph():
         for config_ in (cuda.with_settings(enforce_eager=True), cuda)
     ]
     assert plans[1].workspace - plans[0].workspace == 180 * (config.vocab_size + config.hidden_size) * 2
+
+
+def test_the_vision_towers_workspace_takes_the_place_of_a_passes_when_larger():
+    """The tower encodes between passes: the workspace is the larger of a pass's and an image's, never the sum."""
+    from deltaspec.cache.memory_plan import Workspace, plan_memory
+    from deltaspec.config.resolve import cache_spec
+    from deltaspec.model.shapes import shape_config
+
+    config = shape_config("qwen3.5-0.8b")
+    spec = cache_spec(EngineConfig.from_flat(device="cpu", dtype="bfloat16", state_dtype="float32"), 1, 1024, 0)
+
+    def workspace(images: int) -> int:
+        rows = Workspace(batch_rows=2048, prefill_chunk=512, images=images)
+        return plan_memory(config, spec, 10**9, rows, available=10**12).workspace
+
+    text = workspace(0)
+    assert workspace(text // 2) == text and workspace(text * 3) == text * 3

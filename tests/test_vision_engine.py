@@ -211,11 +211,22 @@ def test_the_plan_counts_the_tower_and_a_limit_of_zero_leaves_it_out(model_dir):
     without = plan_for(_config(model_dir, limit_mm_per_prompt="image=0"))
     assert with_tower.images_per_prompt == 8 and without.images_per_prompt == 0
     assert with_tower.plan.weights - without.plan.weights == tower * 8  # float64
+    offloaded = plan_for(_config(model_dir, vision_tower_offload=True))
+    assert offloaded.plan.weights == without.plan.weights  # the tower is lent device memory per request instead
     text_only = LLM(
         model=str(model_dir), dtype="float64", device="cpu", max_model_len=512, limit_mm_per_prompt="image=0"
     )
     with pytest.raises(DeltaspecError, match="takes no images"):
         text_only.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": IMAGES}}, GREEDY)
+
+
+def test_an_offloaded_tower_gives_the_same_output(model_dir, llm):
+    offloaded = LLM(model=str(model_dir), dtype="float64", device="cpu", max_model_len=512, vision_tower_offload=True)
+    request = {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": IMAGES}}
+    assert (
+        offloaded.generate(request, GREEDY)[0].outputs[0].token_ids
+        == llm.generate(request, GREEDY)[0].outputs[0].token_ids
+    )
 
 
 def _config(model_dir, **settings):
@@ -302,3 +313,21 @@ def test_the_cli_chat_shows_the_model_an_image_file(model_dir, llm, tmp_path, ca
     assert out.strip() == llm.chat(messages, SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text.strip()
     assert main(["chat", *flags, *sampling, "--image", str(tmp_path / "missing.png"), "hi"]) == 2
     assert "cannot be read" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_on_cuda_images_match_the_cpu_and_an_offloaded_tower_returns_its_memory(model_dir, llm):
+    """float64 on the GPU (CUDA graphs for the decode rows after the image prompt) gives the CPU's tokens; an
+    offloaded tower holds no device memory once a request's images are encoded."""
+    request = {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": IMAGES}}
+    expected = llm.generate(request, GREEDY)[0].outputs[0].token_ids
+    for offload in (False, True):
+        gpu = LLM(model=str(model_dir), dtype="float64", device="cuda", max_model_len=512, vision_tower_offload=offload)
+        assert gpu.generate(request, GREEDY)[0].outputs[0].token_ids == expected
+        front = gpu.engine.images
+        assert next(front.tower.parameters()).device.type == ("cpu" if offload else "cuda")
+        before = torch.cuda.memory_allocated()
+        _, embeds = front.encode([decode_image(IMAGES[0])])
+        held = sum(e.numel() * e.element_size() for e in embeds)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before <= held  # only the embeddings stay

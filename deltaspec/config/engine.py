@@ -73,6 +73,14 @@ class LoadConfig:
             f"{DEFAULT_IMAGES_PER_PROMPT}; 0 leaves a multimodal checkpoint's vision tower unloaded)"
         },
     )
+    vision_tower_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep a multimodal checkpoint's vision tower in host memory and lend it device memory only while "
+            "it encodes a request's images (its weights leave the device between images; each request with images "
+            "copies them over)"
+        },
+    )
     allowed_local_media_path: str | None = field(
         default=None,
         metadata={

@@ -10,13 +10,16 @@ the processor's largest size (`tower_workspace`)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
+from torch.func import functional_call
 
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.hf_config import read_config_json
 from deltaspec.model.vision.config import VisionConfig, parse_vision_config
+from deltaspec.model.vision.grid import Grid
 from deltaspec.model.vision.load import TOWER_PREFIXES, load_vision_tower
 from deltaspec.model.vision.preprocess import ImageProcessing, decode_image, preprocess, read_image_processing
 from deltaspec.model.vision.prompt import PromptImages, image_cache_ids
@@ -65,11 +68,31 @@ class ImageInput:
     """The vision tower of the checkpoint at `model_dir` on `device` in `dtype`, taking at most `limit` images per
     prompt."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, limit: int):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, limit: int, offload: bool = False):
         self.config = parse_vision_config(read_config_json(model_dir))
         self.processing = read_image_processing(model_dir)
-        self.tower = load_vision_tower(model_dir, dtype, device)
-        self.limit = limit
+        self.tower = load_vision_tower(model_dir, dtype, "cpu" if offload else device)
+        self.limit, self.device, self.offload = limit, device, offload
+        if offload and device.type == "cuda":  # pinned, so that lending them is one asynchronous copy each
+            for tensor in (*self.tower.parameters(), *self.tower.buffers()):
+                tensor.data = tensor.data.pin_memory()
+        self._encoding = threading.Lock()  # one request's images at a time: the workspace (and a lent tower) is one
+
+    def encode(self, images: list) -> tuple[list[Grid], list[torch.Tensor]]:
+        """Each decoded image's grid and embeddings [tokens, hidden] on the device, one image at a time; with
+        `offload`, the tower's weights are lent device memory for these images only."""
+        grids, embeds = [], []
+        with self._encoding:
+            weights = None
+            if self.offload:
+                held = {**dict(self.tower.named_parameters()), **dict(self.tower.named_buffers())}
+                weights = {name: t.to(self.device, non_blocking=True) for name, t in held.items()}
+            for image in images:
+                pixels, (grid,) = preprocess([image], self.processing)
+                grids.append(grid)
+                args = (pixels, [grid])
+                embeds.append(self.tower(*args) if weights is None else functional_call(self.tower, weights, args))
+        return grids, embeds
 
     def check(self, count: int) -> None:
         """One sentence if a prompt carries more images than the limit."""
@@ -98,12 +121,7 @@ class ImageInput:
                 f"The prompt has {runs.count(token)} image placeholders for {len(images)} images; put one image token "
                 "(the chat template's <|image_pad|>) where each image goes."
             )
-        decoded = [decode_image(data, DECODE_PIXEL_LIMIT) for data in images]
-        grids, embeds = [], []
-        for image in decoded:
-            pixels, (grid,) = preprocess([image], self.processing)
-            grids.append(grid)
-            embeds.append(self.tower(pixels, [grid]))
+        grids, embeds = self.encode([decode_image(data, DECODE_PIXEL_LIMIT) for data in images])
         ids = expand_image_tokens(runs, grids, token, merge)
         positions, delta = mrope_positions(ids, grids, token, merge)
         rows, count = [], 0

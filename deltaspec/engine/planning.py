@@ -111,9 +111,13 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     images, image_workspace = 0, 0
     if gguf is None and model_dir is not None and has_vision_tower(raw, files):
         images = images_per_prompt(resolved.load.limit_mm_per_prompt)
-    if images:  # the tower's weights, and what it holds while it encodes the largest image
-        target += weight_bytes(files, dtype, skip=lambda name: not name.startswith(TOWER_PREFIXES))
+    if images:  # the tower's weights (lent per request when offloaded), and what it holds encoding the largest image
+        tower = weight_bytes(files, dtype, skip=lambda name: not name.startswith(TOWER_PREFIXES))
         image_workspace = tower_workspace(parse_vision_config(raw), read_image_processing(model_dir), dtype)
+        if resolved.load.vision_tower_offload:
+            image_workspace += tower
+        else:
+            target += tower
     memory = (
         DrafterMemory(drafter.name) if drafter is not None else drafter_memory(resolved, model_dir, model_config, mtp)
     )

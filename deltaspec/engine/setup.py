@@ -91,7 +91,8 @@ def engine_images(planned: Planned) -> ImageInput | TextOnly:
     """A multimodal checkpoint's vision tower and image processing; `TextOnly` for a model that takes no images."""
     if not planned.images_per_prompt:
         return TextOnly(planned.model_dir)
-    return ImageInput(planned.model_dir, planned.cache.dtype, planned.cache.device, planned.images_per_prompt)
+    offload = planned.config.load.vision_tower_offload
+    return ImageInput(planned.model_dir, planned.cache.dtype, planned.cache.device, planned.images_per_prompt, offload)
 
 
 def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:
