@@ -123,4 +123,14 @@ def write_vision_tokenizer(directory: Path) -> None:
     assert [tokenizer.token_to_id(t) for t in ("<|image_pad|>", "<|vision_start|>")] == [IMAGE_TOKEN, VISION_START]
     tokenizer.save(str(directory / "tokenizer.json"))
     config = json.loads((directory / "tokenizer_config.json").read_text())
+    added = config["added_tokens_decoder"]
+    for token in reserved + vision:  # transformers' tokenizer (and so llama.cpp's converter) reads them from here
+        added[str(tokenizer.token_to_id(token))] = {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
     (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": VISION_CHAT_TEMPLATE}))

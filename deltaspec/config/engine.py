@@ -66,6 +66,14 @@ class LoadConfig:
             "checkpoint's weights) or int4 / i4_g32 / i4_g128 (a W4A16 checkpoint's groups); for benchmarks"
         },
     )
+    mmproj: str | None = field(
+        default=None,
+        metadata={
+            "help": "llama.cpp's multimodal projector file (mmproj-*.gguf) beside a GGUF model: its vision tower, "
+            "for images",
+            "aliases": ("-mm",),
+        },
+    )
     limit_mm_per_prompt: str | None = field(
         default=None,
         metadata={

@@ -17,13 +17,14 @@ import torch
 from torch.func import functional_call
 
 from deltaspec.errors import DeltaspecError
-from deltaspec.model.hf_config import read_config_json
-from deltaspec.model.vision.config import VisionConfig, parse_vision_config
+from deltaspec.model.vision.config import MROPE_SECTION_DEFAULT, VisionConfig
 from deltaspec.model.vision.grid import Grid
 from deltaspec.model.vision.load import TOWER_PREFIXES, load_vision_tower
+from deltaspec.model.vision.mmproj import load_mmproj_tower
 from deltaspec.model.vision.preprocess import ImageProcessing, decode_image, preprocess, read_image_processing
 from deltaspec.model.vision.prompt import PromptImages, image_cache_ids
 from deltaspec.model.vision.rope_index import expand_image_tokens, mrope_positions
+from deltaspec.model.vision.tower import VisionTower
 
 DECODE_PIXEL_LIMIT = 64 * 2**20  # the most pixels an image file may declare before it is decoded at all
 
@@ -31,6 +32,12 @@ DECODE_PIXEL_LIMIT = 64 * 2**20  # the most pixels an image file may declare bef
 def has_vision_tower(raw: dict, tensor_names) -> bool:
     """Whether a checkpoint (its parsed config.json and tensor names) is multimodal with its tower stored."""
     return "vision_config" in raw and any(name.startswith(TOWER_PREFIXES) for name in tensor_names)
+
+
+def mrope_sections(raw: dict) -> tuple[int, int, int]:
+    """The text model's M-RoPE sections from its config (a GGUF file's `rope.dimension_sections`), else Qwen3.5's."""
+    text = raw.get("text_config") or raw
+    return tuple((text.get("rope_parameters") or {}).get("mrope_section") or MROPE_SECTION_DEFAULT)[:3]
 
 
 def tower_workspace(config: VisionConfig, processing: ImageProcessing, dtype: torch.dtype) -> int:
@@ -68,10 +75,10 @@ class ImageInput:
     """The vision tower of the checkpoint at `model_dir` on `device` in `dtype`, taking at most `limit` images per
     prompt."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, limit: int, offload: bool = False):
-        self.config = parse_vision_config(read_config_json(model_dir))
-        self.processing = read_image_processing(model_dir)
-        self.tower = load_vision_tower(model_dir, dtype, "cpu" if offload else device)
+    def __init__(
+        self, tower: VisionTower, processing: ImageProcessing, device: torch.device, limit: int, offload: bool = False
+    ):
+        self.tower, self.config, self.processing = tower, tower.config, processing
         self.limit, self.device, self.offload = limit, device, offload
         if offload and device.type == "cuda":  # pinned, so that lending them is one asynchronous copy each
             for tensor in (*self.tower.parameters(), *self.tower.buffers()):
@@ -93,6 +100,20 @@ class ImageInput:
                 args = (pixels, [grid])
                 embeds.append(self.tower(*args) if weights is None else functional_call(self.tower, weights, args))
         return grids, embeds
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: Path, dtype: torch.dtype, device: torch.device, limit: int, offload: bool):
+        """The tower and image processing of the safetensors checkpoint at `model_dir`."""
+        tower = load_vision_tower(model_dir, dtype, "cpu" if offload else device)
+        return cls(tower, read_image_processing(model_dir), device, limit, offload)
+
+    @classmethod
+    def from_mmproj(
+        cls, path: Path, token_id, mrope_section, dtype: torch.dtype, device: torch.device, limit: int, offload: bool
+    ):
+        """The tower of llama.cpp's mmproj file at `path` (`deltaspec.model.vision.mmproj`) and its processing."""
+        tower, processing = load_mmproj_tower(path, token_id, mrope_section, dtype, "cpu" if offload else device)
+        return cls(tower, processing, device, limit, offload)
 
     def check(self, count: int) -> None:
         """One sentence if a prompt carries more images than the limit."""

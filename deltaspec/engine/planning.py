@@ -10,6 +10,7 @@ automatic (streams, context, KV pool; `pool_sizing.py`) within the free memory o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,11 +32,12 @@ from deltaspec.config.dtypes import parse_dtype
 from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
 from deltaspec.config.resolve import cache_spec, check_context, images_per_prompt, resolve_engine_config, with_pools
-from deltaspec.engine.images import has_vision_tower, tower_workspace
+from deltaspec.engine.images import has_vision_tower, mrope_sections, tower_workspace
 from deltaspec.engine.pool_sizing import PoolSizing
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.checkpoint_names import target_name
 from deltaspec.model.gguf_load import gguf_weight_bytes
+from deltaspec.model.gguf_raw import read_raw
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.model.random_quant import parse_quant, quantized_bytes, quantized_config, tensor_types
@@ -43,6 +45,7 @@ from deltaspec.model.safetensors_files import checkpoint_files
 from deltaspec.model.shapes import parameter_counts, shape_config
 from deltaspec.model.vision.config import parse_vision_config
 from deltaspec.model.vision.load import TOWER_PREFIXES
+from deltaspec.model.vision.mmproj import mmproj_config
 from deltaspec.model.vision.preprocess import read_image_processing
 from deltaspec.model.weights import count_mtp_layers, model_dir_for
 from deltaspec.ops.dispatch import REFERENCE
@@ -66,6 +69,26 @@ class Planned:
     with_mtp: bool  # whether the MTP head is loaded: only when it drafts
     gguf: GGUFCheckpoint | None = None  # the GGUF file's contents, read once
     images_per_prompt: int = 0  # the most images a prompt may carry; 0: the vision tower stays unloaded
+
+
+def mmproj_plan(resolved: EngineConfig, gguf, raw: dict, dtype: torch.dtype) -> tuple[int, int, int]:
+    """The image limit, tower bytes and image workspace of the llama.cpp projector file beside a GGUF model."""
+    if gguf is None:
+        raise DeltaspecError(
+            "--mmproj is llama.cpp's projector file for a GGUF model; a safetensors checkpoint brings its own tower."
+        )
+    path = Path(resolved.load.mmproj)
+    if not path.is_file():
+        raise DeltaspecError(f"The mmproj file {path} does not exist; give the projector file's path.")
+    mmproj = read_raw(path)
+    config, processing = mmproj_config(mmproj, gguf.tokenizer.token_to_id, mrope_sections(raw))
+    elements = sum(math.prod(tensor.shape) for tensor in mmproj.tensors.values())
+    images = images_per_prompt(resolved.load.limit_mm_per_prompt)
+    return (
+        images,
+        elements * dtype.itemsize if images else 0,
+        tower_workspace(config, processing, dtype) if images else 0,
+    )
 
 
 def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
@@ -108,12 +131,15 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
-    images, image_workspace = 0, 0
-    if gguf is None and model_dir is not None and has_vision_tower(raw, files):
+    images, image_workspace, tower = 0, 0, 0
+    if resolved.load.mmproj:
+        images, tower, image_workspace = mmproj_plan(resolved, gguf, raw, dtype)
+    elif gguf is None and model_dir is not None and has_vision_tower(raw, files):
         images = images_per_prompt(resolved.load.limit_mm_per_prompt)
-    if images:  # the tower's weights (lent per request when offloaded), and what it holds encoding the largest image
-        tower = weight_bytes(files, dtype, skip=lambda name: not name.startswith(TOWER_PREFIXES))
-        image_workspace = tower_workspace(parse_vision_config(raw), read_image_processing(model_dir), dtype)
+        if images:  # the tower's weights, and what it holds while it encodes the largest image
+            tower = weight_bytes(files, dtype, skip=lambda name: not name.startswith(TOWER_PREFIXES))
+            image_workspace = tower_workspace(parse_vision_config(raw), read_image_processing(model_dir), dtype)
+    if images:  # with the tower offloaded, its weights are lent per request: part of the image workspace
         if resolved.load.vision_tower_offload:
             image_workspace += tower
         else:

@@ -15,7 +15,7 @@ from deltaspec.cache.manager import CacheManager
 from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
 from deltaspec.engine.executor import Executor, SingleDevice
-from deltaspec.engine.images import ImageInput, TextOnly
+from deltaspec.engine.images import ImageInput, TextOnly, mrope_sections
 from deltaspec.engine.planning import Planned
 from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.workers import launch
@@ -91,8 +91,15 @@ def engine_images(planned: Planned) -> ImageInput | TextOnly:
     """A multimodal checkpoint's vision tower and image processing; `TextOnly` for a model that takes no images."""
     if not planned.images_per_prompt:
         return TextOnly(planned.model_dir)
-    offload = planned.config.load.vision_tower_offload
-    return ImageInput(planned.model_dir, planned.cache.dtype, planned.cache.device, planned.images_per_prompt, offload)
+    load, limit = planned.config.load, planned.images_per_prompt
+    dtype, device = planned.cache.dtype, planned.cache.device
+    if planned.gguf is not None:  # llama.cpp's projector file beside the GGUF model
+        sections = mrope_sections(planned.raw)
+        token_id = planned.gguf.tokenizer.token_to_id
+        return ImageInput.from_mmproj(
+            Path(load.mmproj), token_id, sections, dtype, device, limit, load.vision_tower_offload
+        )
+    return ImageInput.from_checkpoint(planned.model_dir, dtype, device, limit, load.vision_tower_offload)
 
 
 def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:

@@ -155,6 +155,8 @@ def _rope(key, head_dim: int) -> dict[str, Any]:
         "rope_theta": _float32(key("rope.freq_base", 10000.0)),
         "partial_rotary_factor": int(key("rope.dimension_count", head_dim)) / head_dim,
     }
+    if (sections := key("rope.dimension_sections", None)) is not None:  # the M-RoPE sections, for images
+        rope["mrope_section"] = [int(n) for n in list(sections)[:3]]
     scaling = key("rope.scaling.type", "none")
     if scaling != "none":
         rope["rope_type"] = scaling

@@ -41,21 +41,7 @@ def load_vision_tower(model_dir: Path, dtype: torch.dtype, device: torch.device 
         )
     tower = VisionTower(config, dtype, device)
     params = dict(tower.named_parameters())
-    unexpected = sorted(prefix + name for name in stored if name not in params)
-    missing = sorted(prefix + name for name in params if name not in stored)
-    if unexpected or missing:
-        what = (
-            f"lacks {len(missing)} tensors the tower needs: {_listing(missing)}"
-            if missing
-            else (f"has {len(unexpected)} vision tensors deltaspec does not know: {_listing(unexpected)}")
-        )
-        raise DeltaspecError(f"The checkpoint at {model_dir} {what}.")
-    for name, param in params.items():
-        if tuple(stored[name].shape) != tuple(param.shape):
-            raise DeltaspecError(
-                f"The checkpoint's {prefix}{name} has shape {list(stored[name].shape)} but its config.json's "
-                f"vision_config makes it {list(param.shape)}; restore the checkpoint's files."
-            )
+    check_tower_tensors(params, {name: t.shape for name, t in stored.items()}, prefix, f"The checkpoint at {model_dir}")
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in params:
         by_file[stored[name].file].append(name)
@@ -66,3 +52,23 @@ def load_vision_tower(model_dir: Path, dtype: torch.dtype, device: torch.device 
                 loaded[name] = f.get_tensor(prefix + name).to(device=device, dtype=dtype)
     tower.load_state_dict(loaded, assign=True, strict=True)
     return tower
+
+
+def check_tower_tensors(params: dict[str, torch.Tensor], shapes: dict, prefix: str, where: str) -> None:
+    """One sentence if the stored tensors (`shapes`, by parameter name) miss, add to or misshape the tower's
+    parameters; `where` names the file or checkpoint, `prefix` how it names them."""
+    unexpected = sorted(prefix + name for name in shapes if name not in params)
+    missing = sorted(prefix + name for name in params if name not in shapes)
+    if unexpected or missing:
+        what = (
+            f"lacks {len(missing)} tensors the tower needs: {_listing(missing)}"
+            if missing
+            else (f"has {len(unexpected)} vision tensors deltaspec does not know: {_listing(unexpected)}")
+        )
+        raise DeltaspecError(f"{where} {what}.")
+    for name, param in params.items():
+        if tuple(shapes[name]) != tuple(param.shape):
+            raise DeltaspecError(
+                f"{where}'s {prefix}{name} has shape {list(shapes[name])} but its vision config makes it "
+                f"{list(param.shape)}; restore the files."
+            )
