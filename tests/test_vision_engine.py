@@ -55,14 +55,23 @@ def llm(model_dir):
     return LLM(model=str(model_dir), dtype="float64", device="cpu", max_model_len=512, max_num_seqs=4)
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
+def reference_model(model_dir):
+    """transformers' multimodal model of the checkpoint in float64 (its float32 islands computed in float64)."""
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "eager"
-    model_class = float64_class(tf.Qwen3_5ForConditionalGeneration)
-    return model_class.from_pretrained(model_dir, config=config, dtype=torch.float64).eval()
+    model_class = float64_class(tf.AutoModelForImageTextToText._model_mapping[type(config)])
+    model = model_class.from_pretrained(
+        model_dir, config=config, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    # the wrapper builds its text model from transformers' own module (float32 RoPE): use the float64 copy's
+    text_class = float64_class(type(model.model.language_model))
+    text_config = model.model.language_model.config  # as loaded: eager attention and experts
+    text_model = text_class(text_config).to(torch.float64).eval()
+    text_model.load_state_dict(model.model.language_model.state_dict())
+    model.model.language_model = text_model
+    return model
 
 
 def embeddings(model_dir, images: list[bytes]) -> list[int]:
@@ -80,7 +89,12 @@ def reference_inputs(model_dir, ids: list[int], images: list[bytes]) -> dict:
     )
 
 
-def test_greedy_output_and_prompt_logprobs_equal_transformers_with_the_same_images(llm, model_dir, reference):
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_greedy_output_and_prompt_logprobs_equal_transformers_with_the_same_images(llm, model_dir, kind, tmp_path):
+    if kind != "qwen3_5":
+        model_dir = write_multimodal(tmp_path / kind, kind)
+        llm = LLM(model=str(model_dir), dtype="float64", device="cpu", max_model_len=512)
+    reference = reference_model(model_dir)
     params = SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=0)
     (out,) = llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": IMAGES}}, params)
     ids = out.prompt_token_ids
@@ -93,9 +107,7 @@ def test_greedy_output_and_prompt_logprobs_equal_transformers_with_the_same_imag
     assert out.outputs[0].token_ids == expected
     ours = [next(iter(entry.values())).logprob for entry in out.prompt_logprobs[1:]]
     theirs = logits[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
-    # transformers' multimodal class and deltaspec differ by up to 3e-8 on this checkpoint's text-only prompts too
-    # (a text token's error is not the images'); a wrong image embedding or position moves these by 1e-2 and more
-    assert ours == pytest.approx(theirs, abs=1e-7)
+    assert ours == pytest.approx(theirs, abs=1e-9)  # the image rows and the text after them alike
 
 
 def test_images_change_the_output_and_text_only_prompts_run_as_before(llm):
