@@ -334,3 +334,42 @@ def test_the_step_digest_tells_diverged_ranks_apart():
     assert digest(running([1, 2], [3])) != digest(running([1, 4], [3]))  # another last token
     assert digest(running([1, 2], [3])) != digest(running([1, 2], [3, 3]))  # another length
     assert digest(running([1, 2])) != digest(running([1, 2], []))  # another set of sequences
+
+
+def torchrun(tmp_path: Path, *argv: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`deltaspec ARGV` as torchrun starts it: `nproc` ranks on this host, rendezvous on a free port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
+    return subprocess.run(
+        [*command, "-m", "deltaspec.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=os.environ | {"OMP_NUM_THREADS": "1"} | (env or {}),
+    )
+
+
+def test_ranks_torchrun_starts_serve_one_engine_and_only_rank_0_runs_the_command(checkpoints, tmp_path, capsys):
+    """torchrun's env:// rendezvous (what several nodes use): rank 0 prints the completion a single process prints,
+    rank 1 only follows; a tensor-parallel size that is not the launcher's world size is one sentence."""
+    from deltaspec.cli import main
+
+    path = tmp_path / "model"
+    shutil.copytree(checkpoints["qwen3_5_r2"], path)
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    write_tiny_tokenizer(path)
+    argv = ["generate", "--model", str(path), "--device", "cpu", "--dtype", "float64", "--max-model-len", "256"]
+    argv += ["--max-tokens", "10", "--temperature", "0", "--ignore-eos", "def add(a, b):"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    out = torchrun(tmp_path, *argv, "--tensor-parallel-size", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == single and single.startswith("def add(a, b):")  # printed once: rank 1 ran no command
+    wrong = torchrun(tmp_path, *argv)
+    assert wrong.returncode != 0 and "give --tensor-parallel-size 2" in wrong.stderr

@@ -18,7 +18,7 @@ from deltaspec.engine.executor import Executor, SingleDevice
 from deltaspec.engine.images import ImageInput, TextOnly, mrope_sections
 from deltaspec.engine.planning import Planned
 from deltaspec.engine.scheduler import Scheduler
-from deltaspec.engine.workers import launch
+from deltaspec.engine.workers import join_launched, launch, launched_rank
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
 from deltaspec.execution.sequence import Sequence
@@ -45,7 +45,10 @@ ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf
 
 def engine_executor(config: EngineConfig, replica: Callable) -> Executor:
     """The ranks the engine runs on: its one device, or rank 0 of `config.parallel.tensor_parallel_size` ranks, whose
-    followers each build their engine with `replica` (the engine's class; `deltaspec.engine.workers`)."""
+    followers each build their engine with `replica` (the engine's class; `deltaspec.engine.workers`): processes it
+    starts itself, or, under an outside launcher (torchrun, Slurm), the launcher's other ranks."""
+    if launched_rank() is not None:
+        return join_launched(config, replica)
     return launch(config, replica) if config.parallel.tensor_parallel_size > 1 else SingleDevice()
 
 

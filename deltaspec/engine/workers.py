@@ -1,5 +1,7 @@
 """The tensor-parallel executors (`deltaspec.engine.executor`): rank 0's (`Leader`, in the caller's process), which
-starts one follower process per other rank and drives it, and a follower's (`Follower`).
+starts one follower process per other rank and drives it, and a follower's (`Follower`). Ranks an outside launcher
+started (torchrun across nodes, Slurm, a Ray placement group: `join_launched`) join the same group over `env://`;
+rank 0 leads as above, and every other rank follows instead of running the command it was started with.
 
 Every rank runs the same engine over its shard of the model: the same scheduling, cache bookkeeping,
 drafting, sampling and rollback, in lock step, so prefix checkpoints and replay logs need no messages of
@@ -34,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from deltaspec.errors import DeltaspecError
 from deltaspec.parallel.group import TensorParallel, backend_for
 
 log = logging.getLogger("deltaspec.parallel")
@@ -167,11 +170,12 @@ def _unfinished(engine, request_id: str):
     return next(seq for seq in (*scheduler.running, *scheduler.waiting) if seq.request_id == request_id)
 
 
-def _join(rank: int, config, init_method: str) -> tuple[TensorParallel, object]:
-    """Rank `rank` of the group `config` describes: joined, with its gloo control group."""
+def _join(rank: int, config, init_method: str, local_rank: int | None = None) -> tuple[TensorParallel, object]:
+    """Rank `rank` of the group `config` describes (on GPU `local_rank` of its host, `rank` by default): joined, with
+    its gloo control group."""
     size, device = config.parallel.tensor_parallel_size, torch.device(config.host.device)
     if device.type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
     dist.init_process_group(
         backend_for(device), init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
@@ -179,6 +183,43 @@ def _join(rank: int, config, init_method: str) -> tuple[TensorParallel, object]:
     if device.type == "cuda":  # NCCL sets its communicator up at the first collective, which must not be in a capture
         dist.all_reduce(torch.zeros(1, device="cuda"))
     return TensorParallel(rank, size, config.parallel.enable_expert_parallel), control
+
+
+def launched_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when an outside launcher started this process as one of several ranks:
+    torchrun's `RANK` / `WORLD_SIZE` / `LOCAL_RANK` (also what a Ray placement group's actors are given), else
+    Slurm's `SLURM_PROCID` / `SLURM_NTASKS` / `SLURM_LOCALID`; None for a process started alone. The rendezvous
+    address is `MASTER_ADDR` / `MASTER_PORT` (torch's env:// method)."""
+    for rank, size, local in (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
+        if int(os.environ.get(size, "1")) > 1 and rank in os.environ:
+            return int(os.environ[rank]), int(os.environ[size]), int(os.environ.get(local, "0"))
+    return None
+
+
+def join_launched(config, replica: Callable) -> Leader:
+    """This process's rank of a group an outside launcher started (`launched_rank`). Rank 0 joins and returns its
+    `Leader` (the other ranks are not its children: nothing to start or watch; the launcher ends the group when one
+    fails). Any other rank joins, builds its engine with `replica`, follows rank 0 until it stops, and exits the
+    process: whatever command started it (`serve`, `generate`, ...) runs on rank 0 only."""
+    rank, size, local = launched_rank()
+    if config.parallel.tensor_parallel_size != size:
+        raise DeltaspecError(
+            f"This process is rank {rank} of {size} started by a launcher (torchrun or Slurm), but "
+            f"--tensor-parallel-size is {config.parallel.tensor_parallel_size}; give --tensor-parallel-size {size}."
+        )
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise DeltaspecError(
+            f"Rank {rank} of {size} needs the rendezvous address: set MASTER_ADDR and MASTER_PORT (torchrun sets them)."
+        )
+    if rank == 0:
+        leader = Leader([])
+        leader.tp, leader.control = _join(0, config, "env://", local)
+        atexit.register(leader.close)
+        return leader
+    follower = Follower(*_join(rank, config, "env://", local))
+    follow(replica(config, progress=False, executor=follower))
+    follower.close()
+    sys.exit(0)
 
 
 def launch(config, replica: Callable) -> Leader:
