@@ -308,6 +308,15 @@ def test_the_server_takes_image_url_parts_from_the_openai_client(model_dir, llm,
         too_many = [{"role": "user", "content": [content[1]] * 9}]
         with pytest.raises(openai.BadRequestError, match="more than the limit of 8"):
             client.chat.completions.create(model="mm", messages=too_many, max_tokens=4)
+        parts = [
+            {"type": "input_text", "text": "what is "},
+            {"type": "input_image", "image_url": data_url(IMAGES[0])},
+            {"type": "input_text", "text": "?"},
+        ]
+        response = client.responses.create(
+            model="mm", input=[{"role": "user", "content": parts}], max_output_tokens=8, temperature=0.0
+        )
+        assert response.output_text == expected.outputs[0].text  # the Responses API's input_image part too
         assert client.chat.completions.create(model="mm", messages=messages, max_tokens=8, temperature=0.0).choices
 
 

@@ -8,7 +8,8 @@ json_schema), `stream`, `metadata` (echoed), and the sampling fields of the othe
 stored), `user`, `include`, `prompt_cache_key`, `safety_identifier`, `service_tier`. Refused in one sentence,
 since this server cannot do what they ask: `previous_response_id` and `conversation` (no stored responses),
 `background`, `prompt` (stored prompts), `reasoning` options, `max_tool_calls`, `top_logprobs`,
-`truncation: "auto"`, non-function tools, non-text input parts, and the chat spellings `n`, `best_of`,
+`truncation: "auto"`, non-function tools, input parts other than text and `input_image` (a data: URL, for a model
+that reads images), and the chat spellings `n`, `best_of`,
 `max_tokens` (`n_predict`) and `prompt_logprobs`.
 """
 
@@ -29,6 +30,9 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 class InputPart(_Request):
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image part's: a data: URL (or an allowed local file)
+    file_id: str | None = None
+    detail: str | None = None
 
 
 class InputItem(_Request):
@@ -135,6 +139,30 @@ def _text(parts: str | list[InputPart] | None, where: str) -> str | None:
     return "\n".join(texts)
 
 
+def _content(parts: str | list[InputPart] | None, where: str) -> str | list[dict] | None:
+    """A message's content: text, or with `input_image` parts the chat completion's text and image_url parts."""
+    if parts is None or isinstance(parts, str) or all(part.type != "input_image" for part in parts):
+        return _text(parts, where)
+    content = []
+    for j, part in enumerate(parts):
+        if part.type == "input_image":
+            if part.image_url is None:
+                raise APIError(
+                    400,
+                    f"{where}[{j}] is an input_image without image_url; this server keeps no files, so send the image "
+                    "as a data: URL.",
+                    param=f"{where}[{j}]",
+                )
+            content.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        elif part.type in TEXT_PARTS and part.text is not None:
+            content.append({"type": "text", "text": part.text})
+        else:
+            raise APIError(
+                400, f"{where}[{j}] is a {shown(part.type)} part; send text and input_image parts.", param=where
+            )
+    return content
+
+
 def messages_of(req: ResponsesRequest) -> list[dict]:
     """The request's `instructions` and `input` as chat messages: function calls join the assistant turn they
     follow, their outputs become tool messages, and a reasoning item's text becomes the next assistant turn's
@@ -152,7 +180,7 @@ def messages_of(req: ResponsesRequest) -> list[dict]:
                 raise APIError(
                     400, f"{where} has the role {shown(item.role)}; use user, system, developer or assistant."
                 )
-            messages.append({"role": item.role, "content": _text(item.content, f"{where}.content") or ""})
+            messages.append({"role": item.role, "content": _content(item.content, f"{where}.content") or ""})
         elif item.type == "function_call":
             if item.call_id is None or item.name is None or item.arguments is None:
                 raise APIError(400, f"{where} is a function_call without call_id, name and arguments.", param=where)
