@@ -11,6 +11,8 @@
 #   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
 #   treeprof:SHAPE     cProfile of bench tree-oracle on a random-weight shape (host time of chain vs tree rounds)
 #   tests:SECONDS      pytest -m "gpu or kernel" over tests/, 8 workers
+#   peer:STEPS         tools/peer_bench.sh's STEPS (build,file,llama,deltaspec,combine) into $OUT, with llama.cpp's
+#                      source at .scratch/llama.cpp-2026-10-src.tar.xz and its build kept in .scratch/peer
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
@@ -42,6 +44,10 @@ for step in "$@"; do
         > $OUT/treeprof.log 2>&1; echo "treeprof exit $?"; tail -3 $OUT/treeprof.log
       python3 -c "import pstats; pstats.Stats('$OUT/tree.prof').sort_stats('tottime').print_stats(25)" > $OUT/tree_prof.txt 2>&1
       python3 -c "import pstats; pstats.Stats('$OUT/tree.prof').sort_stats('cumulative').print_stats(60)" >> $OUT/tree_prof.txt 2>&1 ;;
+    peer)  # llama.cpp and deltaspec side by side on one random-weight GGUF file (issue #44)
+      (cd $repo && LLAMA_TARBALL=$repo/.scratch/llama.cpp-2026-10-src.tar.xz WORK=/tmp/peer STEPS="$arg" \
+        PYTHONPATH=/tmp/snap:/tmp/site bash /tmp/snap/tools/peer_bench.sh $OUT/peer); echo "peer exit $?"
+      cat $OUT/peer/peer_bench.json 2>/dev/null | head -40 ;;
     tests)
       timeout "$arg" python3 -m pytest -q -m "gpu or kernel" -n 8 -p no:cacheprovider --durations=15 -rfE tests \
         > $OUT/gpu_tests.log 2>&1; echo "pytest exit $?"

@@ -109,26 +109,33 @@ def convert(llama_cpp: Path, hf_dir: Path, pre: str, outfile: Path, outtype: str
     subprocess.run([sys.executable, "-c", BOOTSTRAP, str(llama_cpp), pre, *args], check=True, cwd=hf_dir.parent)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def converter_arguments(description: str, out: Path) -> tuple[Path, Path]:
+    """The llama.cpp source directory and the output directory a fixture script is given (it exits, saying why,
+    when the directory holds no convert_hf_to_gguf.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("llama_cpp", type=Path, help="llama.cpp source directory (convert_hf_to_gguf.py, gguf-py)")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=out)
     args = ap.parse_args()
     llama_cpp = args.llama_cpp.resolve()
     if not (llama_cpp / "convert_hf_to_gguf.py").is_file():
         sys.exit(f"{llama_cpp} has no convert_hf_to_gguf.py; pass the llama.cpp source directory.")
-    args.out.mkdir(parents=True, exist_ok=True)
+    return llama_cpp, args.out
+
+
+def main() -> None:
+    llama_cpp, out = converter_arguments(__doc__.splitlines()[0], OUT)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for family, (_, _, _, pre, outtypes) in FIXTURES.items():
             hf_dir = write_hf_checkpoint(Path(tmp) / family, family)
             # the converter insists on an MTP head for these architectures unless told there is none
             no_mtp = () if FIXTURES[family][2] else ("--no-mtp",)
             for outtype in outtypes:
-                convert(llama_cpp, hf_dir, pre, args.out / f"{family}-{outtype}.gguf", outtype, *no_mtp)
+                convert(llama_cpp, hf_dir, pre, out / f"{family}-{outtype}.gguf", outtype, *no_mtp)
             if family == SPLIT[0]:
-                outfile = args.out / f"{family}-{SPLIT[1]}-split.gguf"
+                outfile = out / f"{family}-{SPLIT[1]}-split.gguf"
                 convert(llama_cpp, hf_dir, pre, outfile, SPLIT[1], "--split-max-tensors", str(SPLIT[2]), *no_mtp)
-    for path in sorted(args.out.glob("*.gguf")):
+    for path in sorted(out.glob("*.gguf")):
         print(f"{path.stat().st_size:>9,d}  {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
 

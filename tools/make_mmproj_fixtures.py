@@ -9,7 +9,6 @@ checkpoint's own (`tests/test_vision_mmproj.py`).
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -19,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.tiny_vision import write_multimodal, write_vision_tokenizer  # noqa: E402
-from tools.make_gguf_fixtures import convert, give_qwen_pre_tokenizer  # noqa: E402
+from tools.make_gguf_fixtures import convert, converter_arguments, give_qwen_pre_tokenizer  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "gguf_llama" / "vision"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json")
@@ -27,14 +26,7 @@ PROJECTOR_TYPES = ("f32", "f16", "q8_0")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("llama_cpp", type=Path, help="llama.cpp source directory (convert_hf_to_gguf.py, gguf-py)")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    llama_cpp = args.llama_cpp.resolve()
-    if not (llama_cpp / "convert_hf_to_gguf.py").is_file():
-        sys.exit(f"{llama_cpp} has no convert_hf_to_gguf.py; pass the llama.cpp source directory.")
-    out = args.out
+    llama_cpp, out = converter_arguments(__doc__.splitlines()[0], OUT)
     if out.exists():
         shutil.rmtree(out)
     (out / "checkpoint").mkdir(parents=True)
