@@ -1,10 +1,10 @@
-"""Record llama.cpp's next-token distributions on GGUF files, for `tests/test_gguf_llama_logits.py`.
+"""Record llama.cpp's next-token distributions on GGUF files, for `tests/gguf/test_gguf_llama_logits.py`.
 
 llama-perplexity's `--kl-divergence-base FILE` saves, for each window of `-c` tokens, the log-softmax of the
 logits at positions c/2 .. c-2 (each row as a float32 scale and minimum log-probability and one uint16 per
 vocabulary entry, covering the top 16 nats), with the windows' tokens. This script runs it on files that
 `deltaspec quantize`'s writer makes (byte-exact with llama.cpp's converter and llama-quantize, which
-tests/test_gguf_write.py checks; llama.cpp cannot run the tiny fixtures of tests/data/gguf, whose rotary
+tests/gguf/test_gguf_write.py checks; llama.cpp cannot run the tiny fixtures of tests/data/gguf, whose rotary
 sections do not fit their heads):
 
 - the embedded default model (Qwen3.5, 8 layers) in f32, q8_0 and q4_k_m;

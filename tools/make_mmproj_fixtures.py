@@ -2,7 +2,7 @@
 `Qwen3_5ForConditionalGeneration` saved by transformers, with the vision tokenizer) and the GGUF files llama.cpp's own
 converter writes of it: the text model (f32, `--no-mtp`) and the multimodal projector (`--mmproj`) in f32, f16 and
 q8_0. deltaspec's tests read the projector files and compare their tower and the GGUF model's image answers with the
-checkpoint's own (`tests/test_vision_mmproj.py`).
+checkpoint's own (`tests/vision/test_vision_mmproj.py`).
 
     .venv/bin/python tools/make_mmproj_fixtures.py /path/to/llama.cpp
 """

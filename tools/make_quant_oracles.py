@@ -5,7 +5,7 @@ library in a temporary directory, the way llama.cpp's release build compiles ggm
 no FMA contraction. Then it runs, on the matrix below, `quantize_<type>(src, dst, nrow, n_per_row, imatrix)`
 (what llama-quantize reaches through ggml_quantize_chunk) without and with an importance vector, and
 ggml_compute_fp32_to_fp16 / _bf16 for the float types. The file keeps the inputs and, per output row, the first
-16 bytes of its SHA-256, which keeps it a few KB; tests/test_quant_quantize.py hashes its own rows the same way.
+16 bytes of its SHA-256, which keeps it a few KB; tests/ops/test_quant_quantize.py hashes its own rows the same way.
 
 With --llama-quantize (a built llama-quantize binary of the same tree) it also writes
 tests/data/quant/presets.json.gz: the type `llama-quantize --dry-run` gives every tensor of four made-up GGUF

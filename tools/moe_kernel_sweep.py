@@ -34,7 +34,7 @@ from deltaspec.ops import moe as reference
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton import moe
 from deltaspec.provenance import commit
-from tests.test_kernels_quant import random_weight
+from tests.ops.test_kernels_quant import random_weight
 
 SHAPES = {"qwen3.5-35b-a3b": (256, 8, 2048, 512), "qwen3-next-80b-a3b": (512, 10, 2048, 512)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 8192)

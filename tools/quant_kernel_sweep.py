@@ -29,7 +29,7 @@ from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as reference
 from deltaspec.ops.triton.quant_dequant import dequantize
 from deltaspec.ops.triton.quant_matmul import Launch, launch_for, quantized_linear
-from tests.test_kernels_quant import random_weight
+from tests.ops.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
 ROWS = (1, 2, 4, 8, 16, 32, 64)

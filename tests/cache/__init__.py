@@ -1,0 +1,1 @@
+"""Tests of caches and the memory plan (deltaspec.cache)."""

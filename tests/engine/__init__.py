@@ -1,0 +1,1 @@
+"""Tests of the engine: scheduling, failures, shutdown (deltaspec.engine)."""

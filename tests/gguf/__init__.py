@@ -1,0 +1,1 @@
+"""Tests of GGUF files (deltaspec.model.gguf_*)."""

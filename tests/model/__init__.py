@@ -1,0 +1,1 @@
+"""Tests of checkpoints, loading and the model (deltaspec.model)."""

@@ -1,0 +1,1 @@
+"""Tests of the repository: structure and docs."""

@@ -1,0 +1,1 @@
+"""Tests of sampling and structured output (deltaspec.sample)."""

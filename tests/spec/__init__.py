@@ -1,0 +1,1 @@
+"""Tests of speculative decoding (deltaspec.spec)."""

@@ -1,0 +1,1 @@
+"""Tests of images (deltaspec.model.vision, deltaspec.engine.images)."""
