@@ -6,6 +6,11 @@
 #   git archive HEAD $(git ls-tree -r --name-only HEAD | grep -v '^deltaspec/default_model/\|^tests/data/\|^benchmarks/') \
 #     | gzip > .scratch/snap.tar.gz && git rev-parse --short HEAD > .scratch/snap.commit
 # and, for `train`, a packed corpus in .scratch/pack (train.bin.xz, heldout_{code,chat}.bin; tools/README.md).
+# The wheels the GPU image lacks (pip download --no-deps --only-binary=:all: --python-version 3.12 for manylinux
+# x86_64 into .whl; the device tool's README says how): gguf, llguidance, fastapi, starlette, pydantic,
+# pydantic-core, annotated-types, typing-inspection, uvicorn, sniffio, compressed-tensors, jsonschema,
+# jsonschema-specifications, referencing, rpds-py, loguru, fla-core, flash-linear-attention, pillow (images),
+# pytest-xdist and execnet if the image has none; the versions pyproject.toml's pins allow.
 # Steps:
 #   kernels:SECONDS    the routed GEMV launches' sweep for 1-16 rows
 #   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
