@@ -352,3 +352,14 @@ def test_on_cuda_images_match_the_cpu_and_an_offloaded_tower_returns_its_memory(
         held = sum(e.numel() * e.element_size() for e in embeds)
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() - before <= held  # only the embeddings stay
+
+
+def test_two_tensor_parallel_ranks_answer_images_as_one(model_dir, llm):
+    """Rank 0 records each request's image files; the follower encodes them itself and steps in lock step."""
+    split = LLM(model=str(model_dir), dtype="float64", device="cpu", max_model_len=512, tensor_parallel_size=2)
+    try:
+        request = {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": IMAGES}}
+        got = split.generate(request, GREEDY)[0].outputs[0].token_ids
+    finally:
+        split.close()
+    assert got == llm.generate(request, GREEDY)[0].outputs[0].token_ids
