@@ -27,12 +27,39 @@ from deltaspec.cache.kv_cache import PagedKVCache
 from deltaspec.cache.state_cache import GDNStateCache
 
 
-def block_hashes(tokens: list[int], block_size: int) -> list[int]:
-    """hashes[i]: the chain hash of tokens[: i * block_size] (hashes[0] is the empty prefix)."""
-    hashes = [0]
-    for start in range(0, len(tokens) - block_size + 1, block_size):
+def block_hashes(tokens: list[int], block_size: int, chain: list[int] | None = None) -> list[int]:
+    """hashes[i]: the chain hash of tokens[: i * block_size] (hashes[0] is the empty prefix); `chain`, the chain of
+    a prefix of `tokens` already hashed, is extended in place."""
+    hashes = [0] if chain is None else chain
+    for start in range((len(hashes) - 1) * block_size, len(tokens) - block_size + 1, block_size):
         hashes.append(hash((hashes[-1], tuple(tokens[start : start + block_size]))))
     return hashes
+
+
+class HashChains:
+    """The block-hash chains (`block_hashes`) of the last few token lists hashed: a list that extends one of them,
+    or is its prefix (a follow-up about a long document, a finished request's prompt and answer), reuses its chain
+    and hashes only its new blocks, so a lookup or save after a 63k-token prompt costs a list comparison instead of
+    4000 block hashes."""
+
+    def __init__(self, block_size: int, keep: int = 4):
+        self.block_size, self.keep = block_size, keep
+        self.recent: list[tuple[list[int], list[int]]] = []  # (tokens, their chain), most recent first
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        size, n = self.block_size, len(tokens)
+        for i, (saved, chain) in enumerate(self.recent):
+            if len(saved) >= n and saved[:n] == tokens:  # a prefix of a hashed list
+                self.recent.insert(0, self.recent.pop(i))
+                return chain[: n // size + 1]
+            if len(saved) < n and tokens[: len(saved)] == saved:  # it extends a hashed list
+                self.recent.pop(i)
+                chain = block_hashes(tokens, size, list(chain))
+                break
+        else:
+            chain = block_hashes(tokens, size)
+        self.recent = [(list(tokens), chain), *self.recent[: self.keep - 1]]
+        return chain
 
 
 def prefix_key(tokens: list[int], length: int, block_size: int, hashes: list[int]) -> int:
@@ -55,6 +82,7 @@ class PrefixCache:
     def __init__(self, kv: PagedKVCache, gdn: GDNStateCache, offload_bytes: int = 0):
         self.kv, self.gdn = kv, gdn
         self.block_size = kv.block_size
+        self.chains = HashChains(self.block_size)
         self.checkpoints: dict[int, Checkpoint] = {}  # content address -> checkpoint
         self._free_slots = list(gdn.checkpoint_slots)
         self._clock = itertools.count()
@@ -79,7 +107,7 @@ class PrefixCache:
         one token left to compute); `touch` marks it used (a mere estimate, such as the scheduler's, does not)."""
         if not self.checkpoints and not self.host.entries:
             return None
-        hashes = block_hashes(tokens, self.block_size)
+        hashes = self.chains(tokens)
         lengths = {len(c.tokens) for c in (*self.checkpoints.values(), *self.host.entries.values())}
         for length in sorted(lengths, reverse=True):
             if length >= len(tokens):
@@ -128,7 +156,7 @@ class PrefixCache:
         """Checkpoint the state in `slot`, which has consumed exactly `tokens`, with the pages holding them; when
         no slot is free, evict one for it (`_evict_one`; or, without `evict`, keep nothing)."""
         length = len(tokens)
-        key = prefix_key(tokens, length, self.block_size, block_hashes(tokens, self.block_size))
+        key = prefix_key(tokens, length, self.block_size, self.chains(tokens))
         if key in self.checkpoints and self.checkpoints[key].tokens == tuple(tokens):
             self.checkpoints[key].last_used = next(self._clock)
             self.checkpoints[key].resume_point |= evict

@@ -157,3 +157,26 @@ def test_the_default_pool_keeps_every_checkpoint_of_a_long_request_per_stream(pa
     assert cached.engine.usage()["prefix_checkpoints"] == 6
     got = run(cached, [doc[:100] + [9, 9] for doc in docs])
     assert [o.num_cached_tokens for o in got] == [88, 88]
+
+
+def test_hash_chains_reuse_a_hashed_prefix_and_give_the_full_computation():
+    """Every chain `HashChains` returns equals `block_hashes` computed afresh: for lists that extend a hashed one, are
+    a prefix of one, share only part of one, or are unrelated; at most `keep` lists are remembered."""
+    import random
+
+    from deltaspec.cache.prefix_cache import HashChains, block_hashes
+
+    rng = random.Random(0)
+    chains = HashChains(block_size=16, keep=2)
+    document = [rng.randrange(1000) for _ in range(5000)]
+    cases = [
+        document,
+        document + [1, 2, 3] * 30,  # a follow-up: extends it
+        document[:1234],  # a prefix of it
+        document[:2000] + [7] * 500,  # shares only part of it
+        [rng.randrange(1000) for _ in range(100)],  # unrelated
+        document + [1, 2, 3] * 30 + [4] * 64,  # extends an entry no longer kept (keep=2): hashed afresh
+    ]
+    for tokens in cases:
+        assert chains(tokens) == block_hashes(tokens, 16)
+    assert len(chains.recent) == 2 and chains.recent[0][0] == cases[-1]
