@@ -71,6 +71,14 @@ class Planned:
     images_per_prompt: int = 0  # the most images a prompt may carry; 0: the vision tower stays unloaded
 
 
+def checked_tower(read):
+    """`read()` of a checkpoint's vision tower, whose errors also say how to run its text model alone."""
+    try:
+        return read()
+    except DeltaspecError as exc:
+        raise DeltaspecError(f"{exc} To run the text model alone, give --limit-mm-per-prompt image=0.") from None
+
+
 def mmproj_plan(resolved: EngineConfig, gguf, raw: dict, dtype: torch.dtype) -> tuple[int, int, int]:
     """The image limit, tower bytes and image workspace of the llama.cpp projector file beside a GGUF model."""
     if gguf is None:
@@ -138,7 +146,9 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         images = images_per_prompt(resolved.load.limit_mm_per_prompt)
         if images:  # the tower's weights, and what it holds while it encodes the largest image
             tower = weight_bytes(files, dtype, skip=lambda name: not name.startswith(TOWER_PREFIXES))
-            image_workspace = tower_workspace(parse_vision_config(raw), read_image_processing(model_dir), dtype)
+            image_workspace = checked_tower(
+                lambda: tower_workspace(parse_vision_config(raw), read_image_processing(model_dir), dtype)
+            )
     if images:  # with the tower offloaded, its weights are lent per request: part of the image workspace
         if resolved.load.vision_tower_offload:
             image_workspace += tower

@@ -16,7 +16,7 @@ from deltaspec.config.engine import EngineConfig
 from deltaspec.config.model import ModelConfig
 from deltaspec.engine.executor import Executor, SingleDevice
 from deltaspec.engine.images import ImageInput, TextOnly, mrope_sections
-from deltaspec.engine.planning import Planned
+from deltaspec.engine.planning import Planned, checked_tower
 from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.workers import join_launched, launch, launched_rank
 from deltaspec.errors import DeltaspecError
@@ -102,7 +102,8 @@ def engine_images(planned: Planned) -> ImageInput | TextOnly:
         return ImageInput.from_mmproj(
             Path(load.mmproj), token_id, sections, dtype, device, limit, load.vision_tower_offload
         )
-    return ImageInput.from_checkpoint(planned.model_dir, dtype, device, limit, load.vision_tower_offload)
+    offload = load.vision_tower_offload
+    return checked_tower(lambda: ImageInput.from_checkpoint(planned.model_dir, dtype, device, limit, offload))
 
 
 def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:

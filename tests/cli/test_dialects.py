@@ -217,7 +217,7 @@ def text_llm(text_checkpoint):
 
 def test_dict_prompts_as_vllm_takes_them(text_llm):
     """vLLM's TextPrompt {"prompt": ...} is the text; TokensPrompt {"prompt_token_ids": ...} the ids; other keys
-    (multi_modal_data, ...) are refused rather than ignored."""
+    (mm_processor_kwargs, ...) are refused rather than ignored, and images to a text-only model too."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     (text,) = text_llm.generate("def add(a, b):", params)
     as_dict, as_ids = text_llm.generate(
@@ -225,8 +225,10 @@ def test_dict_prompts_as_vllm_takes_them(text_llm):
     )
     assert as_dict.prompt == "def add(a, b):" and as_dict.prompt_token_ids == text.prompt_token_ids
     assert as_dict.outputs[0].token_ids == as_ids.outputs[0].token_ids == text.outputs[0].token_ids
-    with pytest.raises(DeltaspecError, match="unknown key.* multi_modal_data; deltaspec reads prompt"):
-        text_llm.generate({"prompt": "x", "multi_modal_data": {}}, params)
+    with pytest.raises(DeltaspecError, match="unknown key.* mm_processor_kwargs; deltaspec reads prompt"):
+        text_llm.generate({"prompt": "x", "mm_processor_kwargs": {}}, params)
+    with pytest.raises(DeltaspecError, match="takes no images"):  # a text-only model given an image
+        text_llm.generate({"prompt": "x", "multi_modal_data": {"image": b"\x89PNG"}}, params)
     with pytest.raises(DeltaspecError, match="needs a 'prompt' string or a 'prompt_token_ids' list"):
         text_llm.generate({"prompt": 5}, params)
 

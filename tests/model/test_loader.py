@@ -289,7 +289,9 @@ def test_multimodal_wrapper_checkpoint_matches_plain(checkpoints, tmp_path, name
         names = set(f.keys())
     assert "model.language_model.embed_tokens.weight" in names and "model.embed_tokens.weight" not in names
     assert ("lm_head.weight" in names) is not tied
-    llm = load(wrapped, "float64")
+    with pytest.raises(DeltaspecError, match="--limit-mm-per-prompt image=0"):  # its one-tensor tower is no tower
+        load(wrapped, "float64")
+    llm = load(wrapped, "float64", limit_mm_per_prompt="image=0")  # the text model alone
     assert llm.engine.model_config.tie_word_embeddings is tied
     ours = forward_in_chunks(llm.engine, PROMPT, [len(PROMPT)])
     assert torch.equal(ours, logits(plain))
