@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -21,11 +22,16 @@ class PromptImages:
     sections: tuple[int, int, int]  # the text model's M-RoPE sections (`deltaspec.ops.mrope`)
     files: tuple[bytes, ...]  # the images as the request sent them (what another rank rebuilds this from)
 
+    @cached_property
+    def _temporal(self) -> tuple[int, ...]:
+        """The prompt's temporal stream as ints, read once rather than a tensor element per row."""
+        return tuple(self.positions[0].tolist())
+
     def rope_position(self, position: int) -> int:
         """The RoPE position of token `position` on the text streams: a prompt token's temporal one (the same on
         all three streams for text), a later token's shifted by `delta`."""
         prompt = len(self.embed_rows)
-        return int(self.positions[0, position]) if position < prompt else position + self.delta
+        return self._temporal[position] if position < prompt else position + self.delta
 
 
 def image_cache_ids(token_ids: list[int], image_token_id: int, images: list[bytes]) -> tuple[int, ...]:
