@@ -27,7 +27,8 @@ rm -rf /tmp/snap && mkdir -p /tmp/snap && tar xzf .scratch/snap.tar.gz -C /tmp/s
 cp -r deltaspec/default_model /tmp/snap/deltaspec/ && cp -r tests/data /tmp/snap/tests/
 cd /tmp/snap
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat $repo/.scratch/snap.commit;
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } | tee $OUT/device.txt
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  PYTHONPATH= python3 -c "import PIL; print('image has pillow', PIL.__version__)" 2>&1 | tail -1; } | tee $OUT/device.txt
 for step in "$@"; do
   name=${step%%:*}; arg=${step#*:}
   echo "== $step $(date +%T)"
