@@ -1,4 +1,4 @@
-"""Sweep the launches of the MoE expert products (`deltaspec/ops/triton/moe.py`) on CUDA.
+"""Sweep the launches of the MoE expert products (`deltaspec/ops/triton/moe/`) on CUDA.
 
 For the routed experts of `qwen3.5-35b-a3b` (256 experts, top 8, hidden 2048, expert width 512) and
 `qwen3-next-80b-a3b` (512, top 10), random bf16 experts and, for the first shape, Q4_K and Q6_K ones, with a

@@ -273,9 +273,11 @@ def test_experts_the_kernels_do_not_take_keep_the_shared_expert_on_the_dense_ker
     shared = moe.SharedExpert(one_gate_up, one_down, logit)
     weights, experts = moe.route(skewed_logits(n, num_experts, 4, kernel_device), top_k, True)
     assert not kernels.fuses(dtype, gate_up, down)
+    from deltaspec.ops.triton import quant_matmul
+
     dense_calls = []
-    dense = kernels.quant_matmul.quantized_linear
-    monkeypatch.setattr(kernels.quant_matmul, "quantized_linear", lambda a, w: dense_calls.append(w) or dense(a, w))
+    dense = quant_matmul.quantized_linear
+    monkeypatch.setattr(quant_matmul, "quantized_linear", lambda a, w: dense_calls.append(w) or dense(a, w))
     got = products(kernels, x, gate_up, down, weights, experts, shared)
     assert len(dense_calls) == 2 and dense_calls[0] is one_gate_up and dense_calls[1] is one_down
     assert_products_match(got, x, gate_up, down, weights, experts, shared)
