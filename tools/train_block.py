@@ -69,30 +69,29 @@ def target_features(target, ids: torch.Tensor, taps: tuple[int, ...]) -> torch.T
     return torch.cat([states[i + 1] for i in taps], dim=-1)
 
 
-def block_logits(net, target, ids: torch.Tensor, anchors: list[list[int]], autocast) -> torch.Tensor:
-    """ids [b, T]; anchors[r] = anchor positions of row r -> logits of block positions 1..B-1 [blocks, B-1, V]."""
+def block_logits(net, target, ids: torch.Tensor, anchors: torch.Tensor, autocast) -> torch.Tensor:
+    """ids [b, T]; anchors [b, A] (the block anchors of each row) -> logits of block positions 1..B-1
+    [b * A, B-1, V], from one batched drafter forward (`BlockDrafterModel.forward_anchored`)."""
     cfg, width = net.config, net.config.block_size
-    features = target_features(target, ids, cfg.target_layer_ids)
-    embed, device = target.get_input_embeddings(), ids.device
+    batch, seq_len = ids.shape
+    features = target_features(target, ids, cfg.target_layer_ids)  # [b, T, taps * H]
+    embed = target.get_input_embeddings()
     with autocast:
-        block_ids, positions = [], []
-        context, context_positions = [[] for _ in net.layers], [[] for _ in net.layers]
-        for r, row_anchors in enumerate(anchors):
-            seq_len = ids.shape[1]
-            layer_kv = net.context_keys_values(features[r], torch.arange(seq_len, device=device))
-            for a in row_anchors:
-                block_ids.append(torch.cat((ids[r, a : a + 1], ids.new_full((width - 1,), cfg.mask_token_id))))
-                positions.append(torch.arange(a, a + width, device=device))
-                for i, (k, v) in enumerate(layer_kv):
-                    context[i].append((k[:a], v[:a]))
-                    context_positions[i].append(torch.arange(a, device=device))
-        hidden = net(embed(torch.cat(block_ids)), torch.cat(positions), context, context_positions)
+        positions = torch.arange(seq_len, device=ids.device).repeat(batch)
+        context = [
+            (k.view(batch, seq_len, *k.shape[1:]), v.view(batch, seq_len, *v.shape[1:]))
+            for k, v in net.context_keys_values(features.flatten(0, 1), positions)
+        ]
+        block_ids = ids.new_full((*anchors.shape, width), cfg.mask_token_id)
+        block_ids[:, :, 0] = ids.gather(1, anchors)
+        hidden = net.forward_anchored(embed(block_ids.view(batch, -1)), context, anchors)
         return target.lm_head(hidden.view(-1, width, cfg.hidden_size)[:, 1:])
 
 
-def block_labels(ids: torch.Tensor, anchors: list[list[int]], width: int) -> torch.Tensor:
-    """[blocks, B-1]: the tokens block positions 1..B-1 should draft."""
-    return torch.stack([ids[r, a + 1 : a + width] for r, row in enumerate(anchors) for a in row])
+def block_labels(ids: torch.Tensor, anchors: torch.Tensor, width: int) -> torch.Tensor:
+    """[b * A, B-1]: the tokens block positions 1..B-1 should draft."""
+    offsets = anchors[:, :, None] + torch.arange(1, width, device=ids.device)  # [b, A, B-1]
+    return ids.gather(1, offsets.flatten(1)).view(-1, width - 1)
 
 
 def position_weights(width: int, gamma: float, device) -> torch.Tensor:
@@ -111,7 +110,7 @@ def evaluate(net, target, tokens: np.ndarray, seq_len: int, stride: int, device,
     for first in range(0, windows, batch):
         rows = np.stack([tokens[w * seq_len : (w + 1) * seq_len] for w in range(first, min(first + batch, windows))])
         ids = torch.from_numpy(rows.astype(np.int64)).to(device)
-        anchors = [list(range(1, seq_len - width + 1, stride))] * ids.shape[0]
+        anchors = torch.arange(1, seq_len - width + 1, stride, device=device).expand(ids.shape[0], -1)
         hits = block_logits(net, target, ids, anchors, autocast).argmax(-1) == block_labels(ids, anchors, width)
         correct += hits.sum(0).float().cpu()
         leading += hits.int().cumprod(-1).sum().item()
@@ -203,7 +202,10 @@ def main() -> None:
             group["lr"] = lr_at(step, steps, args.lr, min(args.warmup, steps))
         ids = sample_batch(train, args.batch, args.seq_len - 1, rng, device)  # [b, seq_len]
         starts, count = np.arange(1, args.seq_len - width + 1), min(args.anchors, args.seq_len - width)
-        anchors = [sorted(rng.choice(starts, count, replace=False).tolist()) for _ in range(ids.shape[0])]
+        anchors = torch.from_numpy(
+            np.stack([np.sort(rng.choice(starts, count, replace=False)) for _ in range(ids.shape[0])])
+        )
+        anchors = anchors.to(device)
         logits = block_logits(net, target, ids, anchors, autocast).float()  # [blocks, B-1, V]
         labels = block_labels(ids, anchors, width)
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")

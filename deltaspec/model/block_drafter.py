@@ -268,6 +268,27 @@ class DraftAttention(nn.Module):
             out.append(attended.transpose(0, 1).reshape(width, -1))  # [B, heads * d]
         return self.o_proj(torch.cat(out))
 
+    def forward_shared(
+        self, x: torch.Tensor, cos, sin, context: tuple[torch.Tensor, torch.Tensor], mask
+    ) -> torch.Tensor:
+        """x [b, R, H]: each of b sequences' rows (several blocks side by side); context = its keys and values
+        [b, C, kv_heads, d]; mask [b, R, C + R] bool (True = may attend: the context's keys, then the rows') ->
+        [b, R, H]. `forward` with one attention call for all sequences."""
+        batch, rows = x.shape[:2]
+        flat = x.reshape(batch * rows, -1)
+        q = self.q_proj(flat).view(batch * rows, self.num_heads, self.head_dim)
+        q = self.ops.norm_rope(q, self.q_norm.centred(), cos, sin, self.eps).view(batch, rows, self.num_heads, -1)
+        k, v = (t.view(batch, rows, self.num_kv_heads, -1) for t in self.keys_values(flat, cos, sin))
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [b, heads, R, d]
+            torch.cat((context[0], k), dim=1).transpose(1, 2),  # [b, kv_heads, C + R, d]
+            torch.cat((context[1], v), dim=1).transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=1.0 / math.sqrt(self.head_dim),
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(attended.transpose(1, 2).reshape(batch * rows, -1)).view(batch, rows, -1)
+
 
 class DraftMLP(nn.Module):
     def __init__(self, config: BlockDrafterConfig, ops: OpTable):
@@ -337,6 +358,41 @@ class BlockDrafterModel(nn.Module):
                 for ctx_pos, pos in zip(context_positions[i], block_positions)
             ]
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, context[i], masks)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def forward_anchored(
+        self, embeds: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]], anchors: torch.Tensor
+    ) -> torch.Tensor:
+        """Training's form of `forward`, one attention call per layer: b sequences whose context keys and values
+        cover positions 0..C-1 (context[l] = layer l's [b, C, kv_heads, d], `context_keys_values`), each with A
+        blocks; block s of sequence r sits at positions anchors[r, s]..anchors[r, s]+B-1 and sees the context before
+        anchors[r, s], exactly as `forward` with that sequence's context cut there. embeds [b, A * B, H], anchors
+        [b, A] -> final normed hidden states [b, A * B, H]."""
+        cfg = self.config
+        batch, blocks = anchors.shape
+        width = cfg.block_size
+        positions = (anchors[:, :, None] + torch.arange(width, device=anchors.device)).view(batch, -1)  # [b, R]
+        cos, sin = self.rope(positions.reshape(-1))
+        context_len = context[0][0].shape[1]
+        keys = torch.cat((torch.arange(context_len, device=anchors.device).expand(batch, -1), positions), dim=1)
+        block_of_key = torch.cat(
+            (
+                torch.full((context_len,), -1, device=anchors.device),
+                torch.arange(blocks * width, device=anchors.device) // width,
+            )
+        )
+        block_of_query = torch.arange(blocks * width, device=anchors.device) // width  # [R]
+        anchor_of_query = anchors.repeat_interleave(width, dim=1)  # [b, R]
+        in_context = (keys[:, None, :] < anchor_of_query[:, :, None]) & (block_of_key < 0)  # [b, R, C + R]
+        own_block = (block_of_key[None, :] == block_of_query[:, None])[None]  # [1, R, C + R]
+        earlier = keys[:, None, :] <= positions[:, :, None]
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            allowed = in_context | (own_block & earlier if cfg.causal[i] else own_block)
+            if cfg.sliding_window[i] is not None:
+                allowed = allowed & (keys[:, None, :] > positions[:, :, None] - cfg.sliding_window[i])
+            x = x + layer.self_attn.forward_shared(layer.input_layernorm(x), cos, sin, context[i], allowed)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

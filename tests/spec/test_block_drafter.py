@@ -309,3 +309,50 @@ def test_the_plan_counts_the_drafter_weights_its_full_context_and_its_windows(ch
     row = 2 * 2 * 16 * 4  # keys and values, 2 KV heads of 16 values, float32
     assert (memory.weights, memory.kv_per_token, memory.state_per_stream) == (weights, row, 2 * 16 * row)
     assert memory.features_per_row == len(TAPS) * 64 * 4  # the taps of a 64-wide target, float32
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 5)])
+def test_training_forward_of_many_anchored_blocks_is_the_drafting_forward(causal, window):
+    """`forward_anchored` (training: every block of every sequence in one attention call per layer, each seeing the
+    context before its anchor) gives what `forward` gives each block with its context cut at its anchor (float64)."""
+    from deltaspec.model.block_drafter import BlockDrafterModel
+    from deltaspec.ops.dispatch import ops_for
+
+    width, layers, context_len = 4, 2, 24
+    config = BlockDrafterConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        block_size=width,
+        target_layer_ids=(0, 1),
+        mask_token_id=0,
+        target_hidden_size=16,
+        causal=(causal, False),
+        sliding_window=(window, None),
+    )
+    torch.manual_seed(0)
+    net = BlockDrafterModel(config, ops_for("cpu", reference_only=True), torch.float64, "cpu").double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.3)
+    features = torch.randn(2, context_len, 32, dtype=torch.float64)
+    anchors = torch.tensor([[1, 7, 19], [3, 4, 16]])
+    embeds = torch.randn(2, 3 * width, 32, dtype=torch.float64)
+    positions = torch.arange(context_len).repeat(2)
+    context = [
+        (k.view(2, context_len, 2, 8), v.view(2, context_len, 2, 8))
+        for k, v in net.context_keys_values(features.flatten(0, 1), positions)
+    ]
+    got = net.forward_anchored(embeds, context, anchors)
+    for r in range(2):
+        for s, a in enumerate(anchors[r].tolist()):
+            cut = [[(k[r, :a], v[r, :a])] for k, v in context]
+            want = net(
+                embeds[r, s * width : (s + 1) * width], torch.arange(a, a + width), cut, [[torch.arange(a)]] * layers
+            )
+            torch.testing.assert_close(got[r, s * width : (s + 1) * width], want, rtol=1e-12, atol=1e-12)
