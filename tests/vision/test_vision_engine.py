@@ -18,6 +18,7 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.llm import LLM
 from deltaspec.model.vision.preprocess import decode_image, preprocess, read_image_processing
 from deltaspec.sample.params import SamplingParams
+from tests.greedy_helpers import assert_follows
 from tests.hf_reference import float64_class
 from tests.tiny_vision import IMAGE_TOKEN, VISION_END, VISION_START, write_multimodal, write_vision_tokenizer
 
@@ -338,13 +339,23 @@ def test_the_cli_chat_shows_the_model_an_image_file(model_dir, llm, tmp_path, ca
 
 @pytest.mark.gpu
 def test_on_cuda_images_match_the_cpu_and_an_offloaded_tower_returns_its_memory(model_dir, llm):
-    """float64 on the GPU (CUDA graphs for the decode rows after the image prompt) gives the CPU's tokens; an
-    offloaded tower holds no device memory once a request's images are encoded."""
+    """On the GPU in float32 with the kernels (RoPE at the images' positions) and CUDA graphs for the decode rows
+    after the image prompt: the CPU float64 engine's prompt logprobs within 1e-4 and its greedy tokens
+    (`assert_follows`); with the tower offloaded, the same tokens, and no device memory held by the tower once a
+    request's images are encoded."""
     request = {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": IMAGES}}
-    expected = llm.generate(request, GREEDY)[0].outputs[0].token_ids
+    scored = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, prompt_logprobs=0)
+    want = llm.generate(request, scored)[0]
+    tokens = None
     for offload in (False, True):
-        gpu = LLM(model=str(model_dir), dtype="float64", device="cuda", max_model_len=512, vision_tower_offload=offload)
-        assert gpu.generate(request, GREEDY)[0].outputs[0].token_ids == expected
+        gpu = LLM(model=str(model_dir), dtype="float32", device="cuda", max_model_len=512, vision_tower_offload=offload)
+        got = gpu.generate(request, scored)[0]
+        for mine, theirs in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            token = next(iter(theirs))
+            assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
+        assert_follows(got.outputs[0], want.outputs[0], 1e-4)
+        assert tokens is None or got.outputs[0].token_ids == tokens  # the offloaded tower's output is the same
+        tokens = got.outputs[0].token_ids
         front = gpu.engine.images
         assert next(front.tower.parameters()).device.type == ("cpu" if offload else "cuda")
         before = torch.cuda.memory_allocated()
