@@ -80,7 +80,7 @@ def window_logits(engine: Engine, window: list[int]) -> torch.Tensor:
     prefilled chunk by chunk through the engine's runner, as prompt logprobs are."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     seq = engine.new_sequence("kl", None, window, params)
-    engine.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
+    engine.cache.admit(seq.cache, seq.all_ids, resume=seq.request.params.prompt_logprobs is None)
     chunk = min(engine.config.scheduler.prefill_chunk, engine.config.scheduler.max_num_batched_tokens)
     rows = []
     try:

@@ -217,20 +217,20 @@ class LLM:
                 index=i,
                 text=seq.stop_text
                 if seq.stop_text is not None
-                else self.engine.decode(seq.output_ids, seq.params.skip_special_tokens),
+                else self.engine.decode(seq.output_ids, seq.request.params.skip_special_tokens),
                 token_ids=list(seq.output_ids),
-                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                logprobs=seq.logprobs if seq.request.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )
             for i, seq in enumerate(group)
         ]
         return RequestOutput(
-            request_id=first.request_id.rsplit("-", 1)[0],
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_ids,
+            request_id=first.request.request_id.rsplit("-", 1)[0],
+            prompt=first.request.prompt,
+            prompt_token_ids=first.request.prompt_ids,
             outputs=completions,
-            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            prompt_logprobs=first.prompt_logprobs if first.request.params.prompt_logprobs is not None else None,
             num_cached_tokens=first.cache.num_cached_tokens,
             finished=all(s.finished for s in group),
             metrics=first.metrics(),

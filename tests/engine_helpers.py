@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from deltaspec.execution.batch import Scheduled, build_batch
+from deltaspec.execution.request import Request
 from deltaspec.execution.sequence import Sequence
 from deltaspec.sample.params import SamplingParams
 
 
 def new_sequence(engine, token_ids: list[int]) -> Sequence:
-    seq = Sequence("test", None, list(token_ids), SamplingParams(max_tokens=1), frozenset())
-    engine.cache.admit(seq.cache, seq.all_ids, resume=seq.params.prompt_logprobs is None)
+    seq = Sequence(Request("test", None, list(token_ids), SamplingParams(max_tokens=1), frozenset()))
+    engine.cache.admit(seq.cache, seq.all_ids, resume=seq.request.params.prompt_logprobs is None)
     return seq
 
 

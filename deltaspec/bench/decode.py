@@ -127,7 +127,7 @@ def agreeing(execute, oracle: OracleDrafter):
     def execute_agreeing(schedule: list[Scheduled]) -> list[SeqOutput]:
         outputs = execute(schedule)
         for out in outputs:
-            out.argmax = oracle.agree(out.seq.request_id, predicted_positions(out), out.argmax)
+            out.argmax = oracle.agree(out.seq.request.request_id, predicted_positions(out), out.argmax)
         return outputs
 
     return execute_agreeing
@@ -162,7 +162,7 @@ def spec_run(
     full-length draft; `matches_plain` says that the run committed the reference."""
     plain = run(engine, [prompt], max_tokens)[0]
     seq = start(engine, [prompt], max_tokens)[0]
-    oracle.expect(seq.request_id, len(prompt), plain.output_ids, profile, ranks=ranks)
+    oracle.expect(seq.request.request_id, len(prompt), plain.output_ids, profile, ranks=ranks)
     steps = full_draft_steps(engine, oracle, seq, len(profile))
     m, stats = seq.metrics(), seq.stats.acceptance
     return {

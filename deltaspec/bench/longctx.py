@@ -60,7 +60,7 @@ def longctx_run(engine: Engine, doc_tokens: int, question_tokens: int, max_token
         "first_decode_tok_s": m1["decode_tok_s"],
         "follow_up_ttft_s": m2["time_to_first_token"],
         "follow_up_num_cached_tokens": follow_up.cache.num_cached_tokens,
-        "follow_up_prompt_tokens": len(follow_up.prompt_ids),
+        "follow_up_prompt_tokens": len(follow_up.request.prompt_ids),
         "follow_up_decode_tok_s": m2["decode_tok_s"],
     }
 

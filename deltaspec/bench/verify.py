@@ -25,7 +25,7 @@ def timed_passes(engine: Engine, oracle: OracleDrafter, rows: int, prompt: list[
     max_tokens = rounds * rows + 1
     reference = run(engine, [prompt], max_tokens)[0].output_ids
     seq = start(engine, [prompt], max_tokens)[0]
-    oracle.expect(seq.request_id, len(prompt), reference, [1.0] * (rows - 1))
+    oracle.expect(seq.request.request_id, len(prompt), reference, [1.0] * (rows - 1))
     times = []
     while engine.has_unfinished():
         decoding, proposals = seq.decoding, len(oracle.proposed)

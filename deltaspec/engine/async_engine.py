@@ -148,8 +148,8 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._streams[item.request_id] = (stream, item)
-                self._sent[item.request_id] = 0
+                self._streams[item.request.request_id] = (stream, item)
+                self._sent[item.request.request_id] = 0
                 self.engine.admit(item)
             elif kind == "fail_all":
                 seqs = [seq for _, seq in self._streams.values()]
@@ -162,25 +162,27 @@ class AsyncEngine:
                 self._publish(seq)
 
     def _publish(self, seq: Sequence) -> None:
-        stream, _ = self._streams[seq.request_id]
-        sent = self._sent[seq.request_id]
-        wants_logprobs = seq.params.logprobs is not None
+        stream, _ = self._streams[seq.request.request_id]
+        sent = self._sent[seq.request.request_id]
+        wants_logprobs = seq.request.params.logprobs is not None
         delta = RequestDelta(
-            request_id=seq.request_id,
+            request_id=seq.request.request_id,
             new_token_ids=seq.output_ids[sent:],
             new_logprobs=seq.logprobs[sent:] if wants_logprobs else None,
-            num_prompt_tokens=len(seq.prompt_ids),
+            num_prompt_tokens=len(seq.request.prompt_ids),
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             stop_text=seq.stop_text,
             error=seq.error,
-            prompt_logprobs=seq.prompt_logprobs if sent == 0 and seq.params.prompt_logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs
+            if sent == 0 and seq.request.params.prompt_logprobs is not None
+            else None,
             metrics=seq.metrics() if seq.finished else {},
         )
-        self._sent[seq.request_id] = len(seq.output_ids)
+        self._sent[seq.request.request_id] = len(seq.output_ids)
         if seq.finished:
-            del self._streams[seq.request_id], self._sent[seq.request_id]
+            del self._streams[seq.request.request_id], self._sent[seq.request.request_id]
         if stream.loop.is_closed():  # the client's event loop is gone: nobody is listening
             self.engine.abort(seq)
             return
@@ -202,6 +204,6 @@ class AsyncEngine:
                 self.engine.fail(running, f"{type(exc).__name__}: {exc}")
                 updated = running
             for seq in updated:
-                if seq.request_id in self._streams:
+                if seq.request.request_id in self._streams:
                     self._publish(seq)
             self.usage = self.engine.usage()

@@ -37,6 +37,7 @@ from deltaspec.engine.setup import (
 )
 from deltaspec.engine.stopping import StopChecker
 from deltaspec.errors import DeltaspecError, error_text
+from deltaspec.execution.request import Request
 from deltaspec.execution.runner import Runner, SeqOutput
 from deltaspec.execution.sequence import Sequence
 from deltaspec.model.vision.prompt import PromptImages
@@ -86,7 +87,7 @@ class Engine:
         verify_costs = self.executor.share(verify_costs)  # rank 0's measurements: every rank drafts alike
         self.cache = engine_cache(planned, self.model.num_kv_layers)
         self.scheduler = engine_scheduler(self.config, self.cache)
-        running = lambda seq_id: next(s for s in self.scheduler.running if s.request_id == seq_id)  # noqa: E731
+        running = lambda seq_id: next(s for s in self.scheduler.running if s.request.request_id == seq_id)  # noqa: E731
         drafter = drafter or engine_drafter(planned, self.model, self.cache, running, self.ops)
         self.speculator = engine_speculator(self.config, self.model, self.cache, drafter, draft_policy, verify_costs)
         graphs = graph_runner(self.model, self.cache, planned, progress)
@@ -130,7 +131,7 @@ class Engine:
         check_request(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
         if seed is None:
             seed = params.seed if params.seed is not None else next(self._seed_counter)
-        return Sequence(
+        request = Request(
             request_id,
             prompt,
             list(prompt_ids),
@@ -138,10 +139,11 @@ class Engine:
             self.eos_ids,
             generator=None if params.greedy else make_generator(seed, self.device),
             seed=seed,
-            history_len=history_len,
             grammar=self.structured.state(params.structured_outputs) if params.structured_outputs else None,
             images=prompt_images,
+            history_len=history_len,
         )
+        return Sequence(request)
 
     def add_request(self, *request, **options) -> Sequence:
         """`new_sequence` (of the same arguments) and `admit` in one."""
@@ -151,21 +153,28 @@ class Engine:
 
     def admit(self, seq: Sequence) -> None:
         """Queue a sequence made by `new_sequence`."""
-        files = seq.images.files if seq.images else ()
+        files = seq.request.images.files if seq.request.images else ()
         self.executor.record(
-            "admit", seq.request_id, seq.prompt, seq.prompt_ids, seq.params, seq.history_len, seq.seed, files
+            "admit",
+            seq.request.request_id,
+            seq.request.prompt,
+            seq.request.prompt_ids,
+            seq.request.params,
+            seq.request.history_len,
+            seq.request.seed,
+            files,
         )
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
-            self.executor.record("abort", seq.request_id)
+            self.executor.record("abort", seq.request.request_id)
             seq.finish_reason, seq.stats.finish_time = "abort", time.perf_counter()
             self._finish(seq)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         """End `seqs` with finish reason "error" and free their caches (a call from outside the engine's steps)."""
-        self.executor.record("fail", [seq.request_id for seq in seqs if not seq.finished], error)
+        self.executor.record("fail", [seq.request.request_id for seq in seqs if not seq.finished], error)
         self._end_with_error(seqs, error)
 
     def _end_with_error(self, seqs: list[Sequence], error: str) -> None:
@@ -254,7 +263,9 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         if seq.finish_reason in ("stop", "length") and seq.cache.state_slot is not None:  # where its state stands (a
-            self.cache.checkpoint(seq.cache, seq.cache_ids, evict=not seq.history_len)  # chat's next turn resumes)
+            self.cache.checkpoint(
+                seq.cache, seq.cache_ids, evict=not seq.request.history_len
+            )  # chat's next turn resumes)
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.finish(seq)

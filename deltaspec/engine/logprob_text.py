@@ -26,11 +26,11 @@ class LogprobText:
             seq.prompt_logprobs.append(None)
         if len(seq.prompt_logprobs) != start + 1:
             return
-        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        targets = seq.request.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
         if not targets:
             return
         rows = logits[: len(targets)]
         got = gather_logprobs(
-            rows, torch.tensor(targets, device=rows.device), [seq.params.prompt_logprobs] * len(targets)
+            rows, torch.tensor(targets, device=rows.device), [seq.request.params.prompt_logprobs] * len(targets)
         )
         seq.prompt_logprobs.extend(self(lp) for lp in got)

@@ -18,13 +18,17 @@ def next_tokens(outputs: list[SeqOutput]) -> list[tuple[int, object]]:
     sampling = [out for out in outputs if out.logits is not None]
     if sampling:
         seqs = [out.seq for out in sampling]
-        params = [seq.params for seq in seqs]
+        params = [seq.request.params for seq in seqs]
         raw = torch.cat([out.logits for out in sampling])  # [len(sampling), vocab]
         logits = apply_penalties(
-            raw, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs], params, [s.eos_ids for s in seqs]
+            raw,
+            [s.request.prompt_ids for s in seqs],
+            [s.output_ids for s in seqs],
+            params,
+            [s.request.eos_ids for s in seqs],
         )
-        logits = mask_next(logits, [s.grammar for s in seqs])
-        tokens = sample(logits, params, [s.generator for s in seqs])
+        logits = mask_next(logits, [s.request.grammar for s in seqs])
+        tokens = sample(logits, params, [s.request.generator for s in seqs])
         wanted = [p.logprobs for p in params]
         logprobs = gather_logprobs(raw, tokens, wanted) if any(w is not None for w in wanted) else [None] * len(seqs)
         picked.update({id(out): (token, lp) for out, token, lp in zip(sampling, tokens.tolist(), logprobs)})

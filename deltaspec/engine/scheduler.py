@@ -111,20 +111,20 @@ class Scheduler:
 
     def long_prompt(self, seq: Sequence) -> bool:
         """Whether `seq`'s prompt is long enough to leave checkpoints before its end and evict older ones for them."""
-        return bool(self.checkpoint_min_prompt) and len(seq.prompt_ids) >= self.checkpoint_min_prompt
+        return bool(self.checkpoint_min_prompt) and len(seq.request.prompt_ids) >= self.checkpoint_min_prompt
 
     def may_evict_for(self, seq: Sequence, position: int) -> bool:
         """Whether `seq`'s checkpoint at `position` may evict an older one: where its chat's next turn parts from it
         (however short the turns: that is where a conversation resumes), and anywhere in a long prompt."""
-        return position == seq.history_len or self.long_prompt(seq)
+        return position == seq.request.history_len or self.long_prompt(seq)
 
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
         """Where a prompt leaves prefix checkpoints, past what is computed: where its chat's next turn will part from
-        it (`Sequence.history_len`), and for a long prompt 512 and 64 tokens before its end."""
-        length = len(seq.prompt_ids)
+        it (`Request.history_len`), and for a long prompt 512 and 64 tokens before its end."""
+        length = len(seq.request.prompt_ids)
         if self.cache.prefix is None:
             return []
-        positions = {seq.history_len} if 0 < seq.history_len < length else set()
+        positions = {seq.request.history_len} if 0 < seq.request.history_len < length else set()
         if self.long_prompt(seq):
             positions |= {length - offset for offset in CHECKPOINT_OFFSETS}
         return sorted(p for p in positions if p > seq.cache.num_computed)
@@ -192,7 +192,7 @@ class Scheduler:
             if not self.cache.can_admit():
                 self.unfit.append(seq)
                 return []
-            self.cache.admit(seq.cache, seq.cache_ids, resume=seq.params.prompt_logprobs is None)
+            self.cache.admit(seq.cache, seq.cache_ids, resume=seq.request.params.prompt_logprobs is None)
             seq.checkpoint_at = self._checkpoint_positions(seq)
             self._start(seq)
         seq.proposal.cut(0)
@@ -220,7 +220,7 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 if not self.cache.can_admit():
                     continue
-                self.cache.admit(seq.cache, seq.cache_ids, resume=seq.params.prompt_logprobs is None)
+                self.cache.admit(seq.cache, seq.cache_ids, resume=seq.request.params.prompt_logprobs is None)
                 seq.checkpoint_at = self._checkpoint_positions(seq)
                 rows = self._chunk(seq, budget)
                 if not self.cache.reserve(seq.cache, seq.cache.num_computed + rows):

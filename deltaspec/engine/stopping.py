@@ -14,15 +14,15 @@ class StopChecker:
 
     def __call__(self, seq: Sequence, token: int) -> bool:
         """Whether `seq` stops at `token`, its newest output token; sets its finish and stop reasons."""
-        params = seq.params
+        params = seq.request.params
         n = len(seq.output_ids)
-        if seq.grammar is not None:
-            seq.grammar.advance(token)
-            if seq.grammar.finished and token not in seq.eos_ids:
+        if seq.request.grammar is not None:
+            seq.request.grammar.advance(token)
+            if seq.request.grammar.finished and token not in seq.request.eos_ids:
                 seq.finish_reason = "stop"
                 return True
         if n >= params.min_tokens:
-            if not params.ignore_eos and token in seq.eos_ids:
+            if not params.ignore_eos and token in seq.request.eos_ids:
                 seq.finish_reason = "stop"
                 return True
             if token in params.stop_token_ids:
@@ -40,7 +40,7 @@ class StopChecker:
     def _match_stop_string(self, seq: Sequence) -> bool:
         """Look for a stop string in the text of the last few tokens only (any earlier match would have
         stopped the sequence already); on a match, cut the full text once."""
-        params = seq.params
+        params = seq.request.params
         longest = max(len(s) for s in params.stop)
         tail = self.tokenizer.decode(seq.output_ids[-(2 * longest + 8) :], params.skip_special_tokens)
         if not any(stop in tail for stop in params.stop):

@@ -162,12 +162,14 @@ def follow(engine) -> None:
 def digest(running) -> int:
     """What must agree on every rank before a step: each running sequence's id, output length and last token (crc32:
     Python's string hashes differ between processes)."""
-    return zlib.crc32(repr([(seq.request_id, len(seq.output_ids), seq.output_ids[-1:]) for seq in running]).encode())
+    return zlib.crc32(
+        repr([(seq.request.request_id, len(seq.output_ids), seq.output_ids[-1:]) for seq in running]).encode()
+    )
 
 
 def _unfinished(engine, request_id: str):
     scheduler = engine.scheduler
-    return next(seq for seq in (*scheduler.running, *scheduler.waiting) if seq.request_id == request_id)
+    return next(seq for seq in (*scheduler.running, *scheduler.waiting) if seq.request.request_id == request_id)
 
 
 def _join(rank: int, config, init_method: str, local_rank: int | None = None) -> tuple[TensorParallel, object]:

@@ -68,13 +68,13 @@ def image_rows(schedule: list[Scheduled], positions: list[int], device: torch.de
     """The pass's image rows (`ImageRows`) when some of its rows are image tokens of a prompt, else None: the
     three position streams of every row (a text row's are its `positions` entry thrice) and the embeddings of the
     image-token rows."""
-    if all(item.seq.images is None for item in schedule):
+    if all(item.seq.request.images is None for item in schedule):
         return None
     streams = torch.tensor(positions, dtype=torch.long).expand(3, -1).clone()
     rows, embeds, first, sections = [], [], 0, None
     for item in schedule:
         seq, start = item.seq, item.seq.cache.num_computed
-        images, prompt_rows = seq.images, range(start, min(start + item.num_rows, len(seq.prompt_ids)))
+        images, prompt_rows = seq.request.images, range(start, min(start + item.num_rows, len(seq.request.prompt_ids)))
         if images is not None and any(images.embed_rows[p] >= 0 for p in prompt_rows):
             streams[:, first : first + len(prompt_rows)] = images.positions[:, prompt_rows.start : prompt_rows.stop]
             taken = [p for p in prompt_rows if images.embed_rows[p] >= 0]

@@ -108,8 +108,8 @@ class CudaGraphRunner:
             seq = item.seq
             if (
                 item.num_rows != 1 + len(seq.proposal.tokens)
-                or seq.cache.num_computed < len(seq.prompt_ids)
-                or seq.params.prompt_logprobs is not None
+                or seq.cache.num_computed < len(seq.request.prompt_ids)
+                or seq.request.params.prompt_logprobs is not None
             ):
                 return None
             rows = max(rows, item.num_rows)

@@ -121,8 +121,8 @@ class Runner:
             seq, count = item.seq, len(token_rows(item))
             logits = token_logits(taken, taken + count) if count and not seq.plain_greedy else None
             prompt_logits = None
-            if seq.params.prompt_logprobs is not None and seq.cache.num_computed < len(seq.prompt_ids):
-                prompt_rows = min(item.num_rows, len(seq.prompt_ids) - seq.cache.num_computed)
+            if seq.request.params.prompt_logprobs is not None and seq.cache.num_computed < len(seq.request.prompt_ids):
+                prompt_rows = min(item.num_rows, len(seq.request.prompt_ids) - seq.cache.num_computed)
                 prompt_logits = row_logits(start, start + prompt_rows)
             logged = bool(seq.proposal.tokens) if all_logged is None else all_logged
             outputs.append(

@@ -1,20 +1,16 @@
-"""A sequence: one request (its prompt, its images, sampling parameters and constraint) and the tokens generated for
-it, made of owned parts: its place in the caches (`CacheHandle`, which the cache layer receives), the drafts its next
-pass verifies (`Proposal`) and its statistics (`SequenceStats`)."""
+"""A sequence: one request (`Request`: its prompt, its images, sampling parameters and constraint) and the tokens
+generated for it, made of owned parts: the request, its place in the caches (`CacheHandle`, which the cache layer
+receives), the drafts its next pass verifies (`Proposal`) and its statistics (`SequenceStats`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from deltaspec.cache.handle import CacheHandle
 from deltaspec.execution.proposal import Proposal
+from deltaspec.execution.request import Request
 from deltaspec.execution.statistics import SequenceStats
-from deltaspec.model.vision.prompt import PromptImages
-from deltaspec.sample.params import SamplingParams
-from deltaspec.sample.structured import GrammarState
 
 
 class Status(Enum):
@@ -25,13 +21,7 @@ class Status(Enum):
 
 @dataclass(eq=False)  # a request is itself: identity, not field values, makes two sequences equal
 class Sequence:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    eos_ids: frozenset[int]
-    generator: torch.Generator | None = None
-    seed: int | None = None  # the seed `generator` was made from
+    request: Request
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -43,28 +33,25 @@ class Sequence:
     error: str | None = None  # why it failed, when finish_reason is "error"
     expected_cached: int = 0  # tokens a checkpoint held when the sequence arrived (a scheduling estimate)
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to leave prefix checkpoints at
-    history_len: int = 0  # prompt tokens a follow-up will share: a chat's history without its generation prompt
-    grammar: GrammarState | None = None  # where its output stands in its structured_outputs constraint
-    images: PromptImages | None = None  # the prompt's images: their embeddings, positions and cache ids
     cache: CacheHandle = field(default_factory=CacheHandle)  # its slot, pages, computed tokens, replay cursor
     proposal: Proposal = field(default_factory=Proposal)  # the drafts its next pass verifies
     stats: SequenceStats = field(default_factory=SequenceStats)  # its timings and acceptance
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.request.prompt_ids + self.output_ids
 
     @property
     def cache_ids(self) -> list[int]:
         """Its tokens as the prefix cache keys them: image tokens by their image's bytes (`PromptImages`)."""
-        if self.images is None:
+        if self.request.images is None:
             return self.all_ids
-        return [*self.images.cache_ids, *self.output_ids]
+        return [*self.request.images.cache_ids, *self.output_ids]
 
     @property
     def row_ids(self) -> list[int]:
         """Tokens the next passes feed: the sequence's own, then the drafts being verified."""
-        return self.prompt_ids + self.output_ids + self.proposal.tokens
+        return self.request.prompt_ids + self.output_ids + self.proposal.tokens
 
     def row_positions(self, rows: int) -> list[int]:
         """Positions of the next pass's `rows` rows: one after another, or for a tree of drafts each row's depth on
@@ -82,21 +69,23 @@ class Sequence:
         """The RoPE positions of the next pass's `rows` rows (`row_positions`, on the text streams of a prompt with
         images: `PromptImages.rope_position`)."""
         positions = self.row_positions(rows)
-        return positions if self.images is None else [self.images.rope_position(p) for p in positions]
+        return positions if self.request.images is None else [self.request.images.rope_position(p) for p in positions]
 
     @property
     def decoding(self) -> bool:
         """Prompt done and exactly one token (the last sampled) not yet computed."""
-        return self.cache.num_computed == self.num_tokens - 1 and self.cache.num_computed >= len(self.prompt_ids)
+        return self.cache.num_computed == self.num_tokens - 1 and self.cache.num_computed >= len(
+            self.request.prompt_ids
+        )
 
     @property
     def plain_greedy(self) -> bool:
         """The next token is the argmax of the raw logits: greedy, no penalties, no logprobs, min_tokens met, no
         constraint."""
-        p = self.params
+        p = self.request.params
         return (
             p.greedy
-            and self.grammar is None
+            and self.request.grammar is None
             and p.repetition_penalty == 1.0
             and not p.presence_penalty
             and not p.frequency_penalty
@@ -106,11 +95,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.request.prompt_ids) + len(self.output_ids)
 
     @property
     def remaining_prompt(self) -> int:
-        return max(len(self.prompt_ids) - self.cache.num_computed, 0)
+        return max(len(self.request.prompt_ids) - self.cache.num_computed, 0)
 
     @property
     def finished(self) -> bool:
@@ -120,7 +109,7 @@ class Sequence:
         """Its token counts, time to first token, decode time and decode tok/s by DESIGN §6, and acceptance."""
         return {
             "arrival_time": self.stats.arrival_wall_time,
-            "num_prompt_tokens": len(self.prompt_ids),
+            "num_prompt_tokens": len(self.request.prompt_ids),
             "num_cached_tokens": self.cache.num_cached_tokens,
             "num_generated_tokens": len(self.output_ids),
             **self.stats.metrics(len(self.output_ids)),

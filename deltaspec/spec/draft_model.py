@@ -27,6 +27,7 @@ from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.batch import Scheduled, build_batch
+from deltaspec.execution.request import Request
 from deltaspec.execution.sequence import Sequence
 from deltaspec.model.gguf_load import load_gguf_model
 from deltaspec.model.hf_config import parse_model_config, read_config_json
@@ -166,10 +167,10 @@ class DraftModelDrafter:
             self.on_finish(req.seq_id)
             seq = None
         if seq is None:
-            seq = Sequence(req.seq_id, None, [], GREEDY, frozenset())
+            seq = Sequence(Request(req.seq_id, None, [], GREEDY, frozenset()))  # its tokens are output_ids
             self.cache.admit(seq.cache, seq.all_ids)
             self.seqs[req.seq_id] = seq
-        seq.prompt_ids = list(req.token_ids)
+        seq.output_ids = list(req.token_ids)
         return seq
 
     def _forward(self, items: list[Scheduled]) -> torch.Tensor:
@@ -195,10 +196,10 @@ class DraftModelDrafter:
         drafts: dict[str, tuple[list[int], list[torch.Tensor]]] = {r.seq_id: ([], []) for r in live}
         if live:
             seqs = [self._sequence(r) for r in live]
-            logits = self._forward([Scheduled(s, len(s.prompt_ids) - s.cache.num_computed) for s in seqs])
+            logits = self._forward([Scheduled(s, s.num_tokens - s.cache.num_computed) for s in seqs])
             for seq in seqs:  # the committed point: restored on commit
                 slot = seq.cache.state_slot
-                self.snapshots[seq.request_id] = (
+                self.snapshots[seq.request.request_id] = (
                     seq.cache.num_computed,
                     [(st[slot].clone(), cv[slot].clone()) for st, cv in zip(self.cache.gdn.state, self.cache.gdn.conv)],
                 )
@@ -212,7 +213,7 @@ class DraftModelDrafter:
                 active = [i for i in active if len(drafts[live[i].seq_id][0]) < live[i].max_tokens]
                 if active:
                     for i in active:
-                        seqs[i].prompt_ids.append(drafts[live[i].seq_id][0][-1])
+                        seqs[i].output_ids.append(drafts[live[i].seq_id][0][-1])
                     logits = self._forward([Scheduled(seqs[i], 1) for i in active])
         return as_drafts(requests, drafts)
 
@@ -233,7 +234,7 @@ class DraftModelDrafter:
             st[slot].copy_(state)
             cv[slot].copy_(conv)
         seq.cache.num_computed = committed  # the drafted rows are forgotten; accepted ones are caught up next time
-        del seq.prompt_ids[committed:]
+        del seq.output_ids[committed:]
 
     def on_finish(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)

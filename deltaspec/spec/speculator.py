@@ -92,12 +92,14 @@ def row_logits(out: SeqOutput, tree: DraftTree | None = None) -> torch.Tensor:
         else [seq.proposal.tokens[:i] for i in range(rows)]
     )
     outputs = [seq.output_ids + path for path in paths]
-    logits = apply_penalties(out.logits, [seq.prompt_ids] * rows, outputs, [seq.params] * rows, [seq.eos_ids] * rows)
-    if seq.grammar is not None:
+    logits = apply_penalties(
+        out.logits, [seq.request.prompt_ids] * rows, outputs, [seq.request.params] * rows, [seq.request.eos_ids] * rows
+    )
+    if seq.request.grammar is not None:
         masks = (
-            seq.grammar.path_masks(paths)
+            seq.request.grammar.path_masks(paths)
             if tree is not None
-            else seq.grammar.draft_masks(seq.proposal.tokens[: rows - 1])
+            else seq.request.grammar.draft_masks(seq.proposal.tokens[: rows - 1])
         )
         logits = apply_bitmask(logits, masks)
     return logits
@@ -136,11 +138,15 @@ class Speculator:
             self._calibrate(seq)
             if not seq.decoding:
                 continue
-            budget = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
-            k = self.policy.choose(seq.request_id, budget)
+            budget = min(
+                seq.request.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1
+            )
+            k = self.policy.choose(seq.request.request_id, budget)
             if k > 0:
                 width = TREE_WIDTH if self.trees is not None else 0
-                requests.append(DraftRequest(seq.request_id, seq.all_ids, k, seq.params, seq.grammar, width))
+                requests.append(
+                    DraftRequest(seq.request.request_id, seq.all_ids, k, seq.request.params, seq.request.grammar, width)
+                )
                 seqs.append(seq)
         if not requests:
             return
@@ -153,7 +159,7 @@ class Speculator:
         self._end_drafts(seqs)
         for seq, request, draft in zip(seqs, requests, drafts):
             if not self._valid(draft, request.max_tokens):
-                log.error("the %s drafter proposed an invalid draft for %s; dropped", self.name, seq.request_id)
+                log.error("the %s drafter proposed an invalid draft for %s; dropped", self.name, seq.request.request_id)
                 continue
             if self.trees is not None:
                 self._plant(seq, draft)
@@ -174,44 +180,44 @@ class Speculator:
         that is a chain verifies as one)."""
         settings = self.trees
         tree = grow_tree(draft, settings.max_nodes, self.tree_stats, settings.static, settings.costs)
-        if seq.grammar is not None:
+        if seq.request.grammar is not None:
             depths = tree.depths
             refused = {
                 row
                 for row in range(1, len(tree) + 1)
-                if seq.grammar.valid_prefix(tree.path_tokens(row)) < depths[row - 1]
+                if seq.request.grammar.valid_prefix(tree.path_tokens(row)) < depths[row - 1]
             }
             tree = tree.without(refused)
         seq.proposal.tokens, seq.proposal.probs = list(tree.tokens), None
         seq.proposal.parents = None if tree.is_chain else list(tree.parents)
-        self.grown[seq.request_id] = (tree, list(draft.tokens))
+        self.grown[seq.request.request_id] = (tree, list(draft.tokens))
         if not tree.tokens:  # nothing was worth verifying: the drafting was wasted, as if its first token failed
-            self.policy.update(seq.request_id, len(draft.tokens), 0)
+            self.policy.update(seq.request.request_id, len(draft.tokens), 0)
         if draft.candidates:
-            self.calibrating[seq.request_id] = (draft.candidates, len(seq.output_ids))
+            self.calibrating[seq.request.request_id] = (draft.candidates, len(seq.output_ids))
 
     def _calibrate(self, seq: Sequence) -> None:
         """Teach the trees' calibration what the step after `seq`'s last candidates committed (`TreeStats`)."""
-        pending = self.calibrating.get(seq.request_id)
+        pending = self.calibrating.get(seq.request.request_id)
         if pending is not None and len(seq.output_ids) > pending[1]:
-            del self.calibrating[seq.request_id]
+            del self.calibrating[seq.request.request_id]
             self.tree_stats.calibrate(pending[0], seq.output_ids[pending[1] :])
 
     @staticmethod
     def _end_drafts(seqs: list[Sequence]) -> None:
         """Undo the steps a drafter took along its drafts in the sequences' constraints."""
         for seq in seqs:
-            if seq.grammar is not None:
-                seq.grammar.end_draft()
+            if seq.request.grammar is not None:
+                seq.request.grammar.end_draft()
 
     @staticmethod
     def _within_constraint(seq: Sequence, tokens: list[int], probs: torch.Tensor | None):
         """The draft cut at its first token the sequence's constraint refuses (or its first end-of-sequence token).
         A sampled draft keeps that token: verification always rejects it and draws the replacement from
         norm(max(0, p - q)), as losslessness needs (drawing from p there would favour what q under-proposes)."""
-        if seq.grammar is None:
+        if seq.request.grammar is None:
             return tokens, probs
-        keep = seq.grammar.valid_prefix(tokens)
+        keep = seq.request.grammar.valid_prefix(tokens)
         if probs is not None and keep < len(tokens):
             keep += 1
         return tokens[:keep], None if probs is None else probs[:keep]
@@ -245,8 +251,8 @@ class Speculator:
                 None if out.seq.proposal.probs is None else out.seq.proposal.probs[: len(out.seq.proposal.tokens)]
                 for out in sampled
             ],
-            [out.seq.params for out in sampled],
-            [out.seq.generator for out in sampled],
+            [out.seq.request.params for out in sampled],
+            [out.seq.request.generator for out in sampled],
         )
         for group, result in ((greedy, by_argmax), (sampled, by_sampling)):
             for out, tokens, accepted in zip(group, result.tokens, result.accepted):
@@ -255,9 +261,9 @@ class Speculator:
 
     def _tree_of(self, seq: Sequence) -> DraftTree | None:
         """The tree `seq` verifies (cut as far as the scheduler cut its draft), None for a chain."""
-        if seq.proposal.parents is None or seq.request_id not in self.grown:
+        if seq.proposal.parents is None or seq.request.request_id not in self.grown:
             return None
-        return self.grown[seq.request_id][0].cut(len(seq.proposal.tokens))
+        return self.grown[seq.request.request_id][0].cut(len(seq.proposal.tokens))
 
     def _verify_trees(self, outputs: list[SeqOutput], trees: dict[int, DraftTree]) -> dict[int, Verdict]:
         greedy = [out for out in outputs if out.logits is None]
@@ -266,8 +272,8 @@ class Speculator:
         results += verify_tree_sampling(
             [row_logits(out, trees[id(out)]) for out in sampled],
             [trees[id(out)] for out in sampled],
-            [out.seq.params for out in sampled],
-            [out.seq.generator for out in sampled],
+            [out.seq.request.params for out in sampled],
+            [out.seq.request.generator for out in sampled],
         )
         return {
             id(out): Verdict(tokens, len(tokens) - 1, self._logprobs(out, tokens, rows), rows)
@@ -276,7 +282,7 @@ class Speculator:
 
     @staticmethod
     def _logprobs(out: SeqOutput, tokens: list[int], rows: list[int] | None = None) -> list:
-        wanted = out.seq.params.logprobs
+        wanted = out.seq.request.params.logprobs
         if wanted is None:
             return [None] * len(tokens)
         chosen = torch.tensor(tokens, device=out.logits.device)
@@ -289,7 +295,7 @@ class Speculator:
         tree = self._tree_of(seq)
         # the last sampled token's row and the accepted drafts: a chain's first rows, a tree's path
         self.cache.keep_verified(seq.cache, 1 + accepted if verdict.rows is None else verdict.rows)
-        grown = self.grown.pop(seq.request_id, None)
+        grown = self.grown.pop(seq.request.request_id, None)
         if tree is not None:
             drafted = max(tree.depths)
             self.tree_rounds += 1
@@ -300,10 +306,10 @@ class Speculator:
         seq.proposal.cut(0)
         seq.stats.acceptance.record(drafted, verdict.accepted)
         # the policy picks how deep the drafter drafts: with trees, its chain's depth, however much the tree kept
-        self.policy.update(seq.request_id, drafted if grown is None else len(grown[1]), verdict.accepted)
+        self.policy.update(seq.request.request_id, drafted if grown is None else len(grown[1]), verdict.accepted)
         append(seq, verdict.tokens, verdict.logprobs)
         if not seq.finished:
-            self._notify(self.drafter.on_commit, seq.request_id, accepted, seq.num_tokens)
+            self._notify(self.drafter.on_commit, seq.request.request_id, accepted, seq.num_tokens)
 
     def observe(self, outputs: list[SeqOutput]) -> None:
         """Hand a drafter that reads the target's hidden states those of every committed row: the outputs of its
@@ -317,7 +323,7 @@ class Speculator:
             if path is not None:
                 states = states[torch.tensor(path, device=states.device)]
             if not out.seq.finished and committed > 0:
-                self._notify(self.drafter.observe, out.seq.request_id, out.first_position, states[:committed])
+                self._notify(self.drafter.observe, out.seq.request.request_id, out.first_position, states[:committed])
 
     def _notify(self, notice: Callable, seq_id: str, *args) -> None:
         """Give the drafter a notice; if it raises, it forgets the sequence and drafts for it from scratch."""
@@ -329,10 +335,10 @@ class Speculator:
                 self._notify(self.drafter.on_finish, seq_id)
 
     def finish(self, seq: Sequence) -> None:
-        self._notify(self.drafter.on_finish, seq.request_id)
-        self.policy.forget(seq.request_id)
-        self.grown.pop(seq.request_id, None)
-        self.calibrating.pop(seq.request_id, None)
+        self._notify(self.drafter.on_finish, seq.request.request_id)
+        self.policy.forget(seq.request.request_id)
+        self.grown.pop(seq.request.request_id, None)
+        self.calibrating.pop(seq.request.request_id, None)
 
     def state_bytes(self) -> int:
         return self.drafter.state_bytes()

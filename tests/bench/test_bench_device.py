@@ -255,7 +255,7 @@ def test_the_oracle_engine_commits_its_reference_whatever_the_model_would_pick(t
     plain = run(engine, [prompt], 24)[0].output_ids
     reference = random_prompt(engine, 24, seed=1)
     seq = start(engine, [prompt], 24)[0]
-    oracle.expect(seq.request_id, len(prompt), reference, [0.8] * 5, ranks=[0.5, 0.3, 0.1] if tree else None)
+    oracle.expect(seq.request.request_id, len(prompt), reference, [0.8] * 5, ranks=[0.5, 0.3, 0.1] if tree else None)
     drive(engine, [seq])
     stats = seq.stats.acceptance
     assert seq.output_ids == reference != plain

@@ -34,7 +34,7 @@ def test_sequences_in_one_forward_match_each_alone(engine):
         # second pass: mixed rows per sequence continue each one's own state
         extra = [[5, 6], [7], [8, 9, 10], [11]]
         for seq, ids in zip(seqs, extra):
-            seq.prompt_ids.extend(ids)
+            seq.request.prompt_ids.extend(ids)
         mixed = run_rows(engine, [(s, len(ids)) for s, ids in zip(seqs, extra)])
         for got, p, ids in zip(mixed, prompts, extra):
             want = forward_in_chunks(engine, p + ids, [len(p) + len(ids)])[-len(ids) :]

@@ -238,15 +238,19 @@ def test_token_by_token_drafters_follow_the_constraint(speculative, block_dir):
     seq = llm.engine.add_request("s", None, prompt, constrained(SCHEMAS[3]))
     while not seq.output_ids:
         llm.engine.step()  # prefill: the first token, and the MTP head's hidden states
-    state, drafter = seq.grammar, llm.engine.speculator.drafter
+    state, drafter = seq.request.grammar, llm.engine.speculator.drafter
     before = state.next_mask().copy()
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, seed=1)
         request = DraftRequest("s", seq.all_ids, 8, params, state)
         draft = drafter.propose([request])[0].tokens
         state.end_draft()
-        ending = next((i for i, t in enumerate(draft) if t in seq.eos_ids), len(draft))  # the output may end there
+        ending = next(
+            (i for i, t in enumerate(draft) if t in seq.request.eos_ids), len(draft)
+        )  # the output may end there
         assert len(draft) == 8 and state.valid_prefix(draft) == ending, draft
-        assert all(t in seq.eos_ids for t in draft[ending:])  # once complete, the constraint allows only the end
+        assert all(
+            t in seq.request.eos_ids for t in draft[ending:]
+        )  # once complete, the constraint allows only the end
         assert (state.next_mask() == before).all()
         drafter.on_commit("s", 0, seq.num_tokens)
