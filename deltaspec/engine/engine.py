@@ -131,19 +131,12 @@ class Engine:
         check_request(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
         if seed is None:
             seed = params.seed if params.seed is not None else next(self._seed_counter)
-        request = Request(
-            request_id,
-            prompt,
-            list(prompt_ids),
-            params,
-            self.eos_ids,
-            generator=None if params.greedy else make_generator(seed, self.device),
-            seed=seed,
-            grammar=self.structured.state(params.structured_outputs) if params.structured_outputs else None,
-            images=prompt_images,
-            history_len=history_len,
+        generator = None if params.greedy else make_generator(seed, self.device)
+        grammar = self.structured.state(params.structured_outputs) if params.structured_outputs else None
+        ids = list(prompt_ids)
+        return Sequence(
+            Request(request_id, prompt, ids, params, self.eos_ids, generator, seed, grammar, prompt_images, history_len)
         )
-        return Sequence(request)
 
     def add_request(self, *request, **options) -> Sequence:
         """`new_sequence` (of the same arguments) and `admit` in one."""
@@ -153,17 +146,9 @@ class Engine:
 
     def admit(self, seq: Sequence) -> None:
         """Queue a sequence made by `new_sequence`."""
-        files = seq.request.images.files if seq.request.images else ()
-        self.executor.record(
-            "admit",
-            seq.request.request_id,
-            seq.request.prompt,
-            seq.request.prompt_ids,
-            seq.request.params,
-            seq.request.history_len,
-            seq.request.seed,
-            files,
-        )
+        r = seq.request
+        files = r.images.files if r.images else ()
+        self.executor.record("admit", r.request_id, r.prompt, r.prompt_ids, r.params, r.history_len, r.seed, files)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -262,10 +247,8 @@ class Engine:
                 return
 
     def _finish(self, seq: Sequence) -> None:
-        if seq.finish_reason in ("stop", "length") and seq.cache.state_slot is not None:  # where its state stands (a
-            self.cache.checkpoint(
-                seq.cache, seq.cache_ids, evict=not seq.request.history_len
-            )  # chat's next turn resumes)
+        if seq.finish_reason in ("stop", "length") and seq.cache.state_slot is not None:  # where a chat's next turn
+            self.cache.checkpoint(seq.cache, seq.cache_ids, evict=not seq.request.history_len)  # resumes
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.finish(seq)
