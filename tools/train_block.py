@@ -171,6 +171,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--minutes", type=float, default=0.0, help="stop training after this many minutes (0: no limit)")
+    ap.add_argument(
+        "--anneal-by-time",
+        action="store_true",
+        help="with --minutes: end the learning-rate decay when the minutes end, if that comes before --tokens",
+    )
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists")
     args = ap.parse_args()
 
@@ -198,8 +203,12 @@ def main() -> None:
         if time.time() > deadline:
             print(f"time budget of {args.minutes} min reached at step {step}/{steps}")
             break
+        horizon = steps
+        if args.anneal_by_time and math.isfinite(deadline) and step > first_step:  # the steps the time left allows
+            per_step = (time.time() - t0) / (step - first_step)
+            horizon = min(steps, step + int((deadline - time.time()) / per_step))
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, args.lr, min(args.warmup, steps))
+            group["lr"] = lr_at(step, horizon, args.lr, min(args.warmup, steps))
         ids = sample_batch(train, args.batch, args.seq_len - 1, rng, device)  # [b, seq_len]
         starts, count = np.arange(1, args.seq_len - width + 1), min(args.anchors, args.seq_len - width)
         anchors = torch.from_numpy(
