@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from functools import partial
 
 from deltaspec.cache.memory_plan import require_fit
@@ -74,6 +75,7 @@ class Engine:
         self.model_dir, self.max_model_len = planned.model_dir, planned.config.scheduler.max_model_len
         self.device, self.dtype = planned.cache.device, planned.cache.dtype
         self.executor = executor or engine_executor(self.config, type(self))
+        weakref.finalize(self, self.executor.close)  # ranks and their group end with the engine, closed or not
         with self.executor.building():
             self._build(planned, progress, drafter, draft_policy)
 

@@ -20,10 +20,12 @@ exits (collectives waiting on a dead peer cannot be interrupted), and a follower
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
-import multiprocessing
 import os
+import pickle
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -100,9 +102,10 @@ class Leader:
         self.closing = True
         self.share([("stop",)])
         for proc in self.followers:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         dist.destroy_process_group()
 
 
@@ -228,19 +231,15 @@ def launch(config, replica: Callable) -> Leader:
     """Rank 0: start the followers of `config.parallel.tensor_parallel_size` ranks, each building its engine as
     `replica(config, progress=False, executor=...)`, and join the group with them."""
     size = config.parallel.tensor_parallel_size
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    context = multiprocessing.get_context("spawn")
-    followers = [
-        context.Process(
-            target=run_follower,
-            args=(replica, config, rank, init_method, os.getpid()),
-            name=f"deltaspec-tp{rank}",
-            daemon=True,
+    if dist.is_initialized():
+        gc.collect()  # an engine dropped without close() ends its group when collected (Engine's finalizer)
+    if dist.is_initialized():
+        raise DeltaspecError(
+            "Another tensor-parallel engine is still open in this process; close it (LLM.close()) before starting "
+            "a new one."
         )
-        for rank in range(1, size)
-    ]
-    for proc in followers:
-        proc.start()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    followers = [_start_follower(replica, config, rank, init_method) for rank in range(1, size)]
     leader = Leader(followers)
     threading.Thread(target=_watch, args=(leader,), name="deltaspec-tp-watch", daemon=True).start()
     leader.tp, leader.control = _join(0, config, init_method)
@@ -248,19 +247,30 @@ def launch(config, replica: Callable) -> Leader:
     return leader
 
 
+def _start_follower(replica: Callable, config, rank: int, init_method: str) -> subprocess.Popen:
+    """A follower process started from its own module (`python -m deltaspec.engine.follower`, with this process's
+    import path), never from the caller's `__main__`, so a script read from standard input or a notebook can start
+    it; its arguments travel pickled on its standard input."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    proc = subprocess.Popen([sys.executable, "-m", "deltaspec.engine.follower"], stdin=subprocess.PIPE, env=env)
+    pickle.dump((replica, config, rank, init_method, os.getpid()), proc.stdin)
+    proc.stdin.close()
+    return proc
+
+
 def _watch(leader: Leader) -> None:
     """Rank 0: exit the process, saying why, as soon as a follower is gone while the engine runs."""
     while not leader.closing:
         for rank, proc in enumerate(leader.followers, start=1):
-            if proc.exitcode is not None and not leader.closing:
+            if proc.poll() is not None and not leader.closing:
                 print(
-                    f"deltaspec: tensor-parallel worker rank {rank} exited (code {proc.exitcode}); the engine cannot "
+                    f"deltaspec: tensor-parallel worker rank {rank} exited (code {proc.returncode}); the engine cannot "
                     "go on without it and stops.",
                     file=sys.stderr,
                     flush=True,
                 )
                 for other in leader.followers:
-                    if other.is_alive():
+                    if other.poll() is None:
                         other.kill()
                 os._exit(1)
         time.sleep(POLL_S)

@@ -1,7 +1,8 @@
 """Which part of every weight a tensor-parallel rank holds, and the per-rank architecture those parts make.
 
 Split across ranks (Megatron-style, as vLLM and SGLang shard these models): attention query heads (each with
-its output gate) and KV heads; GDN key and value heads with their conv channels, gates (`A_log`,
+its output gate) and KV heads (where the ranks outnumber the KV heads, each rank holds the one KV head its query
+heads read, replicated as in vLLM); GDN key and value heads with their conv channels, gates (`A_log`,
 `dt_bias`, b, a) and z; the intermediate size of dense MLPs, of every routed expert and of the shared
 expert; the vocabulary of the embedding and the LM head. Column-parallel weights (those that read the
 layer's input) keep a slice of their output rows, row-parallel ones (attention and GDN output projections,
@@ -17,7 +18,6 @@ MoE output's all-reduce is the same one.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 
@@ -53,10 +53,20 @@ def _sharded_counts(config: ModelConfig, expert_parallel: bool = False) -> dict[
     return counts
 
 
+def _undivided(config: ModelConfig, size: int, expert_parallel: bool) -> list[str]:
+    """The counts `size` ranks cannot split, as "name (count)": every split count must be a multiple of `size`,
+    but KV heads may also be fewer than the ranks if they divide them (each is then replicated, as vLLM does)."""
+    counts = _sharded_counts(config, expert_parallel)
+    return [
+        f"{name} ({count})"
+        for name, count in counts.items()
+        if count % size and not (name == "num_key_value_heads" and size % count == 0)
+    ]
+
+
 def valid_sizes(config: ModelConfig, limit: int = 8, expert_parallel: bool = False) -> list[int]:
-    """Tensor-parallel sizes up to `limit` that divide every split count of `config`."""
-    common = math.gcd(*_sharded_counts(config, expert_parallel).values())
-    return [n for n in range(1, limit + 1) if common % n == 0]
+    """Tensor-parallel sizes up to `limit` that split every count of `config` (`_undivided`)."""
+    return [n for n in range(1, limit + 1) if not _undivided(config, n, expert_parallel)]
 
 
 def shard_config(config: ModelConfig, size: int, expert_parallel: bool = False) -> ModelConfig:
@@ -72,7 +82,7 @@ def shard_config(config: ModelConfig, size: int, expert_parallel: bool = False) 
     if size < 1:
         raise DeltaspecError(f"--tensor-parallel-size must be at least 1, got {size}.")
     counts = _sharded_counts(config, expert_parallel)
-    undivided = [f"{name} ({count})" for name, count in counts.items() if count % size]
+    undivided = _undivided(config, size, expert_parallel)
     if undivided:
         sizes = ", ".join(map(str, valid_sizes(config, expert_parallel=expert_parallel)))
         raise DeltaspecError(
@@ -90,7 +100,7 @@ def shard_config(config: ModelConfig, size: int, expert_parallel: bool = False) 
     return replace(
         config,
         num_attention_heads=config.num_attention_heads // size,
-        num_key_value_heads=config.num_key_value_heads // size,
+        num_key_value_heads=max(config.num_key_value_heads // size, 1),  # fewer than the ranks: one, replicated
         linear_num_key_heads=config.linear_num_key_heads // size,
         linear_num_value_heads=config.linear_num_value_heads // size,
         intermediate_size=config.intermediate_size // size
@@ -141,6 +151,10 @@ class Shard:
             return 1, (self._part(0, half), self._part(half, 2 * half))
         if name.endswith("experts.down_proj"):
             return 2, (self._part(0, shape[2]),)
+        if name.endswith(KV_PROJECTIONS) and self.size > c.num_key_value_heads:  # replicated: one whole KV head
+            per_head = shape[0] // c.num_key_value_heads
+            head = self.rank * c.num_key_value_heads // self.size  # the KV head of this rank's query heads
+            return 0, ((head * per_head, (head + 1) * per_head),)
         if name.endswith(ROW_PARALLEL):
             return 1, (self._part(0, shape[1]),)
         if name.endswith(COLUMN_PARALLEL):
@@ -187,6 +201,12 @@ COLUMN_PARALLEL = (
     "linear_attn.A_log",
     "gate_proj.weight",
     "up_proj.weight",
+)
+KV_PROJECTIONS = (
+    "self_attn.k_proj.weight",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight",
+    "self_attn.v_proj.bias",
 )
 ROW_PARALLEL = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
 ROW_PARALLEL_BIAS = ("self_attn.o_proj.bias",)

@@ -114,6 +114,40 @@ def test_four_ranks_give_the_logits_of_one(tmp_path):
     assert_same_outputs(generate(path, 4, LOGPROBS), generate(path, 1, LOGPROBS))
 
 
+def test_ranks_outnumbering_the_kv_heads_hold_the_kv_head_their_queries_read(tmp_path):
+    """4 ranks over 2 KV heads (vLLM's replication): ranks 0-1 hold KV head 0 whole, ranks 2-3 head 1, each with its
+    quarter of the query heads; the logprobs of one process within 1e-9 (and 2 ranks over 1 KV head alike)."""
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
+    path = write_checkpoint(tmp_path / "gqa", "qwen3_5", seed=12, **heads)
+    config = parse_model_config(read_config_json(path))
+    assert 4 in valid_sizes(config) and shard_config(config, 4).num_key_value_heads == 1
+    name, shape = "model.layers.3.self_attn.k_proj.weight", torch.Size([2 * config.head_dim, config.hidden_size])
+    held = [Shard(config, rank, 4).pieces(name, shape) for rank in range(4)]
+    head = config.head_dim
+    assert held == [(0, ((0, head),))] * 2 + [(0, ((head, 2 * head),))] * 2
+    assert_same_outputs(generate(path, 4, LOGPROBS), generate(path, 1, LOGPROBS))
+    one = write_checkpoint(tmp_path / "mqa", "qwen3_5", seed=13, num_key_value_heads=1)
+    assert_same_outputs(generate(one, 2, LOGPROBS), generate(one, 1, LOGPROBS))
+
+
+def test_a_script_on_standard_input_starts_ranks_again_after_its_first_engine_is_dropped(checkpoints):
+    """The followers start from their own module, not from the caller's `__main__` (here: standard input, which a
+    spawned process could not re-read), and an engine dropped without close() ends its group, so the same process
+    can start another tensor-parallel engine."""
+    script = f"""
+from deltaspec import LLM, SamplingParams
+greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+for _ in range(2):
+    llm = LLM({str(checkpoints["qwen3_5_r2"])!r}, tensor_parallel_size=2, dtype="float64", device="cpu")
+    print(llm.generate([{{"prompt_token_ids": [1, 5, 9]}}], greedy)[0].outputs[0].token_ids)
+    del llm
+"""
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.splitlines()
+    assert first == second and len(eval(first)) == 6
+
+
 GGUF = Path(__file__).parents[1] / "data" / "gguf"
 
 
@@ -290,7 +324,8 @@ def test_a_dead_worker_stops_the_server_with_a_message(checkpoints):
         port = int(re.search(r":(\d+)/v1", server.stdout.readline()).group(1))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
             assert json.loads(response.read())["data"]
-        workers = [pid for pid in _children(server.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_text() for pid in _children(server.pid)}
+        workers = [pid for pid, cmdline in cmdlines.items() if "deltaspec.engine.follower" in cmdline]
         os.kill(workers[0], signal.SIGKILL)
         started = time.monotonic()
         server.wait(timeout=30)
