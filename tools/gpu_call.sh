@@ -9,8 +9,11 @@
 # The wheels the GPU image lacks (pip download --no-deps --only-binary=:all: --python-version 3.12 for manylinux
 # x86_64 into .whl; the device tool's README says how): gguf, llguidance, fastapi, starlette, pydantic,
 # pydantic-core, annotated-types, typing-inspection, uvicorn, sniffio, compressed-tensors, jsonschema,
-# jsonschema-specifications, referencing, rpds-py, loguru, fla-core, flash-linear-attention, pillow (images),
-# pytest-xdist and execnet if the image has none; the versions pyproject.toml's pins allow.
+# jsonschema-specifications, referencing, rpds-py, loguru, fla-core, flash-linear-attention, pytest-xdist and
+# execnet, the versions pyproject.toml's pins allow; fastapi 0.16x also imports opentelemetry-api, and the server
+# and bench tests import openai (with distro and jiter): without them those files fail to collect (their gpu tests
+# are few). The image has pillow (12.3 on 2026-12-07). Tree + carried folders stay under 64 MiB: the tree is ~50 MB,
+# so a train call carries the pack and few wheels, a tests call the wheels and no pack.
 # Steps:
 #   kernels:SECONDS    the routed GEMV launches' sweep for 1-16 rows
 #   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
