@@ -242,32 +242,6 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
         return self.ops.norm_rope(k, self.k_norm.centred(), cos, sin, self.eps), v
 
-    def forward(
-        self, x: torch.Tensor, cos, sin, context: list[tuple[torch.Tensor, torch.Tensor]], masks: list
-    ) -> torch.Tensor:
-        """x [S * B, H] (S blocks of B rows); context[s] = sequence s's keys and values [C_s, kv_heads, d];
-        masks[s]: [B, C_s + B] bool (True = may attend) or None for all -> [S * B, H]."""
-        rows, blocks = x.shape[0], len(context)
-        width = rows // blocks
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        q = self.ops.norm_rope(q, self.q_norm.centred(), cos, sin, self.eps)
-        k, v = self.keys_values(x, cos, sin)
-        out = []
-        for s, ((ctx_k, ctx_v), mask) in enumerate(zip(context, masks)):
-            block = slice(s * width, (s + 1) * width)
-            keys = torch.cat((ctx_k, k[block])).transpose(0, 1)  # [kv_heads, C + B, d]
-            values = torch.cat((ctx_v, v[block])).transpose(0, 1)
-            attended = F.scaled_dot_product_attention(
-                q[block].transpose(0, 1),  # [heads, B, d]
-                keys,
-                values,
-                attn_mask=mask,
-                scale=1.0 / math.sqrt(self.head_dim),
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            out.append(attended.transpose(0, 1).reshape(width, -1))  # [B, heads * d]
-        return self.o_proj(torch.cat(out))
-
     def forward_shared(
         self, x: torch.Tensor, cos, sin, context: tuple[torch.Tensor, torch.Tensor], mask
     ) -> torch.Tensor:
@@ -346,20 +320,21 @@ class BlockDrafterModel(nn.Module):
     ) -> torch.Tensor:
         """embeds [S * B, H] of S blocks at positions [S * B]; context[l][s] = sequence s's keys and values in
         layer l [C_ls, kv_heads, d] at context_positions[l][s] [C_ls] (a sliding-window layer may hold fewer)
-        -> final normed hidden states [S * B, H]."""
+        -> final normed hidden states [S * B, H]. One attention call per layer for all S blocks: each layer's
+        contexts padded to the longest, the padding masked out (`padded_context`)."""
         cfg = self.config
         width = cfg.block_size
-        block_positions = positions.view(-1, width)  # [S, B]
+        blocks = positions.shape[0] // width
+        block_positions = positions.view(blocks, width)  # [S, B]
         cos, sin = self.rope(positions)
-        x = embeds
+        x = embeds.view(blocks, width, -1)
         for i, layer in enumerate(self.layers):
-            masks = [
-                attention_mask(ctx_pos, pos, cfg.causal[i], cfg.sliding_window[i])
-                for ctx_pos, pos in zip(context_positions[i], block_positions)
-            ]
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, context[i], masks)
+            keys, values, mask = padded_context(
+                context[i], context_positions[i], block_positions, cfg.causal[i], cfg.sliding_window[i]
+            )
+            x = x + layer.self_attn.forward_shared(layer.input_layernorm(x), cos, sin, (keys, values), mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+        return self.norm(x).view(blocks * width, -1)
 
     def forward_anchored(
         self, embeds: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]], anchors: torch.Tensor
@@ -397,21 +372,35 @@ class BlockDrafterModel(nn.Module):
         return self.norm(x)
 
 
-def attention_mask(
-    context_positions: torch.Tensor, block_positions: torch.Tensor, causal: bool, window: int | None
-) -> torch.Tensor | None:
-    """[B, C + B] bool: which keys (the context's, then the block's) each block query sees; None = all."""
-    if not causal and window is None:
-        return None
-    keys = torch.cat((context_positions, block_positions))  # [C + B]
-    queries = block_positions[:, None]  # [B, 1]
-    if causal:
-        allowed = keys[None, :] <= queries
-    else:
-        allowed = torch.ones(len(block_positions), len(keys), dtype=torch.bool, device=keys.device)
+def padded_context(
+    context: list[tuple[torch.Tensor, torch.Tensor]],
+    context_positions: list[torch.Tensor],
+    block_positions: torch.Tensor,
+    causal: bool,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """S sequences' keys and values (context[s]: [C_s, kv_heads, d] at context_positions[s]) padded to the longest
+    C -> keys, values [S, C, kv_heads, d] and the mask [S, B, C + B] (True = may attend) of each block query
+    (block_positions [S, B]) over its context, then its block: every context row it holds (all earlier than the
+    block), its block's rows (only earlier ones in a causal layer), within `window` positions in a windowed one."""
+    blocks, width = block_positions.shape
+    longest = max(k.shape[0] for k, _ in context)
+    first = context[0][0]
+    keys = first.new_zeros(blocks, longest, *first.shape[1:])
+    values = torch.zeros_like(keys)
+    key_positions = block_positions.new_full((blocks, longest), -1)
+    held = torch.zeros(blocks, longest, dtype=torch.bool, device=block_positions.device)
+    for s, ((k, v), p) in enumerate(zip(context, context_positions)):
+        keys[s, : k.shape[0]], values[s, : v.shape[0]], key_positions[s, : p.shape[0]] = k, v, p
+        held[s, : p.shape[0]] = True
+    queries = block_positions[:, :, None]  # [S, B, 1]
+    own = block_positions[:, None, :]  # [S, 1, B]
+    in_context = held[:, None, :].expand(blocks, width, longest)
+    in_block = own <= queries if causal else torch.ones_like(own <= queries)
     if window is not None:
-        allowed = allowed & (keys[None, :] > queries - window)
-    return allowed
+        in_context = in_context & (key_positions[:, None, :] > queries - window)
+        in_block = in_block & (own > queries - window)
+    return keys, values, torch.cat((in_context, in_block), dim=-1)
 
 
 def random_block_drafter(
