@@ -363,7 +363,10 @@ def test_the_step_digest_tells_diverged_ranks_apart():
     from deltaspec.engine.workers import digest
 
     def running(*outputs):
-        return [SimpleNamespace(request_id=f"r{i}", output_ids=list(o)) for i, o in enumerate(outputs)]
+        return [
+            SimpleNamespace(request=SimpleNamespace(request_id=f"r{i}"), output_ids=list(o))
+            for i, o in enumerate(outputs)
+        ]
 
     assert digest(running([1, 2], [3])) == digest(running([1, 2], [3]))
     assert digest(running([1, 2], [3])) != digest(running([1, 4], [3]))  # another last token
