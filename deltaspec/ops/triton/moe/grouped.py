@@ -8,6 +8,12 @@ one block of one expert's pairs and a slab of output columns, so each selected e
 pass, and blocks past the last used one return at once. The product puts the expert's output columns on the
 MMA's wide side and the pairs on its narrow side (padded to 16); GGUF blocks are dequantized in registers with the
 tile code of `quant_dequant` exactly as the reference dequantizes them.
+
+The kernels read the block table as two operands: `blocks` = (pairs_ptr, block_experts_ptr), each block's pairs
+int32 [blocks * BLOCK_M] (num_pairs past the last) and expert int32 [blocks] (-1: unused), or with UNGROUPED
+the routing's experts int32 [routed_pairs] (block b is pair b); `counts` = (num_pairs, routed_pairs, E), the
+pass's pairs (the routed ones, then with a shared expert as expert E one per token), the routed ones, and the
+routed experts.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from deltaspec.ops.triton.moe.products import (
     silu_product,
     token_of,
 )
-from deltaspec.ops.triton.moe.tiles import INTERPRETED, SUM_BLOCK, Tile, pairs_pad
+from deltaspec.ops.triton.moe.tiles import SUM_BLOCK, Tile, pairs_pad, widen
 from deltaspec.ops.triton.quant_dequant import _q4_k_half_chunk, _tile
 
 
@@ -55,12 +61,15 @@ def _quant_rows_times(
     WIDEN: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] += (GGUF rows `rows` of w_ptr, dequantized) @ x_rows.T over all K input values;
-    x_rows: pointers [BLOCK_M, 1] to the activation rows."""
+    x_rows: pointers [BLOCK_M, 1] to the activation rows, row_mask [BLOCK_M] the real ones; rows, n_mask
+    [BLOCK_N]; row_bytes: the weight's row stride."""
     lane = tl.arange(0, 32)
+    if QTYPE == 1:  # Q4_K, read as int32 words: each row's start, once
+        w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+        row_words = rows.to(tl.int64) * (row_bytes // 4)  # [BLOCK_N]
     for step in range(0, K // 256):
         if QTYPE == 1:  # Q4_K: one 64-value chunk (two sub-blocks) at a time
-            w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-            block = rows.to(tl.int64) * (row_bytes // 4) + step * 36
+            block = row_words + step * 36
             head = tl.load(w32_ptr + block, mask=n_mask, other=0)
             s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
             s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
@@ -83,10 +92,10 @@ def _quant_rows_times(
 
 
 @triton.jit
-def _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M: tl.constexpr, UNGROUPED: tl.constexpr):
-    """(expert, pairs [BLOCK_M]) of block `program_id(0)`: from the block table, or with UNGROUPED pair b alone in
-    block b (block_experts_ptr is then the routing's experts [routed_pairs]; the shared expert's pairs after
-    them are expert E)."""
+def _block(blocks, counts, BLOCK_M: tl.constexpr, UNGROUPED: tl.constexpr):
+    """(expert, pairs [BLOCK_M]) of block `program_id(0)` of the block table (see the module docstring)."""
+    pairs_ptr, block_experts_ptr = blocks
+    num_pairs, routed_pairs, E = counts
     block = tl.program_id(0)
     if UNGROUPED:
         expert = tl.load(block_experts_ptr + block, mask=block < routed_pairs, other=E)
@@ -97,23 +106,17 @@ def _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M: tl
     return expert, pairs
 
 
+@triton.heuristics({"WIDEN": lambda args: widen(args["x_ptr"].dtype)})
 @triton.jit
 def _gate_up_kernel(
     x_ptr,
-    w_ptr,
-    shared_w_ptr,
-    pairs_ptr,
-    block_experts_ptr,
+    w,
+    blocks,
     out_ptr,
-    num_pairs,
-    routed_pairs,
-    E,
+    counts,
     H,
     inter_size,
-    stride_xm,
-    stride_we,
-    stride_wn,
-    stride_om,
+    strides,
     TOP_K: tl.constexpr,
     QTYPE: tl.constexpr,
     SHARED_W: tl.constexpr,
@@ -124,11 +127,18 @@ def _gate_up_kernel(
     UNGROUPED: tl.constexpr,
 ):
     """out[pair, cols] = silu(gate) * up of the block's pairs' tokens, for output columns `cols` of the block's
-    expert (QTYPE -1: float weights [E, 2I, H] with strides; else GGUF blocks, stride_we bytes per expert and
-    stride_wn bytes per row). num_pairs counts the routed pairs and, with SHARED_W, one pair per token for the
-    shared expert (expert E, its weights [2I, H] at shared_w_ptr with the same row stride)."""
+    expert. Grid (blocks, cdiv(inter_size, BLOCK_N)).
+
+    x_ptr: float [N, H] activations; w: the gate|up weight operand (`products`), float [E, 2I, H] (QTYPE -1) or GGUF
+    blocks (QTYPE of `quant_dequant.KERNEL_TYPES`), the shared expert's [2I, H] as expert E with SHARED_W; blocks,
+    counts: the block table (module docstring); out_ptr: [num_pairs, I] in x's dtype (out); H, inter_size: the
+    input values and I; strides: (stride_xm, stride_we, stride_wn, stride_om), x's rows, w's experts and rows
+    (elements, bytes for blocks) and out's rows; TOP_K: slots per token; BLOCK_M, BLOCK_N, BLOCK_K, UNGROUPED: the
+    `Tile`; WIDEN (heuristic): float32 products."""
     pdl.wait_for_previous()
-    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M, UNGROUPED)
+    stride_xm, stride_we, stride_wn, stride_om = strides
+    num_pairs, routed_pairs, E = counts
+    expert, pairs = _block(blocks, counts, BLOCK_M, UNGROUPED)
     if expert < 0:
         return
     valid = pairs < num_pairs  # [BLOCK_M]
@@ -136,7 +146,7 @@ def _gate_up_kernel(
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < inter_size
-    w_expert = expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W)
+    w_expert = expert_weights(w, expert, E, stride_we, SHARED_W)
     gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if QTYPE < 0:
@@ -158,24 +168,18 @@ def _gate_up_kernel(
     tl.store(out, product, mask=valid[None, :] & n_mask[:, None])
 
 
+@triton.heuristics({"WIDEN": lambda args: widen(args["inter_ptr"].dtype)})
 @triton.jit
 def _down_kernel(
     inter_ptr,
-    w_ptr,
-    shared_w_ptr,
-    pairs_ptr,
-    block_experts_ptr,
+    w,
+    blocks,
     weights_ptr,
     out_ptr,
-    num_pairs,
-    routed_pairs,
-    E,
+    counts,
     inter_size,
     H,
-    stride_im,
-    stride_we,
-    stride_wn,
-    stride_om,
+    strides,
     QTYPE: tl.constexpr,
     SHARED_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -185,9 +189,16 @@ def _down_kernel(
     UNGROUPED: tl.constexpr,
 ):
     """out[pair, cols] = down_e(inter[pair])[cols] * weight[pair], each rounded to the output dtype; the shared
-    expert's pairs (SHARED_W, as `_gate_up_kernel`'s) unscaled."""
+    expert's pairs (SHARED_W, as `_gate_up_kernel`'s) unscaled. Grid (blocks, cdiv(H, BLOCK_N)).
+
+    inter_ptr: the gated products [num_pairs, I]; w: the down weight operand, [E, H, I] (as `_gate_up_kernel`'s);
+    blocks, counts: the block table; weights_ptr: float [routed_pairs] the routing weights; out_ptr: [num_pairs, H]
+    in inter's dtype (out); strides: (stride_im, stride_we, stride_wn, stride_om); WIDEN (heuristic) and the rest
+    as `_gate_up_kernel`'s."""
     pdl.wait_for_previous()
-    expert, pairs = _block(pairs_ptr, block_experts_ptr, num_pairs, routed_pairs, E, BLOCK_M, UNGROUPED)
+    stride_im, stride_we, stride_wn, stride_om = strides
+    num_pairs, routed_pairs, E = counts
+    expert, pairs = _block(blocks, counts, BLOCK_M, UNGROUPED)
     if expert < 0:
         return
     valid = pairs < num_pairs  # [BLOCK_M]
@@ -195,7 +206,7 @@ def _down_kernel(
     x_rows = inter_ptr + safe_pairs[:, None] * stride_im  # [BLOCK_M, 1]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < H
-    w_expert = expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W)
+    w_expert = expert_weights(w, expert, E, stride_we, SHARED_W)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if QTYPE < 0:
         w_rows = w_expert + cols.to(tl.int64)[:, None] * stride_wn
@@ -216,18 +227,17 @@ def _down_kernel(
     tl.store(out, scaled, mask=valid[None, :] & n_mask[:, None])
 
 
+@triton.heuristics({"P_PAD": lambda args: pairs_pad(args["num_pairs"]) if args["COUNT"] else 16})
 @triton.jit
 def _sum_kernel(
     per_pair_ptr,
-    shared_ptr,
-    logit_ptr,
+    shared,
     out_ptr,
     experts_ptr,
     reads_ptr,
     num_pairs,
     H,
-    stride_s,
-    stride_l,
+    strides,
     TOP_K: tl.constexpr,
     SHARED: tl.constexpr,
     COUNT: tl.constexpr,
@@ -235,11 +245,18 @@ def _sum_kernel(
     BLOCK: tl.constexpr,
 ):
     """out[token] = the float32 sum of per_pair[token * TOP_K + slot] over the slots whose expert is held (not
-    -1), in slot order, rounded;
-    with SHARED, plus sigmoid(logit[token]) * shared[token], rounded as the reference's dtype ops round. With
-    COUNT (ungrouped blocks: no grouping kernel counted them) program (0, 0) adds the distinct experts among
-    the pass's pairs to reads[0]."""
+    -1), in slot order, rounded; with SHARED, plus sigmoid(logit[token]) * shared[token], rounded as the
+    reference's dtype ops round. With COUNT (ungrouped blocks: no grouping kernel counted them) program (0, 0) adds
+    the distinct experts among the pass's pairs to reads[0]. Grid (N, cdiv(H, BLOCK)).
+
+    per_pair_ptr: [>= num_pairs, H] the down kernel's outputs, contiguous; shared: (shared_ptr, logit_ptr), the
+    shared expert's product [N, H] and its gate logits [N] (placeholders without SHARED); out_ptr: [N, H] (out),
+    contiguous; experts_ptr: int32 [num_pairs] the routing's experts, num_pairs = N * TOP_K; reads_ptr: int64 [1];
+    strides: (stride_s, stride_l), shared's rows and the logits'; P_PAD (heuristic): the pairs as a power of two
+    for the count."""
     pdl.wait_for_previous()
+    shared_ptr, logit_ptr = shared
+    stride_s, stride_l = strides
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -250,8 +267,8 @@ def _sum_kernel(
         total += tl.load(row, mask=mask & held, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if SHARED:
-        shared = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0)
-        total = plus_shared(total, shared, logit_ptr, token, stride_l, dtype)
+        shared_row = tl.load(shared_ptr + token * stride_s + cols, mask=mask, other=0.0)
+        total = plus_shared(total, shared_row, logit_ptr, token, stride_l, dtype)
     tl.store(out_ptr + token * H + cols, total.to(dtype), mask=mask)
     if COUNT:
         if (token == 0) & (tl.program_id(1) == 0):
@@ -259,7 +276,8 @@ def _sum_kernel(
 
 
 def grouped_products(ops: Operands, tile: Tile) -> None:
-    """out = the experts' products of `expert_products` with the pairs grouped by expert: gate|up, down, sum."""
+    """ops.out = the experts' products of `expert_products` with the pairs grouped by expert: gate|up, down,
+    sum."""
     tokens, top_k = ops.experts.shape
     num_pairs, inter_size = ops.inter.shape
     hidden = ops.x.shape[-1]
@@ -273,56 +291,53 @@ def grouped_products(ops: Operands, tile: Tile) -> None:
             experts, grouped = torch.cat([experts, experts.new_full((tokens,), num_experts)]), num_experts + 1
         grouping = group_by_expert(experts.view(-1, 1), grouped, tile.block_m, ops.expert_reads, num_experts)
         blocks = grouping.experts.numel()
-    widen = ops.x.dtype == torch.float32 or INTERPRETED
-    launch = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "WIDEN": widen}
+    launch = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}
     launch |= {"UNGROUPED": tile.ungrouped, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    table = {"pairs_ptr": grouping.pairs, "block_experts_ptr": grouping.experts, "num_pairs": num_pairs}
-    table |= {"routed_pairs": routed_pairs, "E": num_experts}
+    table = {"blocks": (grouping.pairs, grouping.experts), "counts": (num_pairs, routed_pairs, num_experts)}
+    w, (stride_we, stride_wn), flags = ops.weight_args(down=False)
     _gate_up_kernel[(blocks, triton.cdiv(inter_size, tile.block_n))](
         ops.x,
+        w=w,
         out_ptr=ops.inter,
         H=hidden,
         inter_size=inter_size,
-        stride_xm=ops.x.stride(0),
-        stride_om=ops.inter.stride(0),
+        strides=(ops.x.stride(0), stride_we, stride_wn, ops.inter.stride(0)),
         TOP_K=top_k,
         **table,
-        **ops.weight_args(down=False),
+        **flags,
         **launch,
         **pdl.LAUNCH,
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=ops.x.dtype, device=ops.x.device)  # [pairs, H]
+    w, (stride_we, stride_wn), flags = ops.weight_args(down=True)
     _down_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
         ops.inter,
+        w=w,
         weights_ptr=ops.weights,
         out_ptr=per_pair,
         inter_size=inter_size,
         H=hidden,
-        stride_im=ops.inter.stride(0),
-        stride_om=per_pair.stride(0),
+        strides=(ops.inter.stride(0), stride_we, stride_wn, per_pair.stride(0)),
         **table,
-        **ops.weight_args(down=True),
+        **flags,
         **launch,
         **pdl.LAUNCH,
     )
-    shared_out = per_pair[routed_pairs:] if ops.shared_weights is not None else ops.shared_out
-    shared_out = shared_out if shared_out is not None else ops.out  # a placeholder when there is none
-    shared_logit = ops.shared_logit if ops.shared_logit is not None else ops.weights
+    shared, shared_strides = ops.shared_operand(
+        per_pair[routed_pairs:] if ops.shared_weights is not None else ops.shared_out
+    )
     _sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
         per_pair,
-        shared_out,
-        shared_logit,
-        ops.out,
-        ops.experts,
-        ops.expert_reads,
-        routed_pairs,
-        hidden,
-        shared_out.stride(0),
-        shared_logit.stride(0),
+        shared=shared,
+        out_ptr=ops.out,
+        experts_ptr=ops.experts,
+        reads_ptr=ops.expert_reads,
+        num_pairs=routed_pairs,
+        H=hidden,
+        strides=shared_strides,
         TOP_K=top_k,
         SHARED=ops.shared_logit is not None,
         COUNT=tile.ungrouped,
-        P_PAD=pairs_pad(routed_pairs) if tile.ungrouped else 16,
         BLOCK=SUM_BLOCK,
         **pdl.LAUNCH,
     )

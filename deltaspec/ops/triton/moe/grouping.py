@@ -10,7 +10,7 @@ import triton.language as tl
 
 from deltaspec.ops import moe as reference
 from deltaspec.ops.triton import pdl
-from deltaspec.ops.triton.moe.tiles import ALIGN_MAX_PAIRS
+from deltaspec.ops.triton.moe.tiles import ALIGN_MAX_PAIRS, pairs_pad
 
 
 @triton.jit
@@ -18,6 +18,12 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
+@triton.heuristics(
+    {
+        "P_PAD": lambda args: pairs_pad(args["num_pairs"]),
+        "BLOCKS_PAD": lambda args: triton.next_power_of_2(args["blocks"]),
+    }
+)
 @triton.jit
 def _align_kernel(
     experts_ptr,
@@ -38,9 +44,15 @@ def _align_kernel(
 ):
     """`deltaspec.ops.moe.group_by_expert` in one program: pairs sorted by (expert, pair) with a bitonic sort,
     each expert's count rounded up to whole blocks, each sorted pair written to its row, and each block's expert
-    carried forward from the first block of every used expert. `scratch` [2, E_PAD] int32 lets the program
-    gather per-expert starts by the sorted pairs' experts; the number of used experts below `counted` is added to
-    reads[0]."""
+    carried forward from the first block of every used expert. The number of used experts below `counted` is added
+    to reads[0].
+
+    experts_ptr: int32 [num_pairs], each pair's expert (-1: another rank's, left out); pairs_ptr: int32 [slots =
+    blocks * BLOCK_M] (out), each block's pairs, num_pairs past the last; block_experts_ptr: int32 [blocks] (out),
+    each block's expert, -1 past the used ones; scratch_ptr: int32 [2, E_PAD], the per-expert starts the program
+    gathers by the sorted pairs' experts; reads_ptr: int64 [1]; E: the experts (the pairs' ids are below it);
+    E_PAD: a power of two above E (room for the sentinel expert E); FILL: pairs set per step; P_PAD, BLOCKS_PAD
+    (heuristics): num_pairs (at least 16) and blocks as powers of two."""
     pdl.wait_for_previous()
     pair = tl.arange(0, P_PAD)
     expert = tl.load(experts_ptr + pair, mask=pair < num_pairs, other=E)  # [P_PAD], E past the pairs
@@ -88,7 +100,6 @@ def group_by_expert(
     block_experts = torch.empty(blocks, dtype=torch.int32, device=experts.device)
     e_pad = triton.next_power_of_2(num_experts + 1)  # room for the sentinel expert E
     scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=experts.device)
-    p_pad = max(16, triton.next_power_of_2(num_pairs))
     _align_kernel[(1,)](
         experts,
         pairs,
@@ -100,9 +111,7 @@ def group_by_expert(
         num_experts if counted is None else counted,
         blocks * block_m,
         blocks,
-        P_PAD=p_pad,
         E_PAD=e_pad,
-        BLOCKS_PAD=triton.next_power_of_2(blocks),
         FILL=1024,
         BLOCK_M=block_m,
         num_warps=8,

@@ -1,7 +1,7 @@
 """The expert products' operands on the host: which expert stacks the kernels take (`fuses`, `experts_sync`) and
 as what (`KernelWeight`: type, tensor, strides), whether a shared expert runs as one more routed expert
 (`runs_shared_as_expert`) or apart (`shared_output`), and what the kernels of one pass read and write
-(`Operands`)."""
+(`Operands`, which hands the kernels their weight and shared-expert operands)."""
 
 from __future__ import annotations
 
@@ -125,14 +125,22 @@ class Operands:
     def num_experts(self) -> int:
         return self.gate_up[1].shape[0]
 
-    def weight_args(self, down: bool) -> dict:
-        """The kernels' arguments for the routed gate|up (or down) stack: its type and strides, and the shared
-        expert's weights with the SHARED_W flag (the routed stack as a placeholder when it is not expert E)."""
+    def weight_args(self, down: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int], dict]:
+        """The routed gate|up (or down) stack as the kernels take it: the weight operand `w` (the stack, the shared
+        expert's weights as expert E, or the stack as their placeholder), its strides per expert and per row, and
+        the constexprs QTYPE and SHARED_W."""
         qtype, stack, stride_e, stride_n = self.down if down else self.gate_up
-        args = {"w_ptr": stack, "stride_we": stride_e, "stride_wn": stride_n, "QTYPE": qtype}
-        if self.shared_weights is None:
-            return args | {"shared_w_ptr": stack, "SHARED_W": False}
-        return args | {"shared_w_ptr": self.shared_weights[int(down)], "SHARED_W": True}
+        shared = stack if self.shared_weights is None else self.shared_weights[int(down)]
+        return (stack, shared), (stride_e, stride_n), {"QTYPE": qtype, "SHARED_W": self.shared_weights is not None}
+
+    def shared_operand(
+        self, shared_out: torch.Tensor | None
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
+        """The sum kernels' shared expert operand (its product `shared_out` [N, H], its gate logits [N]; the
+        output and the routing weights as placeholders where there is none) and its strides."""
+        shared_out = shared_out if shared_out is not None else self.out
+        shared_logit = self.shared_logit if self.shared_logit is not None else self.weights
+        return (shared_out, shared_logit), (shared_out.stride(0), shared_logit.stride(0))
 
 
 def shared_output(x: torch.Tensor, shared: reference.SharedExpert) -> torch.Tensor:

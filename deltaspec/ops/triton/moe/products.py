@@ -2,6 +2,11 @@
 cores (`rows_times_x`: the fused router's and the decode pairs' product), a float weight slab, a pair's token,
 where an expert's weights start, the distinct experts of a decode pass, the SiLU product and the gated shared
 expert's sum, each rounded as the reference (`deltaspec.ops.moe`) rounds.
+
+The expert kernels take a weight operand `w` as the pair (stack, shared): the routed experts' weights (float [E,
+rows, in] or GGUF blocks uint8 [E, rows, row_bytes]) and the shared expert's [rows, in] as expert E (the stack
+itself, a placeholder, where it is not one); its strides per expert and per row (elements, bytes for blocks) come
+with the kernel's other strides.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import triton
 import triton.language as tl
 
 from deltaspec.ops.triton import quant_gemv
+from deltaspec.ops.triton.moe.tiles import PRMT
 
 
 @triton.jit
@@ -26,11 +32,11 @@ def rows_times_x(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
-    PRMT: tl.constexpr,
 ):
-    """[BLOCK_N] float32: weight rows `rows` of one expert (at w_ptr; row_stride elements, or bytes for GGUF
-    blocks) times the K activations at x_row, on CUDA cores: float rows in K_TILES = cdiv(K, BLOCK_K) slabs
-    [BLOCK_N, BLOCK_K], GGUF rows with the decode GEMV's products (`quant_gemv`)."""
+    """[BLOCK_N] float32: weight rows `rows` (int32 [BLOCK_N]; n_mask the real ones) of one expert (at w_ptr;
+    row_stride elements, or bytes for GGUF blocks) times the K activations at x_row, on CUDA cores: float rows in
+    K_TILES = cdiv(K, BLOCK_K) slabs [BLOCK_N, BLOCK_K], GGUF rows (K a multiple of 256) with the decode GEMV's
+    products (`quant_gemv`, which read `half_exponent` / `biased_exponent` as run-time values)."""
     if QTYPE < 0:
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * row_stride  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -73,7 +79,7 @@ def rows_times_x(
 
 @triton.jit
 def float_slab(w_rows, ks, n_mask, k_mask):
-    """w [BLOCK_N, BLOCK_K] of float weight rows `w_rows` (pointers [BLOCK_N, 1]) at columns ks."""
+    """w [BLOCK_N, BLOCK_K] of float weight rows `w_rows` (pointers [BLOCK_N, 1]) at columns ks [BLOCK_K]."""
     return tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
 
 
@@ -85,18 +91,21 @@ def token_of(pairs, routed_pairs, TOP_K: tl.constexpr):
 
 
 @triton.jit
-def expert_weights(w_ptr, shared_w_ptr, expert, E, stride_we, SHARED_W: tl.constexpr):
-    """Where `expert`'s weights start: in the routed stack, or (with SHARED_W) the shared expert's for expert E."""
-    start = w_ptr + expert.to(tl.int64) * stride_we
+def expert_weights(w, expert, E, stride_we, SHARED_W: tl.constexpr):
+    """Where `expert`'s weights start in the weight operand `w` (see the module docstring; stride_we per expert):
+    in the routed stack, or (with SHARED_W) the shared expert's for expert E."""
+    stack, shared = w
+    start = stack + expert.to(tl.int64) * stride_we
     if SHARED_W:
         if expert == E:
-            start = shared_w_ptr
+            start = shared
     return start
 
 
 @triton.jit
 def count_distinct(experts_ptr, num_pairs, reads_ptr, P_PAD: tl.constexpr):
-    """reads[0] += the number of distinct held experts (not -1) among the pass's num_pairs <= P_PAD pairs."""
+    """reads[0] += the number of distinct held experts (not -1) among the pass's num_pairs <= P_PAD pairs
+    (experts int32 [num_pairs], reads int64 [1])."""
     index = tl.arange(0, P_PAD)
     chosen = tl.load(experts_ptr + index, mask=index < num_pairs, other=-1)  # [P_PAD]
     earlier = (chosen[:, None] == chosen[None, :]) & (index[None, :] < index[:, None])  # [P_PAD, P_PAD]

@@ -17,6 +17,12 @@ from deltaspec.ops.triton import pdl, quant_matmul
 from deltaspec.ops.triton.moe.products import rows_times_x
 from deltaspec.ops.triton.moe.tiles import FLOAT_DTYPES, RouterTile, router_tile
 
+# the constexprs that follow from the other arguments: the top-k's and the experts' widths as powers of two
+TOP_K_HEURISTICS = {
+    "K_PAD": lambda args: triton.next_power_of_2(args["TOP_K"]),
+    "BLOCK_E": lambda args: triton.next_power_of_2(args["span"][0]),
+}
+
 
 @triton.jit
 def _top_k_of_row(
@@ -24,9 +30,7 @@ def _top_k_of_row(
     weights_ptr,
     experts_ptr,
     row,
-    E,
-    first,
-    held,
+    span,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -35,8 +39,9 @@ def _top_k_of_row(
 ):
     """Row `row`'s softmax over the E logits at logits_row in float32, its TOP_K largest (lowest index first
     among equal ones), renormalised if NORMALIZE, stored as weights[row] and experts[row], each expert by its
-    index among the `held` from `first` on, else -1 (VOLATILE: the logits were written by other programs of the
-    launch)."""
+    index among the `held` from `first` on, else -1 (span = (E, first, held); VOLATILE: the logits were written by
+    other programs of the launch)."""
+    E, first, held = span
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
     logits = tl.load(logits_row + cols, mask=mask, other=-float("inf"), volatile=VOLATILE).to(tl.float32)
@@ -60,25 +65,29 @@ def _top_k_of_row(
     tl.store(experts_ptr + out, ids, mask=slots < TOP_K)
 
 
+@triton.heuristics(TOP_K_HEURISTICS)
 @triton.jit
 def _route_kernel(
     logits_ptr,
     weights_ptr,
     experts_ptr,
-    E,
-    first,
-    held,
+    span,
     stride_l,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """`_top_k_of_row` of row `program_id`."""
+    """`_top_k_of_row` of row `program_id(0)`; one program per row.
+
+    logits_ptr: float [N, >= E] router logits, row stride stride_l (elements); weights_ptr: float32 [N, TOP_K],
+    experts_ptr: int32 [N, TOP_K] (out); span: (E, first, held), the experts (each row's first E logits) and the
+    rank's (first .. first + held - 1); TOP_K: experts per token; NORMALIZE: renormalise the chosen weights; K_PAD,
+    BLOCK_E (heuristics): TOP_K and E as powers of two."""
     pdl.wait_for_previous()
     row = tl.program_id(0)
     logits_row = logits_ptr + row.to(tl.int64) * stride_l
-    _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, first, held, TOP_K, K_PAD, NORMALIZE, BLOCK_E, False)
+    _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, span, TOP_K, K_PAD, NORMALIZE, BLOCK_E, False)
 
 
 def route(
@@ -95,20 +104,17 @@ def route(
             logits,
             weights,
             experts,
-            num_experts,
-            first_expert,
-            num_experts if held_experts is None else held_experts,
+            (num_experts, first_expert, num_experts if held_experts is None else held_experts),
             logits.stride(0),
             TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k),
             NORMALIZE=normalize,
-            BLOCK_E=triton.next_power_of_2(num_experts),
             num_warps=1 if num_experts <= 1024 else 4,  # one warp reduces with shuffles alone
             **pdl.LAUNCH,
         )
     return weights, experts
 
 
+@triton.heuristics(TOP_K_HEURISTICS | {"K_TILES": lambda args: triton.cdiv(args["H"], args["BLOCK_K"])})
 @triton.jit
 def _router_kernel(
     x_ptr,
@@ -117,13 +123,10 @@ def _router_kernel(
     weights_ptr,
     experts_ptr,
     arrivals_ptr,
-    E,
-    first,
-    held,
+    span,
     OUT,
     H,
-    stride_xm,
-    stride_wn,
+    strides,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -134,20 +137,27 @@ def _router_kernel(
 ):
     """logits[row, cols] = x[row] @ w[cols].T rounded to the logits' dtype, for BLOCK_N of the OUT columns; the
     last program of a row to finish (counted in arrivals[row], which it sets back to 0 for the next pass) then
-    routes the row (`_top_k_of_row` of its first E logits)."""
+    routes the row (`_top_k_of_row` of its first E logits). Grid (cdiv(OUT, BLOCK_N), N).
+
+    x_ptr: float [N, H] activations; w_ptr: the router's weight [OUT, H] in x's dtype; logits_ptr: [N, OUT] in
+    x's dtype, contiguous, weights_ptr: float32 [N, TOP_K], experts_ptr: int32 [N, TOP_K] (out); arrivals_ptr:
+    int32 [N], zeros between launches; span, TOP_K, NORMALIZE as `_route_kernel`'s (the OUT - E columns past the
+    experts' are a shared expert's gate); strides: (stride_xm, stride_wn), x's and w's row strides (elements);
+    K_PAD, BLOCK_E, K_TILES = cdiv(H, BLOCK_K) (heuristics)."""
     pdl.wait_for_previous()
+    stride_xm, stride_wn = strides
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = cols < OUT
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    logit = rows_times_x(x_row, w_ptr, cols, n_mask, stride_wn, H, 0, 0, -1, BLOCK_N, BLOCK_K, K_TILES, False)
+    logit = rows_times_x(x_row, w_ptr, cols, n_mask, stride_wn, H, 0, 0, -1, BLOCK_N, BLOCK_K, K_TILES)
     logits_row = logits_ptr + row.to(tl.int64) * OUT
     tl.store(logits_row + cols, logit.to(logits_ptr.dtype.element_ty), mask=n_mask)
     tl.debug_barrier()  # every thread's logits stored before the arrival (the atomic releases them)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
         tl.store(arrivals_ptr + row, 0)
-        _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, E, first, held, TOP_K, K_PAD, NORMALIZE, BLOCK_E, True)
+        _top_k_of_row(logits_row, weights_ptr, experts_ptr, row, span, TOP_K, K_PAD, NORMALIZE, BLOCK_E, True)
 
 
 def router(
@@ -184,20 +194,14 @@ def router(
         weights,
         experts,
         quant_matmul.arrival_counts(x.device, rows),
-        num_experts,
-        first_expert,
-        num_experts if held_experts is None else held_experts,
+        (num_experts, first_expert, num_experts if held_experts is None else held_experts),
         out_features,
         hidden,
-        x.stride(0),
-        weight.stride(0),
+        (x.stride(0), weight.stride(0)),
         TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
         NORMALIZE=normalize,
-        BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        K_TILES=triton.cdiv(hidden, block_k),
         num_warps=num_warps,
         **pdl.LAUNCH,
     )

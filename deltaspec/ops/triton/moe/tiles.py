@@ -9,13 +9,15 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bf16 dot operands raw
 ALIGN_MAX_PAIRS = 4096  # the one-program grouping's limit (a bitonic sort of the pairs)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
 PAIR_MAX_TOKENS = 2  # passes of at most this many tokens skip the grouping (`tile_for`)
-PRMT = not INTERPRETED  # the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks)
+# the GGUF GEMVs' byte permutes as PTX (the interpreter takes shifts and masks); a constexpr the kernels read
+PRMT = tl.constexpr(not INTERPRETED)
 
 
 @dataclass(frozen=True)
@@ -76,5 +78,12 @@ def tile_for(tokens: int, top_k: int, num_experts: int, quantized: bool = False)
 
 
 def pairs_pad(num_pairs: int) -> int:
-    """The power of two (at least 16) that holds a decode pass's pairs, for `count_distinct`."""
+    """The power of two (at least 16) that holds a pass's pairs: the one-program grouping's sort, and a decode
+    pass's count of distinct experts (`products.count_distinct`)."""
     return max(16, triton.next_power_of_2(num_pairs))
+
+
+def widen(dtype: torch.dtype) -> bool:
+    """Whether the tensor-core products of activations of `dtype` run in float32 (no TF32): float32
+    activations, or Triton's interpreter."""
+    return dtype == torch.float32 or INTERPRETED
