@@ -93,10 +93,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def cmd_serve(args: argparse.Namespace) -> int:
+    server_config = config_from_args(args, ServerConfig)
+    if server_config.data_parallel_backend == "ray":
+        from deltaspec.server.data_parallel.ray_serve import serve_on_ray
+
+        return serve_on_ray(engine_config(args), server_config)
+    if server_config.data_parallel_size > 1:
+        from deltaspec.server.data_parallel.serve import serve_data_parallel
+
+        return serve_data_parallel(engine_config(args), server_config)
     from deltaspec.server.app import run_server
 
-    run_server(engine_config(args), config_from_args(args, ServerConfig))
+    run_server(engine_config(args), server_config)
+    return 0
 
 
 def version_text() -> str:

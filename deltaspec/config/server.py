@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from deltaspec.errors import DeltaspecError
 
 MAX_PORT = 65535
+DATA_PARALLEL_BACKENDS = ("mp", "ray")  # vLLM's --data-parallel-backend names
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,41 @@ class ServerConfig:
     max_constraint_bytes: int = field(
         default=256 << 10, metadata={"help": "largest output constraint (schema, regex, choices, grammar) in bytes"}
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "engine replicas behind this one address, each a whole copy of the model (on GPUs: "
+            "--tensor-parallel-size GPUs of its own each); requests go to the replica that holds their prefix, else to "
+            "the least-loaded one",
+            "aliases": ("-dp",),
+        },
+    )
+    data_parallel_backend: str = field(
+        default="mp",
+        metadata={
+            "help": "who starts the replicas: mp (processes on this host) or ray (Ray Serve deployments on the Ray "
+            "cluster's hosts; needs the ray extra)",
+            "aliases": ("-dpb",),
+        },
+    )
+    router_cache_threshold: float = field(
+        default=0.3,
+        metadata={
+            "help": "with --data-parallel-size: the least share of a prompt a replica's earlier prompts must cover "
+            "for the prompt to go there rather than to the least-loaded replica"
+        },
+    )
+    router_balance_abs_threshold: int = field(
+        default=64,
+        metadata={
+            "help": "with --data-parallel-size: route to the least-loaded replica, whatever the prefixes, while the "
+            "busiest one has more than this many requests over it (and --router-balance-rel-threshold times as many)"
+        },
+    )
+    router_balance_rel_threshold: float = field(
+        default=1.5,
+        metadata={"help": "with --data-parallel-size: see --router-balance-abs-threshold"},
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= MAX_PORT:
@@ -114,6 +150,17 @@ class ServerConfig:
             raise DeltaspecError(
                 f"--log-stats-interval must be more than 0 seconds, got {self.log_stats_interval}; "
                 "use --disable-log-stats to log no throughput lines."
+            )
+        if self.data_parallel_size < 1:
+            raise DeltaspecError(f"--data-parallel-size must be 1 or more, got {self.data_parallel_size}.")
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise DeltaspecError(f"--data-parallel-backend must be mp or ray, got {self.data_parallel_backend!r}.")
+        if not 0 <= self.router_cache_threshold <= 1:
+            raise DeltaspecError(f"--router-cache-threshold must be 0 to 1, got {self.router_cache_threshold}.")
+        if self.router_balance_abs_threshold < 0 or self.router_balance_rel_threshold < 1:
+            raise DeltaspecError(
+                "--router-balance-abs-threshold must be 0 or more and --router-balance-rel-threshold 1 or more, got "
+                f"{self.router_balance_abs_threshold} and {self.router_balance_rel_threshold}."
             )
         for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
             if getattr(self, name) is not None:
