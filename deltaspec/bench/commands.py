@@ -1,7 +1,8 @@
-"""`deltaspec bench serve|agents|spec|decode|verify|concurrency|prefill|longctx|spec-oracle|profile|drafter|
-structured`: run a scenario and write JSON. serve and agents run against an in-process server or --url; the device
-benchmarks (decode, verify, concurrency, prefill, longctx, spec-oracle, profile, drafter, structured) drive the
-engine directly and never import the server."""
+"""`deltaspec bench serve|agents|data-parallel|spec|decode|verify|concurrency|prefill|longctx|spec-oracle|profile|
+drafter|structured`: run a scenario and write JSON. serve and agents run against an in-process server or --url,
+data-parallel against replica processes behind the front door; the device benchmarks (decode, verify, concurrency,
+prefill, longctx, spec-oracle, profile, drafter, structured) drive the engine directly and never import the
+server."""
 
 from __future__ import annotations
 
@@ -92,6 +93,48 @@ def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
         )
         Path(args.plot).write_text(svg)
         say(f"wrote {args.plot}")
+
+
+def cmd_bench_data_parallel(args: argparse.Namespace, engine_config) -> None:
+    from deltaspec.bench.data_parallel import bench_data_parallel
+    from deltaspec.config.host import default_device
+
+    if args.data_parallel_size < 2:
+        raise DeltaspecError(
+            f"--data-parallel-size must be 2 or more to compare with one replica, got {args.data_parallel_size}."
+        )
+    load = engine_config.load
+    result = bench_data_parallel(
+        engine_config,
+        args.data_parallel_size,
+        args.concurrency,
+        args.requests_per_client,
+        args.max_tokens,
+        args.runs,
+        progress=say,
+    )
+    say(
+        f"{args.data_parallel_size} replicas at C={args.data_parallel_size * args.concurrency}: "
+        f"{result['aggregate_ratio']:.2f}x one replica's aggregate at C={args.concurrency}, TPOT p50 "
+        f"{result['tpot_p50_ratio']:.2f}x, TTFT p50 {result['ttft_p50_ratio']:.2f}x"
+    )
+    write_report(
+        {
+            "benchmark": "data-parallel",
+            "commit": commit(),
+            **({"shape": load.shape, "random_weights": True} if load.random_weights else {"model": load.model}),
+            "device": default_device() if engine_config.host.device == "auto" else engine_config.host.device,
+            "dtype": load.dtype,
+            "tensor_parallel_size": engine_config.parallel.tensor_parallel_size,
+            "data_parallel_size": args.data_parallel_size,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "requests_per_client": args.requests_per_client,
+            "runs": args.runs,
+            **result,
+        },
+        args.out,
+    )
 
 
 def cmd_bench_agents(args: argparse.Namespace, engine_config) -> None:
@@ -418,6 +461,26 @@ def add_bench_parser(commands, add_engine_flags, engine_config) -> None:
     serve.add_argument("--runs", type=int, default=3, help="runs per level; the report gives medians (default: 3)")
     serve.add_argument("--plot", default=None, help="write an SVG chart of tok/s over concurrency here")
     serve.set_defaults(func=lambda args: cmd_bench_serve(args, engine_config(args)))
+    data_parallel = scenarios.add_parser(
+        "data-parallel",
+        help="N data-parallel replicas at N x C clients against one replica at C: aggregate, TPOT and TTFT ratios",
+    )
+    data_parallel.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=2, help="replicas compared with one (default: 2)"
+    )
+    data_parallel.add_argument("--concurrency", type=int, default=4, help="clients per replica (default: 4)")
+    data_parallel.add_argument(
+        "--requests-per-client", type=int, default=4, help="requests each client sends (default: 4)"
+    )
+    data_parallel.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens per request, eos ignored (default: 128)"
+    )
+    data_parallel.add_argument(
+        "--runs", type=int, default=3, help="runs per layout; the report gives medians (default: 3)"
+    )
+    data_parallel.add_argument("--out", default=None, help="also write the JSON report here")
+    add_engine_flags(data_parallel)
+    data_parallel.set_defaults(func=lambda args: cmd_bench_data_parallel(args, engine_config(args)))
     agents = scenarios.add_parser("agents", help="agents with long documents asking follow-ups")
     agents.add_argument("--agents", type=int, default=4, help="number of agents (default: 4)")
     agents.add_argument("--doc-chars", type=int, default=8000, help="characters per document (default: 8000)")
