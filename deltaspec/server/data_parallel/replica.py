@@ -34,9 +34,11 @@ def log_as_replica(index: int) -> None:
 
 
 def stop_when_orphaned(parent: int) -> None:
-    """Send this process SIGTERM (the server drains and exits) once `parent` is no longer its parent."""
+    """Once `parent` is no longer this process's parent, send this process SIGTERM (the server drains and exits),
+    its standard output, which nobody reads any more, sent to /dev/null."""
     while os.getppid() == parent:
         time.sleep(PARENT_POLL_S)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     os.kill(os.getpid(), signal.SIGTERM)
 
 
