@@ -136,6 +136,26 @@ def test_health_and_metrics_report_each_replica(server):
     assert sum(int(n) for _, route, n in routed if route == "prefix") >= 1
 
 
+def test_a_client_that_leaves_frees_its_sequence_on_the_replica(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": MODEL, "prompt": "def f(", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    conn.close()
+    deadline = time.monotonic() + 10
+    while True:
+        text = server.get("/metrics")[1]
+        busy = re.findall(
+            r"^(?:deltaspec_router_requests_in_flight|deltaspec_num_requests_running)\{.*\} (\S+)$", text, re.M
+        )
+        if len(busy) == 4 and all(float(value) == 0 for value in busy):
+            break
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.2)
+
+
 def test_a_dead_replica_stops_the_server(server):
     """Runs last: it ends the module's server."""
     os.kill(server.pids[1], signal.SIGKILL)
