@@ -16,7 +16,7 @@ import triton.language as tl
 
 from deltaspec.ops.quant import format_of
 from deltaspec.ops.quant.dequant import dequantize as reference_dequantize
-from deltaspec.ops.triton import pdl, quant_gemv
+from deltaspec.ops.triton import pdl, quant_bits, quant_gemv_hf
 
 KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2, "FP8_B128": 3, "I4_G32": 4, "I4_G128": 5}  # QTYPE of the tile code
 STEP = 256  # values per super-block (eight Q8_0 blocks)
@@ -91,7 +91,7 @@ def _int4_tile(w_ptr, rows, row_bytes, step, n_mask, GROUP: tl.constexpr, BLOCK_
     nibbles = (quants[:, :, :, None] >> (tl.arange(0, 8) * 4)[None, None, None, :]) & 0xF  # [N, BLOCKS, WORDS, 8]
     zero = (header >> 16) & 0xFF
     q = tl.reshape(nibbles, (BLOCK_N, BLOCKS, GROUP)) - zero[:, :, None]  # q' - z' in [-16, 15]
-    values = quant_gemv.int4_scale(header)[:, :, None] * q.to(tl.float32)  # [BLOCK_N, BLOCKS, GROUP]
+    values = quant_gemv_hf.int4_scale(header)[:, :, None] * q.to(tl.float32)  # [BLOCK_N, BLOCKS, GROUP]
     return tl.reshape(values, (BLOCK_N, 256))
 
 
@@ -110,10 +110,10 @@ def _q4_k_half_chunk(quants, d, dmin, s0, s1, s2, j: tl.constexpr, BLOCK_N: tl.c
     """Sub-block j's 32 values [BLOCK_N, 32] in float32 from its chunk's nibble words [BLOCK_N, 8] (low
     nibbles for even j, high for odd): value i * 4 + k is nibble (byte k of word i) * d * scale - dmin * min."""
     sc, mn = _q4_k_sub_block(s0, s1, s2, j)
-    scale = d * quant_gemv.as_float(sc)  # [BLOCK_N]
-    low = dmin * quant_gemv.as_float(mn)
+    scale = d * quant_bits.as_float(sc)  # [BLOCK_N]
+    low = dmin * quant_bits.as_float(mn)
     shifts = tl.arange(0, 4) * 8 + (j % 2) * 4
-    q = quant_gemv.as_float((quants[:, :, None] >> shifts[None, None, :]) & 0xF)  # [BLOCK_N, 8, 4]
+    q = quant_bits.as_float((quants[:, :, None] >> shifts[None, None, :]) & 0xF)  # [BLOCK_N, 8, 4]
     return tl.reshape(scale[:, None, None] * q - low[:, None, None], (BLOCK_N, 32))
 
 
@@ -132,8 +132,8 @@ def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, stride_on, QTYPE: tl.conste
         s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
         s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
         s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
-        d = quant_gemv.half_bits(head)
-        dmin = quant_gemv.half_bits(head >> 16)
+        d = quant_bits.half_bits(head)
+        dmin = quant_bits.half_bits(head >> 16)
         lane = tl.arange(0, 32)[None, :]
         for c in tl.static_range(4):
             quants = tl.load(

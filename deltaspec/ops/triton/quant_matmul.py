@@ -9,7 +9,7 @@ rows, which dequantize a tile of weight rows in registers exactly as
 padded to 16): Q4_K one 64-value chunk at a time, the other types one 256-value super-block at a time. Each
 splits the input dimension into shares; with one share a program writes its output directly, with more the
 last program of an output tile to finish adds the float32 partial sums in a fixed order
-(`quant_gemv.store_or_add_shares`), so results never depend on scheduling.
+(`quant_bits.store_or_add_shares`), so results never depend on scheduling.
 `LAUNCHES` (measured on an H200, `tools/quant_kernel_sweep.py`) says which family and tile each block type
 takes at each row count. Supported here: Q8_0, Q4_K, Q6_K (what llama.cpp's Q4_K_M, Q6_K and Q8_0 files are
 made of), FP8_B128 (an FP8 checkpoint's weights) and I4_G32 and I4_G128 (a W4A16 checkpoint's int4 groups); other
@@ -29,13 +29,13 @@ import triton.language as tl
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
-from deltaspec.ops.triton import pdl, quant_dequant, quant_gemv
+from deltaspec.ops.triton import pdl, quant_bits, quant_dequant, quant_gemv, quant_gemv_hf
 from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, STEP, _q4_k_half_chunk, _tile
 
 # Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PRMT = not INTERPRETED  # the CUDA-core products' byte permutes as PTX (the interpreter takes shifts and masks)
-HALF, BIASED = quant_gemv.HALF_EXPONENT, quant_gemv.BIASED_EXPONENT
+HALF, BIASED = quant_bits.HALF_EXPONENT, quant_bits.BIASED_EXPONENT
 MAX_ROWS = 64
 I4_GROUPS = {"I4_G32": 32, "I4_G128": 128}  # int4 block type -> values per group
 
@@ -121,8 +121,8 @@ def _q4_k_tile_kernel(
         s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
         s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
         s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
-        d = quant_gemv.half_bits(head)
-        dmin = quant_gemv.half_bits(head >> 16)
+        d = quant_bits.half_bits(head)
+        dmin = quant_bits.half_bits(head >> 16)
         for c in tl.static_range(4):
             quants = tl.load(
                 w32_ptr + block[:, None] + 4 + c * 8 + tl.arange(0, 8)[None, :], mask=n_mask[:, None], other=0
@@ -153,11 +153,11 @@ def _times_x(x_ptr, order_ptr, xm, m_mask, stride_xm, columns, w, HAS_ORDER: tl.
 
 @triton.jit
 def _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, M, N, stride_om):
-    """A program's [BLOCK_M, BLOCK_N] result (`quant_gemv.store_or_add_shares`; its tile is grid(0))."""
+    """A program's [BLOCK_M, BLOCK_N] result (`quant_bits.store_or_add_shares`; its tile is grid(0))."""
     mask = m_mask[:, None] & n_mask[None, :]
     part_at = xm[:, None] * N + rows[None, :]
     out_at = xm[:, None] * stride_om + rows[None, :]
-    quant_gemv.store_or_add_shares(part_ptr, arrivals_ptr, out_ptr, acc, part_at, out_at, mask, tl.program_id(0), M, N)
+    quant_bits.store_or_add_shares(part_ptr, arrivals_ptr, out_ptr, acc, part_at, out_at, mask, tl.program_id(0), M, N)
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
 @functools.cache
 def arrival_counts(device: torch.device, count: int) -> torch.Tensor:
     """[count] int32 zeros: per output tile (or router row), how many of its programs have finished; the last to
-    arrive sets its count back to 0 for the next launch (`quant_gemv.store_or_add_shares`, the MoE router).
+    arrive sets its count back to 0 for the next launch (`quant_bits.store_or_add_shares`, the MoE router).
     Allocated at the first launch of that many tiles, an eager one (graph capture warms up first); launches on a
     device run one after another, as the engine's do, so they share it."""
     return torch.zeros(count, dtype=torch.int32, device=device)
@@ -260,9 +260,9 @@ def _segment_matmul(
                 x, order, data, data.view(torch.int16), *results, n_bytes, *tail, HALF, PRMT=PRMT, **common
             )
         elif qtype == "FP8_B128":
-            quant_gemv.fp8_b128_gemv_kernel[grid](x, order, data, *results, n_bytes, *tail, **common)
+            quant_gemv_hf.fp8_b128_gemv_kernel[grid](x, order, data, *results, n_bytes, *tail, **common)
         elif qtype in I4_GROUPS:
-            quant_gemv.i4_gemv_kernel[grid](
+            quant_gemv_hf.i4_gemv_kernel[grid](
                 x,
                 order,
                 data.view(torch.int32),

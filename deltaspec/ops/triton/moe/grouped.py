@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from deltaspec.ops import moe as reference
-from deltaspec.ops.triton import pdl, quant_gemv
+from deltaspec.ops.triton import pdl, quant_bits
 from deltaspec.ops.triton.moe.grouping import group_by_expert
 from deltaspec.ops.triton.moe.operands import Operands
 from deltaspec.ops.triton.moe.products import (
@@ -74,8 +74,8 @@ def _quant_rows_times(
             s0 = tl.load(w32_ptr + block + 1, mask=n_mask, other=0)
             s1 = tl.load(w32_ptr + block + 2, mask=n_mask, other=0)
             s2 = tl.load(w32_ptr + block + 3, mask=n_mask, other=0)
-            d = quant_gemv.half_bits(head)
-            dmin = quant_gemv.half_bits(head >> 16)
+            d = quant_bits.half_bits(head)
+            dmin = quant_bits.half_bits(head >> 16)
             for c in tl.static_range(4):
                 quants = tl.load(
                     w32_ptr + block[:, None] + 4 + c * 8 + tl.arange(0, 8)[None, :], mask=n_mask[:, None], other=0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltaspec.ops.triton import pdl, quant_gemv
+from deltaspec.ops.triton import pdl, quant_bits
 from deltaspec.ops.triton.moe.operands import Operands
 from deltaspec.ops.triton.moe.products import (
     count_distinct,
@@ -52,7 +52,7 @@ def _pair_gate_up_kernel(
     experts_ptr: int32 [routed_pairs] the routing's experts (-1: another rank's, skipped); out_ptr: [pairs, I] in
     x's dtype (out); H, inter_size: the input values and I; strides: (stride_xm, stride_we, stride_wn, stride_om),
     x's rows, w's experts and rows (elements, bytes for blocks) and out's rows; exps: (half_exponent,
-    biased_exponent), `quant_gemv.HALF_EXPONENT` and `BIASED_EXPONENT` as run-time values; TOP_K: slots per token;
+    biased_exponent), `quant_bits.HALF_EXPONENT` and `BIASED_EXPONENT` as run-time values; TOP_K: slots per token;
     K_TILES (heuristic): cdiv(H, BLOCK_K), the float slabs."""
     pdl.wait_for_previous()
     stride_xm, stride_we, stride_wn, stride_om = strides
@@ -153,7 +153,7 @@ def pair_products(ops: Operands, tile: PairTile) -> None:
     num_pairs, inter_size = ops.inter.shape
     hidden = ops.x.shape[-1]
     launch = {"BLOCK_K": tile.block_k, "num_warps": tile.num_warps}
-    launch |= {"exps": (quant_gemv.HALF_EXPONENT, quant_gemv.BIASED_EXPONENT)}
+    launch |= {"exps": (quant_bits.HALF_EXPONENT, quant_bits.BIASED_EXPONENT)}
     w, (stride_we, stride_wn), flags = ops.weight_args(down=False)
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter_size, tile.gate_up_n))](
         ops.x,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltaspec.ops.triton import quant_gemv
+from deltaspec.ops.triton import quant_gemv, quant_gemv_hf
 from deltaspec.ops.triton.moe.tiles import PRMT
 
 
@@ -54,12 +54,12 @@ def rows_times_x(
         )
     elif QTYPE == 3:
         start = rows.to(tl.int64) * row_stride
-        result = quant_gemv.fp8_b128_rows(x_row, x_row, w_ptr, start, n_mask, 0, K // 256, False, BLOCK_N)
+        result = quant_gemv_hf.fp8_b128_rows(x_row, x_row, w_ptr, start, n_mask, 0, K // 256, False, BLOCK_N)
     elif QTYPE >= 4:  # I4_G32, I4_G128
         w32_ptr = w_ptr.to(tl.pointer_type(tl.int32))
         start = rows.to(tl.int64) * (row_stride // 4)
         group: tl.constexpr = 32 if QTYPE == 4 else 128
-        result = quant_gemv.i4_rows(
+        result = quant_gemv_hf.i4_rows(
             x_row, x_row, w32_ptr, start, n_mask, 0, K // 256, half_exponent, group, False, BLOCK_N, PRMT
         )
     elif QTYPE == 2:
