@@ -13,7 +13,7 @@ from deltaspec.bench.local_server import free_port
 from deltaspec.cli import main
 from deltaspec.config.engine import EngineConfig
 from deltaspec.errors import DeltaspecError
-from tests.server.test_server import serving
+from tests.server.live import serving
 
 
 def test_bench_serve_reports_aggregate_rate_and_percentiles(tmp_path, capsys):

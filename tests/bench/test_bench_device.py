@@ -359,3 +359,36 @@ def test_bench_profile_lists_where_decode_steps_spend_their_time(tmp_path, capsy
     for k in kernels:
         assert k["us_per_step"] == pytest.approx(1000 * k["total_ms"] / 2)
     assert any(k["name"] in ("aten::mm", "aten::addmm", "aten::linear") for k in kernels)
+    assert r["kernels_per_step"] >= len(kernels) / 2 and r["product_ms_per_step"] > 0
+    assert r["product_ms_per_step"] + r["non_product_ms_per_step"] == pytest.approx(r["profiled_ms_per_step"])
+    assert r["host_ms_not_hidden_per_step"] == pytest.approx(max(r["step_ms"] - r["profiled_ms_per_step"], 0.0))
+
+
+def test_profile_tells_weight_products_from_the_rest():
+    """Kernel names as an H200 profile of a 27B step listed them (benchmarks/h200/0f50148)."""
+    from deltaspec.bench.profile import is_product, product_kernel_names
+
+    products = [
+        "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT",
+        "std::enable_if<!(false), void>::type internal::gemvx::kernel<int, int, __nv_bfloat16>",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>",
+        "_skinny_kernel",
+        "_gate_up_kernel",
+        "_down_kernel",
+        "q4_k_gemv_kernel",
+        "i4_gemv_kernel",
+        "_q4_k_tile_kernel",
+    ]
+    others = [
+        "_add_rms_norm_kernel",
+        "_paged_attention_kernel",
+        "_recurrent_kernel",
+        "_route_kernel",
+        "_write_kv_kernel",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::sigmoid_kernel_cuda>",
+        "void at::native::(anonymous namespace)::indexSelectSmallIndex<c10::BFloat16, long>",
+    ]
+    assert all(is_product(name, on_device=True) for name in products)
+    assert not any(is_product(name, on_device=True) for name in others)
+    assert {"q4_k_gemv_kernel", "fp8_b128_gemv_kernel", "_pair_gate_up_kernel"} <= product_kernel_names()
+    assert is_product("aten::mm", on_device=False) and not is_product("aten::mul", on_device=False)

@@ -12,7 +12,7 @@ from deltaspec.bench.sanity import check_run, histogram_totals, server_tpot
 from deltaspec.bench.serve import bench_serve
 from deltaspec.config.engine import EngineConfig
 from deltaspec.errors import DeltaspecError
-from tests.server.test_server import serving
+from tests.server.live import serving
 
 
 def streamed(tokens: int, gap_s: float, ttft_s: float = 0.05, usage: int | None = None) -> Timing:

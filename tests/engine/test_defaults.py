@@ -15,7 +15,7 @@ from deltaspec.engine.engine import Engine
 from deltaspec.model.generation_config import sampling_defaults
 from deltaspec.server.protocol import ChatCompletionRequest
 from deltaspec.server.samples import sampling_params
-from tests.server.test_server import KEY, serving
+from tests.server.live import KEY, serving
 from tests.tiny_models import write_checkpoint
 
 TURNS = [

@@ -119,7 +119,7 @@ def test_a_default_chat_request_ends_in_seconds(tmp_path):
     max_tokens, where plain greedy looped for 4,074 tokens and 181 s."""
     import time
 
-    from tests.server.test_server import KEY, MODEL, serving
+    from tests.server.live import KEY, MODEL, serving
 
     report = json.loads((DATA.parent.parent / "benchmarks" / "generation-defaults-cpu-default-model.json").read_text())
     config = json.loads((default_model_path() / "generation_config.json").read_text())

@@ -12,7 +12,7 @@ import pytest
 
 from deltaspec.config.engine import EngineConfig
 from deltaspec.model.tokenizer import Tokenizer
-from tests.server.test_server import KEY, MODEL, NO_THINK, serving
+from tests.server.live import KEY, MODEL, NO_THINK, serving
 
 TURNS = (
     "Write a function that adds two numbers.",

@@ -14,7 +14,7 @@ from importlib.metadata import version
 import pytest
 
 from deltaspec.server.context import ServerContext
-from tests.server.test_server import KEY, NO_THINK, TOOLS, USER, Live, ScriptedOutput, one_sentence, serving
+from tests.server.live import KEY, NO_THINK, TOOLS, USER, Live, ScriptedOutput, one_sentence, serving
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "repetition_penalty": 1.0}

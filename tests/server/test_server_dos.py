@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.server.test_server import Live, serving
+from tests.server.live import Live, serving
 
 CANARY = {"prompt": "def add(a, b):\n", "max_tokens": 8, "temperature": 0.0}
 INTERNALS = ("<state>", "<grammar>", "lark_grammar", "Traceback", "non-verbose")

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from deltaspec.config.engine import EngineConfig
-from tests.server.test_server import CTX, KEY, MODEL, TOOLS, USER, Live, one_sentence, serving
+from tests.server.live import CTX, KEY, MODEL, TOOLS, USER, Live, one_sentence, serving
 
 LIMIT = 2 << 20  # the hostile server's --max-request-bytes
 SEQUENCES = 16  # its --max-sequences-per-request

@@ -29,7 +29,7 @@ from deltaspec.errors import DeltaspecError
 from deltaspec.server.auth import API_KEY_ENV
 from deltaspec.server.logs import StatsSnapshot, memory, startup_summary, stats_line
 from deltaspec.server.metrics import TokenTally
-from tests.server.test_server import KEY, USER, Live, ScriptedOutput, serving
+from tests.server.live import KEY, USER, Live, ScriptedOutput, serving
 from tests.tiny_models import write_checkpoint
 
 MODEL = "tiny"

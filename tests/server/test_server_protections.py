@@ -16,7 +16,7 @@ from deltaspec.config.server import ServerConfig, flag_list
 from deltaspec.errors import DeltaspecError
 from deltaspec.sample.params import SamplingParams, check_token_ids
 from deltaspec.server.browsers import allowed_host_names, host_name
-from tests.server.test_server import MODEL, USER, Live, serving
+from tests.server.live import MODEL, USER, Live, serving
 from tests.server.test_server_hostile import CHAT, COMPLETIONS, check_error
 
 VOCAB = 8192  # the embedded model's vocabulary

@@ -12,7 +12,7 @@ import pytest
 from deltaspec.config.engine import EngineConfig
 from deltaspec.model.tokenizer import Tokenizer
 from deltaspec.server.structured import tool_call_grammar
-from tests.server.test_server import CTX, KEY, MODEL, NO_THINK, THINK, TOOLS, USER, Live, serving
+from tests.server.live import CTX, KEY, MODEL, NO_THINK, THINK, TOOLS, USER, Live, serving
 
 SCHEMA = {
     "type": "object",

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.server.test_server import KEY, MODEL, USER, serving
+from tests.server.live import KEY, MODEL, USER, serving
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 CANARY = {"model": MODEL, "prompt": "def add(a, b):\n", "max_tokens": 3, "temperature": 0.0}

@@ -283,7 +283,7 @@ def test_the_server_takes_image_url_parts_from_the_openai_client(model_dir, llm,
     import openai
 
     from deltaspec.config.engine import EngineConfig
-    from tests.server.test_server import KEY, serving
+    from tests.server.live import KEY, serving
 
     config = EngineConfig.from_flat(model=str(model_dir), dtype="float64", device="cpu", max_model_len=512)
     content = [
