@@ -8,18 +8,70 @@ steps run unprofiled (`step_ms`: wall time per engine step); with CUDA graphs, `
 one replay of the step's graph back to back with no host work in between (padding inputs), so
 `step_ms - graph_replay_ms` is what the host adds to a step. Profiling slows the host, so the
 profiled wall time is not a benchmark; `bench decode` and `bench concurrency` are.
+
+Per step the report also gives the kernels launched (on CUDA the device's kernels and copies, in graphs or not;
+on the CPU the torch ops that took time), the time of the weight products (`product_ms_per_step`: cuBLAS and
+CUTLASS GEMM / GEMV kernels and deltaspec's product kernels — `PRODUCT_MODULES`; on the CPU the matrix-multiply
+ops), the rest of the device time (`non_product_ms_per_step`: norms, GDN, attention, routing, copies, ...), and
+`host_ms_not_hidden_per_step`: the unprofiled step's wall time minus that device time, what the host adds that
+the device does not cover. On CUDA only device events are summed (a CPU op's device time is its kernels', which
+are listed themselves).
 """
 
 from __future__ import annotations
 
+import re
 import time
+from functools import cache
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from deltaspec.bench.device import bench_engine, identity, random_prompt, say, start, sync
 from deltaspec.config.engine import EngineConfig
 
 WARMUP_STEPS = 3
+
+
+# deltaspec's Triton modules whose kernels are the weight products and their helpers (GEMV / GEMM tiles, split-K
+# reductions, MoE expert products and their sum, W8A8's activation quantization, prefill's dequantization ahead of
+# cuBLAS)
+PRODUCT_MODULES = (
+    "quant_gemv",
+    "quant_gemv_hf",
+    "quant_matmul",
+    "quant_dequant",
+    "skinny_gemm",
+    "w8a8",
+    "moe.grouped",
+    "moe.pairs",
+)
+LIBRARY_PRODUCTS = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitKreduce", re.IGNORECASE)  # cuBLAS, CUTLASS
+CPU_PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm", "aten::linear"})
+
+
+@cache
+def product_kernel_names() -> frozenset[str]:
+    """The names of the Triton kernels in `PRODUCT_MODULES` (what the profiler calls them)."""
+    import importlib
+
+    names = set()
+    for module in PRODUCT_MODULES:
+        path = f"deltaspec.ops.triton.{module}"
+        for value in vars(importlib.import_module(path)).values():
+            fn = value
+            while hasattr(fn, "fn"):  # autotune / heuristics wrappers around the JITFunction
+                fn = fn.fn
+            if fn is not value and getattr(fn, "__module__", None) == path and fn.__name__.endswith("_kernel"):
+                names.add(fn.__name__)
+    return frozenset(names)
+
+
+def is_product(name: str, on_device: bool) -> bool:
+    """Whether a profiled kernel (or, on the CPU, op) is a weight product."""
+    if not on_device:
+        return name in CPU_PRODUCTS
+    return name in product_kernel_names() or bool(LIBRARY_PRODUCTS.search(name))
 
 
 def own_time_us(event, on_device: bool) -> float:
@@ -66,9 +118,11 @@ def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, 
         )
     while engine.has_unfinished():
         engine.step()
-    events = [(e.key, e.count, own_time_us(e, on_device)) for e in prof.key_averages()]
+    wanted = DeviceType.CUDA if on_device else DeviceType.CPU
+    events = [(e.key, e.count, own_time_us(e, on_device)) for e in prof.key_averages() if e.device_type == wanted]
     events = sorted((e for e in events if e[2] > 0), key=lambda e: -e[2])
     total_us = sum(us for _, _, us in events)
+    product_us = sum(us for name, _, us in events if is_product(name, on_device))
     kernels = [
         {"name": name, "calls": count, "total_ms": us / 1000, "us_per_step": us / steps, "share": us / total_us}
         for name, count, us in events[:top]
@@ -83,6 +137,10 @@ def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, 
         step_ms=step_ms,
         graph_replay_ms=replay_ms,
         profiled_ms_per_step=total_us / 1000 / steps,
+        kernels_per_step=sum(count for _, count, _ in events) / steps,
+        product_ms_per_step=product_us / 1000 / steps,
+        non_product_ms_per_step=(total_us - product_us) / 1000 / steps,
+        host_ms_not_hidden_per_step=max(step_ms - total_us / 1000 / steps, 0.0),
         wall_ms_per_step_under_profiler=wall_ms,
         kernels=kernels,
     )
