@@ -12,13 +12,14 @@
 # jsonschema-specifications, referencing, rpds-py, loguru, fla-core, flash-linear-attention, pytest-xdist and
 # execnet, the versions pyproject.toml's pins allow; fastapi 0.16x also imports opentelemetry-api, and the server
 # and bench tests import openai (with distro and jiter): without them those files fail to collect (their gpu tests
-# are few). The image has pillow (12.3 on 2026-12-07). Tree + carried folders stay under 64 MiB: the tree is ~50 MB,
+# are few; openai 2.x takes httpx2, httpcore2, truststore and h11). The image has pillow (12.3 on 2026-12-07). Tree + carried folders stay under 64 MiB: the tree is ~50 MB,
 # so a train call carries the pack and few wheels, a tests call the wheels and no pack.
 # Steps:
 #   kernels:SECONDS    the routed GEMV launches' sweep for 1-16 rows
 #   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
 #   treeprof:SHAPE     cProfile of bench tree-oracle on a random-weight shape (host time of chain vs tree rounds)
 #   tests:SECONDS      pytest -m "gpu or kernel" over tests/, 8 workers
+#   retest:SECONDS     pytest on the test ids in .scratch/retest.txt
 #   peer:STEPS         tools/peer_bench.sh's STEPS (build,file,llama,deltaspec,combine) into $OUT, with llama.cpp's
 #                      source at .scratch/llama.cpp-2026-10-src.tar.xz and its build kept in .scratch/peer
 set -uo pipefail
@@ -57,6 +58,10 @@ for step in "$@"; do
       (cd $repo && LLAMA_TARBALL=$repo/.scratch/llama.cpp-2026-10-src.tar.xz WORK=/tmp/peer STEPS="$arg" \
         PYTHONPATH=/tmp/snap:/tmp/site bash /tmp/snap/tools/peer_bench.sh $OUT/peer); echo "peer exit $?"
       cat $OUT/peer/peer_bench.json 2>/dev/null | head -40 ;;
+    retest)  # only the test ids listed in .scratch/retest.txt (a failed run's FAILED lines), with ARG as the time limit
+      timeout "$arg" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE $(cat $repo/.scratch/retest.txt) \
+        > $OUT/gpu_retest.log 2>&1; echo "pytest exit $?"
+      grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_retest.log | tail -30 ;;
     tests)
       timeout "$arg" python3 -m pytest -q -m "gpu or kernel" -n 8 -p no:cacheprovider --durations=15 -rfE tests \
         > $OUT/gpu_tests.log 2>&1; echo "pytest exit $?"
