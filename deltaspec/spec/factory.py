@@ -58,8 +58,7 @@ def draft_model_dir(config: EngineConfig, target_dir: Path | None, kind: str = "
     if path is None:
         what = "draft model" if kind == "draft" else "block drafter (a DFlash-layout directory)"
         raise DeltaspecError(
-            f"speculative={kind!r} needs --draft-model PATH to a {what}; the embedded default model ships "
-            f"{'its own draft model' if kind == 'draft' else 'no block drafter yet'}."
+            f"speculative={kind!r} needs --draft-model PATH to a {what}; only the embedded default model ships its own."
         )
     return path
 

@@ -53,7 +53,7 @@ def test_default_model_loads_with_its_mtp_head_and_draft(llm):
     draft = LLM(str(DRAFT), dtype="float32", device="cpu")
     assert draft.tokenizer.encode(SAMPLE[:2000]) == llm.tokenizer.encode(SAMPLE[:2000])
     sizes = sum(f.stat().st_size for f in default_model_path().parent.glob("*/*.safetensors"))
-    assert sizes <= 30_000_000
+    assert sizes <= 34_000_000  # target, MTP head, draft model and block drafter: the tree stays under 64 MiB
 
 
 def test_greedy_completions_of_heldout_functions_are_valid_python(llm):
