@@ -97,7 +97,6 @@ def cmd_bench_serve(args: argparse.Namespace, engine_config) -> None:
 
 def cmd_bench_data_parallel(args: argparse.Namespace, engine_config) -> None:
     from deltaspec.bench.data_parallel import bench_data_parallel
-    from deltaspec.config.host import default_device
 
     if args.data_parallel_size < 2:
         raise DeltaspecError(
@@ -123,7 +122,7 @@ def cmd_bench_data_parallel(args: argparse.Namespace, engine_config) -> None:
             "benchmark": "data-parallel",
             "commit": commit(),
             **({"shape": load.shape, "random_weights": True} if load.random_weights else {"model": load.model}),
-            "device": default_device() if engine_config.host.device == "auto" else engine_config.host.device,
+            "device": engine_config.host.device_name(),
             "dtype": load.dtype,
             "tensor_parallel_size": engine_config.parallel.tensor_parallel_size,
             "data_parallel_size": args.data_parallel_size,

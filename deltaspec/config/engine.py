@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields, replace
 
+from deltaspec.config.host import default_device
+
 DEFAULT_IMAGES_PER_PROMPT = 8  # a multimodal checkpoint's limit when limit_mm_per_prompt leaves it out
 MAX_TREE_ROWS = 64  # nodes of one tree of drafts, its root included (the kernels' ancestor masks are int64)
 
@@ -127,6 +129,10 @@ class HostConfig:
         },
     )
     enforce_eager: bool = field(default=False, metadata={"help": "run every pass eagerly, without CUDA graphs"})
+
+    def device_name(self) -> str:
+        """The torch device this config runs on: `device`, with auto resolved to this machine's default."""
+        return default_device() if self.device == "auto" else self.device
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from deltaspec.config.cache_spec import CacheSpec
 from deltaspec.config.dtypes import parse_dtype, parse_kv_dtype
 from deltaspec.config.engine import DEFAULT_IMAGES_PER_PROMPT, MAX_TREE_ROWS, EngineConfig, SpeculativeConfig
 from deltaspec.config.graph_buckets import uses_cuda_graphs
-from deltaspec.config.host import default_device, default_threads
+from deltaspec.config.host import default_threads
 from deltaspec.errors import DeltaspecError
 
 CHECKPOINTS_PER_STREAM = 3  # a long request leaves up to three: 512 and 64 tokens before its prompt's end, its end
@@ -28,7 +28,7 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     slow there). state_dtype auto: float32, or float64 for a float64 model. kv_cache_dtype auto: the model's dtype
     (named as it, "fp8" as "fp8_e4m3").
     """
-    device = default_device() if cfg.host.device == "auto" else cfg.host.device
+    device = cfg.host.device_name()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DeltaspecError(f"Device {device!r} was asked for but CUDA is not available; use --device cpu.")
     if cfg.load.dtype == "auto":

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from deltaspec.config.model import ModelConfig
 from deltaspec.errors import DeltaspecError
@@ -384,19 +385,14 @@ def padded_context(
     (block_positions [S, B]) over its context, then its block: every context row it holds (all earlier than the
     block), its block's rows (only earlier ones in a causal layer), within `window` positions in a windowed one."""
     blocks, width = block_positions.shape
-    longest = max(k.shape[0] for k, _ in context)
-    first = context[0][0]
-    keys = first.new_zeros(blocks, longest, *first.shape[1:])
-    values = torch.zeros_like(keys)
-    key_positions = block_positions.new_full((blocks, longest), -1)
-    held = torch.zeros(blocks, longest, dtype=torch.bool, device=block_positions.device)
-    for s, ((k, v), p) in enumerate(zip(context, context_positions)):
-        keys[s, : k.shape[0]], values[s, : v.shape[0]], key_positions[s, : p.shape[0]] = k, v, p
-        held[s, : p.shape[0]] = True
+    keys = pad_sequence([k for k, _ in context], batch_first=True)
+    values = pad_sequence([v for _, v in context], batch_first=True)
+    key_positions = pad_sequence(context_positions, batch_first=True, padding_value=-1)  # [S, C]
+    held = key_positions >= 0
     queries = block_positions[:, :, None]  # [S, B, 1]
     own = block_positions[:, None, :]  # [S, 1, B]
-    in_context = held[:, None, :].expand(blocks, width, longest)
-    in_block = own <= queries if causal else torch.ones_like(own <= queries)
+    in_context = held[:, None, :].expand(blocks, width, held.shape[1])
+    in_block = own <= queries if causal else torch.ones(blocks, width, width, dtype=torch.bool, device=own.device)
     if window is not None:
         in_context = in_context & (key_positions[:, None, :] > queries - window)
         in_block = in_block & (own > queries - window)

@@ -4,7 +4,6 @@ is plain greedy decoding for every draft length, with and without trees, its sam
 and its acceptance on held-out code stays at the level measured when it was shipped."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,10 @@ import torch
 from deltaspec import LLM, SamplingParams
 from deltaspec.model.weights import default_model_path
 from tests.spec.test_speculative import chi_square
+from tests.spec.test_verify import CHI2_999
 
 FUNCTIONS = json.loads((Path(__file__).parents[1] / "data" / "heldout_functions.json").read_text())
 PROMPTS = [f["prompt"] for f in FUNCTIONS[:4]]
-
-
-def chi_square_bound(categories: int) -> float:
-    """The chi-square statistic a sample of `categories` categories stays under with probability 0.999
-    (Wilson-Hilferty's approximation)."""
-    df = max(categories - 1, 1)
-    return df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +61,7 @@ def test_sampling_with_the_shipped_drafter_follows_plain_sampling():
         a = torch.bincount(torch.tensor([s[position] for s in plain]), minlength=8192)
         b = torch.bincount(torch.tensor([s[position] for s in spec]), minlength=8192)
         categories = int(((a + b) > 0).sum())
-        assert chi_square(a, b) < chi_square_bound(categories)
+        assert chi_square(a, b) < CHI2_999[max(categories - 1, 1)]
 
 
 def test_acceptance_on_heldout_code_holds_its_shipped_level():

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from deltaspec.config.engine import EngineConfig
-from deltaspec.config.host import default_device, default_threads
+from deltaspec.config.host import default_threads
 from deltaspec.config.server import ServerConfig
 from deltaspec.errors import DeltaspecError
 
@@ -60,14 +60,9 @@ class ReplicaProcess:
             self.process.send_signal(sig)
 
 
-def device_of(engine_config: EngineConfig) -> str:
-    device = engine_config.host.device
-    return default_device() if device == "auto" else device
-
-
 def replica_environments(engine_config: EngineConfig, replicas: int) -> list[dict[str, str]]:
     """The environment of each replica: on CUDA, its `--tensor-parallel-size` GPUs of those this process sees."""
-    device = device_of(engine_config)
+    device = engine_config.host.device_name()
     if not device.startswith("cuda"):
         return [dict(os.environ) for _ in range(replicas)]
     if device != "cuda":
@@ -142,7 +137,7 @@ def start_replicas(engine_config: EngineConfig, server_config: ServerConfig) -> 
     CPU, without --threads, each takes its share of the cores."""
     count = server_config.data_parallel_size
     environments = replica_environments(engine_config, count)
-    if engine_config.host.threads is None and not device_of(engine_config).startswith("cuda"):
+    if engine_config.host.threads is None and not engine_config.host.device_name().startswith("cuda"):
         engine_config = engine_config.with_settings(threads=max(1, default_threads() // count))
     config = replica_server_config(server_config)
     replicas = [start_replica(i, engine_config, config, environment) for i, environment in enumerate(environments)]
