@@ -16,6 +16,7 @@
 # so a train call carries the pack and few wheels, a tests call the wheels and no pack.
 # Steps:
 #   kernels:SECONDS    the routed GEMV launches' sweep for 1-16 rows
+#   mma:SECONDS        tools/quant_mma_sweep.py: the tensor-core Q4_K product's variants against the routed launches
 #   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
 #   treeprof:SHAPE     cProfile of bench tree-oracle on a random-weight shape (host time of chain vs tree rounds)
 #   tests:SECONDS      pytest -m "gpu or kernel" over tests/, 8 workers
@@ -41,6 +42,10 @@ for step in "$@"; do
       PYTHONPATH=/tmp/snap:/tmp/site timeout ${arg:-180} python3 tools/quant_kernel_sweep.py $OUT/quant_sweep.json --table \
         --rows=1,2,4,8,16 --types=Q4_K,Q6_K,Q8_0,FP8_B128,I4_G128 > $OUT/quant_sweep.stdout 2> $OUT/quant_sweep.log
       echo "sweep exit $?"; tail -12 $OUT/quant_sweep.stdout; grep -c . $OUT/quant_sweep.log ;;
+    mma)  # the tensor-core Q4_K product on the repacked layout, swept against the routed launches (issue #44)
+      PYTHONPATH=/tmp/snap:/tmp/site timeout ${arg:-400} python3 tools/quant_mma_sweep.py $OUT/mma_sweep.json \
+        > $OUT/mma_sweep.stdout 2> $OUT/mma_sweep.log; echo "mma sweep exit $?"; cat $OUT/mma_sweep.stdout
+      tail -3 $OUT/mma_sweep.log ;;
     train)
       mkdir -p /tmp/dm/block && cp -r deltaspec/default_model/target /tmp/dm/target
       [ -f $repo/.scratch/block_ckpt/checkpoint.pt ] && cp $repo/.scratch/block_ckpt/checkpoint.pt /tmp/dm/block/
