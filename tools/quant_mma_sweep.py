@@ -79,9 +79,11 @@ def main() -> None:
     fixtures = {}
     for shape, (n_out, n_in) in SHAPES.items():
         blocks = random_weight("Q4_K", n_out, n_in, 0).cuda()
-        weights = copies(lambda: QuantizedWeight([("Q4_K", blocks.clone())], n_in), blocks.numel())
+        weights = copies(lambda b=blocks, k=n_in: QuantizedWeight([("Q4_K", b.clone())], k), blocks.numel())
         packs = [repack_q4_k(w.segments[0][1]) for w in weights]
-        dense = copies(lambda: torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16), n_out * n_in * 2)
+        dense = copies(
+            lambda shape=(n_out, n_in): torch.randn(shape, device="cuda", dtype=torch.bfloat16), n_out * n_in * 2
+        )
         fixtures[shape] = (blocks, weights, packs, dense)
     variants = [
         {"block_n": n, "num_warps": w, "num_stages": s, "replicated": r, "post_scale": p, "split_k": k}

@@ -107,7 +107,9 @@ def q4_k_mma_kernel(
                     other=0,
                 )  # [4, BLOCK_N]
                 q = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (32, BLOCK_N))
-            x = tl.load(x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + k)[None, :], mask=m_mask[:, None], other=0)
+            x = tl.load(
+                x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + k)[None, :], mask=m_mask[:, None], other=0
+            )
             if POST_SCALE:
                 sums = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
                 if IEEE:
