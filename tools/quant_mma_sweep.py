@@ -2,10 +2,11 @@
 the routed block products (`quant_matmul`) and bf16 `F.linear`, all graph-timed over copies of the weight that
 exceed twice the L2 (as `tools/quant_kernel_sweep.py --table`).
 
-Stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages, replicated or reshaped nibble loads, scaling
-before or after the product; split-K 1 and 4) at 16 rows of the 27B shape's gate_up product; stage 2 times the
-best few at every row count and shape with split-K 1, 2, 4 and 8. Each result is checked against the
-dequantizing reference. Writes one JSON line per timing to stderr and the whole report to the path given.
+For Q4_K and Q6_K, stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages; for Q4_K replicated or
+reshaped nibble loads and scaling before or after the product; split-K 1 and 4) at 16 rows of the 27B shape's
+gate_up product; stage 2 times the best few at every row count and shape with split-K 1, 2, 4 and 8. Each
+result is checked against the dequantizing reference. Writes one JSON line per timing to stderr and the whole
+report to the path given.
 
     python tools/quant_mma_sweep.py OUT.json [--rows=1,2,4,8,16,32,64] [--top=3]
 """
@@ -21,7 +22,7 @@ from triton.testing import do_bench_cudagraph
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton.quant_matmul import launch_for, quantized_linear
-from deltaspec.ops.triton.quant_mma import q4_k_mma, repack_q4_k
+from deltaspec.ops.triton.quant_mma import q4_k_mma, q6_k_mma, repack_q4_k, repack_q6_k
 from tests.ops.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
@@ -38,29 +39,37 @@ def timed(operands: list, call) -> float:
     return do_bench_cudagraph(lambda: call(next(turn)), rep=30) * 1e3
 
 
-def mma_call(x: torch.Tensor, out: torch.Tensor, config: dict, packed: tuple) -> torch.Tensor:
-    return q4_k_mma(x, *packed, out, **config)
+REPACK = {"Q4_K": repack_q4_k, "Q6_K": repack_q6_k}
+PRODUCT = {"Q4_K": q4_k_mma, "Q6_K": q6_k_mma}
+CONFIG_KEYS = {
+    "Q4_K": ("block_n", "num_warps", "num_stages", "replicated", "post_scale"),
+    "Q6_K": ("block_n", "num_warps", "num_stages"),
+}
 
 
-def measure(shape: str, rows: int, configs: list[dict], fixtures: dict) -> list[dict]:
+def mma_call(qtype: str, x: torch.Tensor, out: torch.Tensor, config: dict, packed: tuple) -> torch.Tensor:
+    return PRODUCT[qtype](x, *packed, out, **config)
+
+
+def measure(qtype: str, shape: str, rows: int, configs: list[dict], fixtures: dict) -> list[dict]:
     """Each config's time at `rows` rows of `shape`, its error against the reference, and the routed launch's and
     bf16's times."""
-    blocks, weights, packs, dense = fixtures[shape]
+    blocks, weights, packs, dense = fixtures[qtype, shape]
     n_out, n_in = SHAPES[shape]
     x = torch.randn(rows, n_in, device="cuda", dtype=torch.bfloat16)
     expected = quantized_linear(x, weights[0]).float()
     scale = expected.abs().max().item()
-    base = {"shape": shape, "rows": rows, "bytes": blocks.numel()}
+    base = {"qtype": qtype, "shape": shape, "rows": rows, "bytes": blocks.numel()}
     routed_us = timed(weights, functools.partial(quantized_linear, x))
     bf16_us = timed(dense, functools.partial(F.linear, x))
-    records = [{**base, "kernel": "routed", "launch": launch_for("Q4_K", rows).__dict__, "us": routed_us}]
+    records = [{**base, "kernel": "routed", "launch": launch_for(qtype, rows).__dict__, "us": routed_us}]
     records.append({**base, "kernel": "bf16", "us": bf16_us})
     for config in configs:
         out = torch.empty(rows, n_out, device="cuda", dtype=torch.bfloat16)
         try:
-            got = mma_call(x, out, config, packs[0]).float()
+            got = mma_call(qtype, x, out, config, packs[0]).float()
             error = ((got - expected).abs().max() / scale).item()
-            us = timed(packs, functools.partial(mma_call, x, out, config))
+            us = timed(packs, functools.partial(mma_call, qtype, x, out, config))
         except Exception as exc:  # a variant Triton cannot compile is recorded, not fatal
             records.append({**base, "kernel": "mma", **config, "failed": str(exc)[:300]})
             continue
@@ -73,54 +82,58 @@ def measure(shape: str, rows: int, configs: list[dict], fixtures: dict) -> list[
 
 
 def main() -> None:
-    rows_flag = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rows=")), "1,2,4,8,16,32,64")
+    rows_flag = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rows=")), "1,2,4,8,16,32")
     top = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--top=")), "3"))
     path = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
     fixtures = {}
-    for shape, (n_out, n_in) in SHAPES.items():
-        blocks = random_weight("Q4_K", n_out, n_in, 0).cuda()
-        weights = copies(lambda b=blocks, k=n_in: QuantizedWeight([("Q4_K", b.clone())], k), blocks.numel())
-        packs = [repack_q4_k(w.segments[0][1]) for w in weights]
-        dense = copies(
-            lambda shape=(n_out, n_in): torch.randn(shape, device="cuda", dtype=torch.bfloat16), n_out * n_in * 2
+    for qtype in ("Q4_K", "Q6_K"):
+        for shape, (n_out, n_in) in SHAPES.items():
+            blocks = random_weight(qtype, n_out, n_in, 0).cuda()
+            weights = copies(lambda q=qtype, b=blocks, k=n_in: QuantizedWeight([(q, b.clone())], k), blocks.numel())
+            packs = [REPACK[qtype](w.segments[0][1]) for w in weights]
+            dense = copies(
+                lambda s=(n_out, n_in): torch.randn(s, device="cuda", dtype=torch.bfloat16), n_out * n_in * 2
+            )
+            fixtures[qtype, shape] = (blocks, weights, packs, dense)
+    grid = itertools.product((32, 64, 128), (4, 8), (2, 3), (True, False), (False, True), (1, 4))
+    q4_k_variants = [dict(zip((*CONFIG_KEYS["Q4_K"], "split_k"), values)) for values in grid]
+    grid = itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 4))
+    q6_k_variants = [dict(zip((*CONFIG_KEYS["Q6_K"], "split_k"), values)) for values in grid]
+    stage1, best, stage2 = [], {}, []
+    for qtype, variants, tops in (("Q4_K", q4_k_variants, top), ("Q6_K", q6_k_variants, 2)):
+        timings = measure(qtype, "gate_up", 16, variants, fixtures)
+        stage1 += timings
+        ranked = sorted(
+            (r for r in timings if r["kernel"] == "mma" and "us" in r and r["max_rel_error"] < 0.02),
+            key=lambda r: r["us"],
         )
-        fixtures[shape] = (blocks, weights, packs, dense)
-    variants = [
-        {"block_n": n, "num_warps": w, "num_stages": s, "replicated": r, "post_scale": p, "split_k": k}
-        for n, w, s, r, p, k in itertools.product((32, 64, 128), (4, 8), (2, 3), (True, False), (False, True), (1, 4))
-    ]
-    stage1 = measure("gate_up", 16, variants, fixtures)
-    ranked = sorted(
-        (r for r in stage1 if r["kernel"] == "mma" and "us" in r and r["max_rel_error"] < 0.02), key=lambda r: r["us"]
-    )
-    best = []
-    for record in ranked:
-        config = {key: record[key] for key in ("block_n", "num_warps", "num_stages", "replicated", "post_scale")}
-        if config not in best:
-            best.append(config)
-        if len(best) == top:
-            break
-    stage2 = []
-    for shape in SHAPES:
-        for rows in (int(r) for r in rows_flag.split(",")):
-            configs = [{**config, "split_k": k} for config in best for k in (1, 2, 4, 8)]
-            stage2 += measure(shape, rows, configs, fixtures)
+        best[qtype] = []
+        for record in ranked:
+            config = {key: record[key] for key in CONFIG_KEYS[qtype]}
+            if config not in best[qtype]:
+                best[qtype].append(config)
+            if len(best[qtype]) == tops:
+                break
+        for shape in SHAPES:
+            for rows in (int(r) for r in rows_flag.split(",")):
+                configs = [{**config, "split_k": k} for config in best[qtype] for k in (1, 2, 4, 8)]
+                stage2 += measure(qtype, shape, rows, configs, fixtures)
     report = {"device": torch.cuda.get_device_name(), "stage1": stage1, "best": best, "stage2": stage2}
     print(report["device"], "best configs at 16 rows:", best)
-    for shape in SHAPES:
+    for qtype, shape in fixtures:
         one_row = {}
         for rows in (int(r) for r in rows_flag.split(",")):
-            here = [r for r in stage2 if r["shape"] == shape and r["rows"] == rows and "us" in r]
+            here = [r for r in stage2 if (r["qtype"], r["shape"], r["rows"]) == (qtype, shape, rows) and "us" in r]
             routed = next(r["us"] for r in here if r["kernel"] == "routed")
             bf16 = next(r["us"] for r in here if r["kernel"] == "bf16")
             mma = min((r for r in here if r["kernel"] == "mma" and r["max_rel_error"] < 0.02), key=lambda r: r["us"])
             one_row.setdefault("routed", routed)
             one_row.setdefault("mma", mma["us"])
             print(
-                f"{shape:8s} rows={rows:2d} routed {routed:7.1f} us ({routed / one_row['routed']:.2f}x) "
+                f"{qtype} {shape:8s} rows={rows:2d} routed {routed:7.1f} us ({routed / one_row['routed']:.2f}x) "
                 f"mma {mma['us']:7.1f} us ({mma['us'] / one_row['routed']:.2f}x of routed 1 row, "
                 f"{mma['gb_s']:5.0f} GB/s) n={mma['block_n']} w={mma['num_warps']} s={mma['num_stages']} "
-                f"rep={mma['replicated']} post={mma['post_scale']} k={mma['split_k']}  bf16 {bf16:7.1f} us"
+                f"rep={mma.get('replicated')} post={mma.get('post_scale')} k={mma['split_k']}  bf16 {bf16:7.1f} us"
             )
     text = json.dumps(report, indent=1)
     if path:
