@@ -22,7 +22,7 @@ from triton.testing import do_bench_cudagraph
 
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton.quant_matmul import launch_for, quantized_linear
-from deltaspec.ops.triton.quant_mma import q4_k_mma, q6_k_mma, repack_q4_k, repack_q6_k
+from deltaspec.ops.triton.quant_mma import q4_k_gemv, q4_k_mma, q6_k_mma, repack_q4_k, repack_q6_k
 from tests.ops.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
@@ -47,7 +47,13 @@ CONFIG_KEYS = {
 }
 
 
+# CUDA-core launches on the repacked Q4_K layout for 1 and 2 rows: (block_n, num_warps, num_stages)
+GEMVS = ((32, 2, 2), (64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3))
+
+
 def mma_call(qtype: str, x: torch.Tensor, out: torch.Tensor, config: dict, packed: tuple) -> torch.Tensor:
+    if config.get("gemv"):
+        return q4_k_gemv(x, *packed, out, **{key: value for key, value in config.items() if key != "gemv"})
     return PRODUCT[qtype](x, *packed, out, **config)
 
 
@@ -117,6 +123,11 @@ def main() -> None:
         for shape in SHAPES:
             for rows in (int(r) for r in rows_flag.split(",")):
                 configs = [{**config, "split_k": k} for config in best[qtype] for k in (1, 2, 4, 8)]
+                if qtype == "Q4_K" and rows <= 2:
+                    configs += [
+                        {"gemv": True, "block_n": n, "num_warps": w, "num_stages": st, "split_k": k}
+                        for (n, w, st), k in itertools.product(GEMVS, (2, 4, 8))
+                    ]
                 stage2 += measure(qtype, shape, rows, configs, fixtures)
     report = {"device": torch.cuda.get_device_name(), "stage1": stage1, "best": best, "stage2": stage2}
     print(report["device"], "best configs at 16 rows:", best)
@@ -126,7 +137,9 @@ def main() -> None:
             here = [r for r in stage2 if (r["qtype"], r["shape"], r["rows"]) == (qtype, shape, rows) and "us" in r]
             routed = next(r["us"] for r in here if r["kernel"] == "routed")
             bf16 = next(r["us"] for r in here if r["kernel"] == "bf16")
-            mma = min((r for r in here if r["kernel"] == "mma" and r["max_rel_error"] < 0.02), key=lambda r: r["us"])
+            fine = [r for r in here if r["kernel"] == "mma" and r["max_rel_error"] < 0.02]
+            mma = min((r for r in fine if not r.get("gemv")), key=lambda r: r["us"])
+            gemv = min((r for r in fine if r.get("gemv")), key=lambda r: r["us"], default=None)
             one_row.setdefault("routed", routed)
             one_row.setdefault("mma", mma["us"])
             print(
@@ -135,6 +148,11 @@ def main() -> None:
                 f"{mma['gb_s']:5.0f} GB/s) n={mma['block_n']} w={mma['num_warps']} s={mma['num_stages']} "
                 f"rep={mma.get('replicated')} post={mma.get('post_scale')} k={mma['split_k']}  bf16 {bf16:7.1f} us"
             )
+            if gemv:
+                print(
+                    f"    repacked gemv {gemv['us']:7.1f} us n={gemv['block_n']} w={gemv['num_warps']} "
+                    f"s={gemv['num_stages']} k={gemv['split_k']}"
+                )
     text = json.dumps(report, indent=1)
     if path:
         open(path, "w").write(text + "\n")

@@ -181,6 +181,100 @@ def q4_k_mma_kernel(
 
 
 @triton.jit
+def q4_k_gemv_kernel(
+    x_ptr,
+    words_ptr,
+    heads_ptr,
+    part_ptr,
+    arrivals_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_om,
+    steps,
+    steps_per_split,
+    BLOCK_N: tl.constexpr,
+    M_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """The same product on CUDA cores for a few rows (M <= M_BLOCK): per sub-block, the sum of q * x per row
+    (the quants as float32, exactly) is scaled once, and the min is applied once to the sum of x."""
+    pdl.wait_for_previous()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    m = tl.arange(0, M_BLOCK)
+    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None, None] * stride_xm  # [M_BLOCK, 1, 1]
+    place = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8]: word i, nibble b -> value 8i + b
+    shifts = tl.arange(0, 8)[None, :, None] * 4
+    acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    first = tl.program_id(1) * steps_per_split
+    for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
+        head = heads_ptr + step * 4 * N + cols
+        h0 = tl.load(head, mask=n_mask, other=0)
+        s0 = tl.load(head + N, mask=n_mask, other=0)
+        s1 = tl.load(head + 2 * N, mask=n_mask, other=0)
+        s2 = tl.load(head + 3 * N, mask=n_mask, other=0)
+        d = quant_bits.half_bits(h0)
+        dmin = quant_bits.half_bits(h0 >> 16)
+        for j in tl.static_range(8):
+            sc, mn = _q4_k_sub_block(s0, s1, s2, j)
+            words = tl.load(
+                words_ptr + (step * 32 + j * 4 + tl.arange(0, 4))[:, None] * N + cols[None, :],
+                mask=n_mask[None, :],
+                other=0,
+            )  # [4, BLOCK_N]
+            q = quant_bits.as_float((words[:, None, :] >> shifts) & 0xF)  # [4, 8, BLOCK_N]
+            x = tl.load(x_rows + step * 256 + j * 32 + place[None]).to(tl.float32)  # [M_BLOCK, 4, 8]
+            qx = tl.sum(tl.sum(q[None] * x[:, :, :, None], axis=1), axis=1)  # [M_BLOCK, BLOCK_N]
+            xs = tl.sum(tl.sum(x, axis=2), axis=1)  # [M_BLOCK]
+            acc += (d * quant_bits.as_float(sc))[None, :] * qx - (dmin * quant_bits.as_float(mn))[None, :] * xs[:, None]
+    quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
+
+
+def q4_k_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    heads: torch.Tensor,
+    out: torch.Tensor,
+    block_n: int = 64,
+    split_k: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """out [M, N] = x [M, in] times the repacked Q4_K matrix on CUDA cores, all M rows in one row block."""
+    from deltaspec.ops.triton.quant_matmul import arrival_counts
+
+    m, n = out.shape
+    steps = x.shape[1] // 256
+    per_share = triton.cdiv(steps, split_k)
+    shares = triton.cdiv(steps, per_share)
+    parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
+    grid = (triton.cdiv(n, block_n), shares)
+    arrivals = arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    q4_k_gemv_kernel[grid](
+        x,
+        words,
+        heads,
+        parts,
+        arrivals,
+        out,
+        m,
+        n,
+        x.stride(0),
+        out.stride(0),
+        steps,
+        per_share,
+        BLOCK_N=block_n,
+        M_BLOCK=triton.next_power_of_2(m),
+        NUM_STAGES=num_stages,
+        num_warps=num_warps,
+        **pdl.LAUNCH,
+    )
+    return out
+
+
+@triton.jit
 def q6_k_mma_kernel(
     x_ptr,
     words_ptr,
