@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
+from deltaspec.ops.quant.repacked import REPACKED, planes, repack
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton.quant_matmul import launch_for, quantized_linear
-from deltaspec.ops.triton.quant_mma import q4_k_gemv, q4_k_mma, q6_k_mma, repack_q4_k, repack_q6_k
+from deltaspec.ops.triton.quant_mma import q4_k_gemv, q4_k_mma, q6_k_mma
 from tests.ops.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
@@ -39,7 +40,6 @@ def timed(operands: list, call) -> float:
     return do_bench_cudagraph(lambda: call(next(turn)), rep=30) * 1e3
 
 
-REPACK = {"Q4_K": repack_q4_k, "Q6_K": repack_q6_k}
 PRODUCT = {"Q4_K": q4_k_mma, "Q6_K": q6_k_mma}
 CONFIG_KEYS = {
     "Q4_K": ("block_n", "num_warps", "num_stages", "replicated", "post_scale"),
@@ -96,7 +96,7 @@ def main() -> None:
         for shape, (n_out, n_in) in SHAPES.items():
             blocks = random_weight(qtype, n_out, n_in, 0).cuda()
             weights = copies(lambda q=qtype, b=blocks, k=n_in: QuantizedWeight([(q, b.clone())], k), blocks.numel())
-            packs = [REPACK[qtype](w.segments[0][1]) for w in weights]
+            packs = [planes(repack(w.segments[0][1], qtype), REPACKED[qtype], n_in) for w in weights]
             dense = copies(
                 lambda s=(n_out, n_in): torch.randn(s, device="cuda", dtype=torch.bfloat16), n_out * n_in * 2
             )

@@ -1,9 +1,5 @@
-"""Q4_K products of 1 to 64 rows on tensor cores, from the blocks repacked at load time into the layout the
-kernel reads (`repack_q4_k`): the nibbles as int32 words [in / 8, out] (word w of output row n holds values
-8w .. 8w + 7 of that row, nibble i value 8w + i) and each super-block's four header words (d | dmin and the 12
-bytes of 6-bit scales and mins) as [in / 256 * 4, out]. Both are contiguous along the output rows, so a program's
-loads of BLOCK_N rows are whole 128-byte lines, and the repacking is a permutation of the file's bits
-(`unpack_q4_k` gives the blocks back).
+"""Q4_K and Q6_K products of 1 to 64 rows from the planes of their repacked layouts
+(`deltaspec.ops.quant.repacked`), on tensor cores and, for a row or two, on CUDA cores.
 
 A program owns BLOCK_N output rows and a share of the super-blocks. Per 32-value sub-block it reads the four
 nibble words of each row, and either dequantizes them in float32 exactly as `deltaspec.ops.quant.dequant` does
@@ -21,79 +17,6 @@ import triton.language as tl
 
 from deltaspec.ops.triton import pdl, quant_bits
 from deltaspec.ops.triton.quant_dequant import _q4_k_sub_block
-
-Q4_K_BLOCK = 144  # bytes per 256-value super-block
-
-
-def repack_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K rows [out, in / 256 * 144] (uint8) -> (nibble words [in / 8, out], header words [in / 256 * 4, out]),
-    both int32, on the blocks' device."""
-    rows = blocks.shape[0]
-    supers = blocks.view(rows, -1, Q4_K_BLOCK)  # [out, S, 144]
-    heads = supers[..., :16].contiguous().view(torch.int32)  # [out, S, 4]
-    qs = supers[..., 16:].reshape(rows, -1, 4, 32).to(torch.int32)  # [out, S, chunk, byte]
-    values = torch.stack((qs & 0xF, qs >> 4), dim=3)  # [out, S, chunk, half, byte]: value chunk * 64 + half * 32 + byte
-    return _pack_fields(values.reshape(rows, -1, 8), 4), heads.permute(1, 2, 0).reshape(-1, rows).contiguous()
-
-
-def unpack_q4_k(words: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """The Q4_K rows [out, in / 256 * 144] that `repack_q4_k` took apart."""
-    rows = words.shape[1]
-    values = _unpack_fields(words, 4, 8).reshape(rows, -1, 4, 2, 32)  # [out, S, chunk, half, byte]
-    qs = (values[:, :, :, 0] | (values[:, :, :, 1] << 4)).to(torch.uint8).reshape(rows, -1, 128)
-    head_bytes = heads.reshape(-1, 4, rows).permute(2, 0, 1).contiguous().view(torch.uint8)  # [out, S, 16]
-    return torch.cat((head_bytes, qs), dim=-1).reshape(rows, -1)
-
-
-Q6_K_BLOCK = 210
-
-
-def repack_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q6_K rows [out, in / 256 * 210] (uint8) -> (low-nibble words [in / 8, out] int32 as `repack_q4_k`'s, words
-    of the top two bits [in / 16, out] int32 (value 16w + i at bits 2i), the int8 scales [in / 16, out] and the
-    float16 d [in / 256, out] as int16), on the blocks' device."""
-    rows = blocks.shape[0]
-    supers = blocks.view(rows, -1, Q6_K_BLOCK)  # [out, S, 210]
-    ql = supers[..., :128].reshape(rows, -1, 2, 2, 32).to(torch.int32)  # [out, S, half, quarter % 2, l]
-    qh = supers[..., 128:192].reshape(rows, -1, 2, 1, 32).to(torch.int32)  # [out, S, half, 1, l]
-    low = torch.stack((ql & 0xF, ql >> 4), dim=3).reshape(rows, -1, 2, 4, 32)  # quarter q: nibble q // 2
-    high = (qh >> (2 * torch.arange(4, device=blocks.device, dtype=torch.int32))[:, None]) & 3  # [out, S, 2, 4, 32]
-    words = _pack_fields(low.reshape(rows, -1, 8), 4)
-    high_words = _pack_fields(high.reshape(rows, -1, 16), 2)
-    scales = supers[..., 192:208].reshape(rows, -1).t().contiguous().view(torch.int8)
-    d = supers[..., 208:].contiguous().view(torch.int16).reshape(rows, -1).t().contiguous()
-    return words, high_words, scales, d
-
-
-def unpack_q6_k(words: torch.Tensor, high_words: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The Q6_K rows [out, in / 256 * 210] that `repack_q6_k` took apart."""
-    rows = words.shape[1]
-    low = _unpack_fields(words, 4, 8).reshape(rows, -1, 2, 2, 2, 32)  # [out, S, half, nibble, quarter % 2, l]
-    high = _unpack_fields(high_words, 2, 16).reshape(rows, -1, 2, 4, 32)  # [out, S, half, quarter, l]
-    ql = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(rows, -1, 128)
-    qh = (
-        (high << (2 * torch.arange(4, device=words.device, dtype=torch.int32))[:, None])
-        .sum(dim=3)
-        .reshape(rows, -1, 64)
-    )
-    tail = torch.cat(
-        (scales.view(torch.uint8).t().reshape(rows, -1, 16), d.t().contiguous().view(torch.uint8).reshape(rows, -1, 2)),
-        dim=-1,
-    )
-    return torch.cat((ql.to(torch.uint8), qh.to(torch.uint8), tail), dim=-1).reshape(rows, -1)
-
-
-def _pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """[out, words, 32 / bits] small ints -> int32 words [words, out], field i at bits * i."""
-    shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int32)
-    words = (values << shifts).sum(dim=-1, dtype=torch.int64).to(torch.int32)  # bit 31 wraps to the int32's sign
-    return words.t().contiguous()
-
-
-def _unpack_fields(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """`_pack_fields` undone: int32 words [words, out] -> [out, words, count]."""
-    shifts = torch.arange(0, 32, bits, device=words.device, dtype=torch.int32)
-    return (words.t()[..., None] >> shifts) & ((1 << bits) - 1)
 
 
 @triton.jit
