@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from deltaspec.errors import DeltaspecError
-from deltaspec.ops.quant import dequant_iq
-from deltaspec.ops.quant.formats import QuantFormat, format_of
+from deltaspec.ops.quant import dequant_iq, repacked
+from deltaspec.ops.quant.formats import QK_K, QuantFormat, format_of
 
 # ggml's kvalues_iq4nl: the 16 non-linear levels of IQ4_NL and IQ4_XS.
 IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -26,8 +26,13 @@ MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Packed uint8 blocks [..., n_blocks * type_size] of GGUF type `qtype` -> float32 [..., n_blocks * block_size]."""
+    """Packed uint8 blocks [..., n_blocks * type_size] of GGUF type `qtype` -> float32 [..., n_blocks * block_size].
+    A repacked matrix (`Q4_K_R`, `Q6_K_R`: [rows, row_bytes], whole) is unpacked to its blocks first."""
     fmt = format_of(qtype)
+    if qtype in repacked.BASE:
+        blocks = repacked.unpack(blocks, qtype, blocks.shape[-1] // fmt.type_size * QK_K)
+        qtype = repacked.BASE[qtype]
+        fmt = format_of(qtype)
     if blocks.dtype != torch.uint8:
         raise DeltaspecError(f"{qtype} blocks must be a uint8 tensor of raw bytes, not {blocks.dtype}.")
     n_bytes = blocks.shape[-1] if blocks.dim() > 0 else 0

@@ -14,7 +14,9 @@ e4m3 values, one float32 scale per 128 x 128 tile): each run of 128 values of a 
 float32 `scale` (the checkpoint's `weight_scale_inv`, repeated on each of the tile's rows: 4 bytes per 128
 values) and the 128 e4m3 bytes, so that the row segments, fusions, shards and expert stacks of GGUF weights
 hold it unchanged. `I4_G32` and `I4_G128` are its blocks for the int4 W4A16 checkpoints (compressed-tensors,
-GPTQ): one group's bfloat16 or float16 scale, zero point and nibbles (`deltaspec.ops.quant.int4`).
+GPTQ): one group's bfloat16 or float16 scale, zero point and nibbles (`deltaspec.ops.quant.int4`). `Q4_K_R` and
+`Q6_K_R` are a whole Q4_K or Q6_K matrix repacked for the CUDA products (`deltaspec.ops.quant.repacked`): the
+same bytes per row, but kept as planes across the matrix, so they are not a run of blocks per row.
 """
 
 from dataclasses import dataclass
@@ -70,6 +72,8 @@ _ALL = (
     QuantFormat("FP8_B128", 128, (("scale", 4), ("qs", 128)), in_gguf=False),
     QuantFormat("I4_G32", 32, (("scale", 2), ("zero", 1), ("scale_type", 1), ("qs", 16)), in_gguf=False),
     QuantFormat("I4_G128", 128, (("scale", 2), ("zero", 1), ("scale_type", 1), ("qs", 64)), in_gguf=False),
+    QuantFormat("Q4_K_R", QK_K, (("planes", 144),), in_gguf=False),
+    QuantFormat("Q6_K_R", QK_K, (("planes", 210),), in_gguf=False),
 )
 
 FORMATS: dict[str, QuantFormat] = {fmt.name: fmt for fmt in _ALL}

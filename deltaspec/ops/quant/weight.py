@@ -9,6 +9,9 @@ GGUF file) are segments too, stored as their raw bytes. `input_order` [in] (or N
 each stored column multiplies, for a matrix whose columns the file keeps permuted (a quantized Qwen3.5
 `out_proj`, whose blocks span several value heads): products first gather the input's features in that order.
 
+On CUDA the engine repacks the Q4_K and Q6_K segments of 2-D matrices into the layouts its products read
+(`repack_for_kernels`, `deltaspec.ops.quant.repacked`): the same bytes, kept as planes across the segment.
+
 The reference product dequantizes the whole matrix per use (`deltaspec.ops.quant.dequant`, the spec of
 every kernel) and multiplies in the activations' dtype; embeddings gather and dequantize only the rows
 they need. The CUDA backend registers kernels that read the blocks directly under the same contract.
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaspec.errors import DeltaspecError
+from deltaspec.ops.quant import repacked
 from deltaspec.ops.quant.dequant import dequantize
 from deltaspec.ops.quant.formats import row_bytes
 
@@ -66,6 +70,16 @@ class QuantizedWeight(nn.Module):
         return [(qtype, getattr(self, f"segment{i}")) for i, qtype in enumerate(self.qtypes)]
 
     @property
+    def block_segments(self) -> list[tuple[str, torch.Tensor]]:
+        """`segments` with repacked ones (`repack_for_kernels`) given back as the file's blocks."""
+        return [
+            (repacked.BASE[qtype], repacked.unpack(data, qtype, self.in_features))
+            if qtype in repacked.BASE
+            else (qtype, data)
+            for qtype, data in self.segments
+        ]
+
+    @property
     def shape(self) -> torch.Size:
         data = self.segments[0][1]
         return torch.Size((*data.shape[:-2], sum(d.shape[-2] for _, d in self.segments), self.in_features))
@@ -94,10 +108,21 @@ class QuantizedWeight(nn.Module):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [N] of a single-segment matrix, dequantized: [N, in] (an embedding lookup)."""
-        (qtype, data), *rest = self.segments
+        (qtype, data), *rest = self.block_segments
         if rest or data.dim() != 2:
             raise ValueError("row lookup needs a 2-D weight of one segment")
         return dequantize(data[ids], qtype).to(dtype)
+
+    def repack_for_kernels(self) -> int:
+        """Repack this matrix's Q4_K and Q6_K segments in place into the layouts of the CUDA products (a 2-D
+        matrix only; an expert stack keeps its blocks). Returns how many segments were repacked."""
+        done = 0
+        for i, (qtype, data) in enumerate(self.segments):
+            if qtype in repacked.REPACKED and data.dim() == 2:
+                setattr(self, f"segment{i}", repacked.repack(data, qtype))
+                done += 1
+        self.qtypes = tuple(repacked.REPACKED.get(q, q) if d.dim() == 2 else q for q, d in self.segments)
+        return done
 
     def ordered_input(self, x: torch.Tensor) -> torch.Tensor:
         """`x` [..., in] with its features in the order the stored columns take them."""
@@ -116,7 +141,7 @@ class QuantizedWeight(nn.Module):
             raise ValueError("stacked weights must read inputs of one size")
         order = shared_order(parts)
         merged: list[tuple[str, torch.Tensor]] = []
-        for qtype, data in (segment for part in parts for segment in part.segments):
+        for qtype, data in (segment for part in parts for segment in part.block_segments):
             if merged and merged[-1][0] == qtype:
                 merged[-1] = (qtype, torch.cat([merged[-1][1], data], dim=-2))
             else:
@@ -125,7 +150,7 @@ class QuantizedWeight(nn.Module):
 
     def split(self, sizes: list[int]) -> list[QuantizedWeight]:
         """The inverse of `cat`: consecutive row ranges of `sizes` rows (a range may span segments)."""
-        out, rows = [], [(qtype, data) for qtype, data in self.segments]
+        out, rows = [], self.block_segments
         for size in sizes:
             taken: list[tuple[str, torch.Tensor]] = []
             while size:

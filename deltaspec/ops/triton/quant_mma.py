@@ -15,8 +15,50 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaspec.ops.quant import repacked
 from deltaspec.ops.triton import pdl, quant_bits
 from deltaspec.ops.triton.quant_dequant import _q4_k_sub_block
+
+DEQUANT_BLOCK_N = 64
+
+
+@triton.jit
+def _q4_k_head(heads_ptr, step, cols, n_mask, N):
+    """d, dmin (float32) and the three words of 6-bit scales and mins of super-block `step` of rows `cols`."""
+    head = heads_ptr + step * 4 * N + cols
+    h0 = tl.load(head, mask=n_mask, other=0)
+    s0 = tl.load(head + N, mask=n_mask, other=0)
+    s1 = tl.load(head + 2 * N, mask=n_mask, other=0)
+    s2 = tl.load(head + 3 * N, mask=n_mask, other=0)
+    return quant_bits.half_bits(h0), quant_bits.half_bits(h0 >> 16), s0, s1, s2
+
+
+@triton.jit
+def _q4_k_quants(words_ptr, step, j: tl.constexpr, cols, n_mask, N, REPLICATED: tl.constexpr):
+    """The nibbles q [32, BLOCK_N] (int32) of sub-block j of super-block `step`: each word loaded once per value it
+    holds (REPLICATED; the cache serves the repeats), or once and unpacked by a reshape."""
+    k = tl.arange(0, 32)
+    if REPLICATED:
+        words = tl.load(
+            words_ptr + (step * 32 + j * 4 + k // 8)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
+        )
+        return (words >> ((k % 8) * 4)[:, None]) & 0xF
+    words = tl.load(
+        words_ptr + (step * 32 + j * 4 + tl.arange(0, 4))[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
+    )  # [4, BLOCK_N]
+    return tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (32, cols.shape[0]))
+
+
+@triton.jit
+def _q6_k_values(words_ptr, high_ptr, scales_ptr, d, step, j: tl.constexpr, cols, n_mask, N):
+    """Sub-block j of super-block `step` of Q6_K rows `cols`, dequantized as d * scale * (q - 32) in float32."""
+    k = tl.arange(0, 32)
+    group = (step * 16 + j * 2 + k // 16)[:, None] * N + cols[None, :]  # [32, BLOCK_N]: 16-value groups
+    low = tl.load(words_ptr + (step * 32 + j * 4 + k // 8)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0)
+    high = tl.load(high_ptr + group, mask=n_mask[None, :], other=0)
+    scale = tl.load(scales_ptr + group, mask=n_mask[None, :], other=0).to(tl.float32)
+    q = ((low >> ((k % 8) * 4)[:, None]) & 0xF) | (((high >> ((k % 16) * 2)[:, None]) & 3) << 4)
+    return (d[None, :] * scale) * (q - 32).to(tl.float32)
 
 
 @triton.jit
@@ -51,31 +93,12 @@ def q4_k_mma_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(1) * steps_per_split
     for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
-        head = heads_ptr + step * 4 * N + cols
-        h0 = tl.load(head, mask=n_mask, other=0)
-        s0 = tl.load(head + N, mask=n_mask, other=0)
-        s1 = tl.load(head + 2 * N, mask=n_mask, other=0)
-        s2 = tl.load(head + 3 * N, mask=n_mask, other=0)
-        d = quant_bits.half_bits(h0)
-        dmin = quant_bits.half_bits(h0 >> 16)
+        d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
         for j in tl.static_range(8):
             sc, mn = _q4_k_sub_block(s0, s1, s2, j)
             scale = d * quant_bits.as_float(sc)  # [BLOCK_N]
             low = dmin * quant_bits.as_float(mn)
-            if REPLICATED:
-                words = tl.load(
-                    words_ptr + (step * 32 + j * 4 + k // 8)[:, None] * N + cols[None, :],
-                    mask=n_mask[None, :],
-                    other=0,
-                )  # [32, BLOCK_N]
-                q = (words >> ((k % 8) * 4)[:, None]) & 0xF
-            else:
-                words = tl.load(
-                    words_ptr + (step * 32 + j * 4 + tl.arange(0, 4))[:, None] * N + cols[None, :],
-                    mask=n_mask[None, :],
-                    other=0,
-                )  # [4, BLOCK_N]
-                q = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (32, BLOCK_N))
+            q = _q4_k_quants(words_ptr, step, j, cols, n_mask, N, REPLICATED)
             x = tl.load(
                 x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + k)[None, :], mask=m_mask[:, None], other=0
             )
@@ -133,13 +156,7 @@ def q4_k_gemv_kernel(
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(1) * steps_per_split
     for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
-        head = heads_ptr + step * 4 * N + cols
-        h0 = tl.load(head, mask=n_mask, other=0)
-        s0 = tl.load(head + N, mask=n_mask, other=0)
-        s1 = tl.load(head + 2 * N, mask=n_mask, other=0)
-        s2 = tl.load(head + 3 * N, mask=n_mask, other=0)
-        d = quant_bits.half_bits(h0)
-        dmin = quant_bits.half_bits(h0 >> 16)
+        d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
         for j in tl.static_range(8):
             sc, mn = _q4_k_sub_block(s0, s1, s2, j)
             words = tl.load(
@@ -232,14 +249,7 @@ def q6_k_mma_kernel(
     for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
         d = tl.load(d_ptr + step * N + cols, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         for j in tl.static_range(8):
-            group = (step * 16 + j * 2 + k // 16)[:, None] * N + cols[None, :]  # [32, BLOCK_N]: 16-value groups
-            low = tl.load(
-                words_ptr + (step * 32 + j * 4 + k // 8)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
-            )
-            high = tl.load(high_ptr + group, mask=n_mask[None, :], other=0)
-            scale = tl.load(scales_ptr + group, mask=n_mask[None, :], other=0).to(tl.float32)
-            q = ((low >> ((k % 8) * 4)[:, None]) & 0xF) | (((high >> ((k % 16) * 2)[:, None]) & 3) << 4)
-            w = (d[None, :] * scale) * (q - 32).to(tl.float32)  # [32, BLOCK_N]
+            w = _q6_k_values(words_ptr, high_ptr, scales_ptr, d, step, j, cols, n_mask, N)  # [32, BLOCK_N]
             x = tl.load(
                 x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + k)[None, :], mask=m_mask[:, None], other=0
             )
@@ -343,5 +353,50 @@ def q4_k_mma(
         IEEE=x.dtype == torch.float32 or INTERPRETED,
         num_warps=num_warps,
         **pdl.LAUNCH,
+    )
+    return out
+
+
+@triton.jit
+def dequantize_kernel(
+    words_ptr, heads_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, N, stride_on, Q6_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """out[rows, step * 256 : (step + 1) * 256] for program (row tile, step) of a repacked Q4_K or Q6_K matrix,
+    in float32 as the reference dequantizes, rounded to out's dtype (the planes of Q4_K_R are words and heads)."""
+    pdl.wait_for_previous()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    step = tl.program_id(1)
+    n_mask = cols < N
+    k = tl.arange(0, 32)
+    out_at = out_ptr + cols.to(tl.int64)[None, :] * stride_on + step * 256 + k[:, None]  # [32, BLOCK_N]
+    if Q6_K:
+        d = tl.load(d_ptr + step * N + cols, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        for j in tl.static_range(8):
+            w = _q6_k_values(words_ptr, high_ptr, scales_ptr, d, step, j, cols, n_mask, N)
+            tl.store(out_at + j * 32, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+    else:
+        d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
+        for j in tl.static_range(8):
+            sc, mn = _q4_k_sub_block(s0, s1, s2, j)
+            q = _q4_k_quants(words_ptr, step, j, cols, n_mask, N, True)
+            w = (
+                quant_bits.as_float(q) * (d * quant_bits.as_float(sc))[None, :]
+                - (dmin * quant_bits.as_float(mn))[None, :]
+            )
+            tl.store(out_at + j * 32, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+def dequantize(data: torch.Tensor, layout: str, columns: int, dtype: torch.dtype, out: torch.Tensor | None = None):
+    """The float matrix [rows, columns] of a repacked segment `data` (`Q4_K_R` or `Q6_K_R`), in `dtype` (written
+    into `out`, a row-contiguous view, when given)."""
+    rows = data.shape[0]
+    if out is None:
+        out = torch.empty(rows, columns, device=data.device, dtype=dtype)
+    parts = repacked.planes(data, layout, columns)
+    q6_k = layout == "Q6_K_R"
+    words, heads, high, scales, d = (parts[0], parts[0], *parts[1:]) if q6_k else (*parts, parts[0], parts[0], parts[0])
+    grid = (triton.cdiv(rows, DEQUANT_BLOCK_N), columns // 256)
+    dequantize_kernel[grid](
+        words, heads, high, scales, d, out, rows, out.stride(0), Q6_K=q6_k, BLOCK_N=DEQUANT_BLOCK_N, **pdl.LAUNCH
     )
     return out
