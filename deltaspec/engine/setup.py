@@ -54,9 +54,18 @@ def engine_executor(config: EngineConfig, replica: Callable) -> Executor:
 
 def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE) -> HybridModel:
     """The engine's model (a tensor-parallel rank's share of it): random weights of the shape, or the checkpoint;
-    its MTP head only when it drafts. Sets the process's torch CPU threads to the engine's `threads` first."""
-    cfg, dtype, device = planned.config, planned.cache.dtype, planned.cache.device
+    its MTP head only when it drafts; on CUDA with the kernels, its Q4_K and Q6_K matrices repacked for them.
+    Sets the process's torch CPU threads to the engine's `threads` first."""
+    cfg, device = planned.config, planned.cache.device
     torch.set_num_threads(cfg.host.threads)
+    model = _loaded_model(planned, ops, progress, tp)
+    if device.type == "cuda" and cfg.host.kernels != "reference":
+        model.repack_for_kernels()  # the Q4_K / Q6_K layouts the CUDA products read: same bytes, in place
+    return model
+
+
+def _loaded_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel) -> HybridModel:
+    cfg, dtype, device = planned.config, planned.cache.dtype, planned.cache.device
     if cfg.load.random_weights:
         return random_model(
             planned.model_config,

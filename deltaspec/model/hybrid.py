@@ -20,7 +20,7 @@ from deltaspec.config.model import LINEAR_ATTENTION, ModelConfig
 from deltaspec.model.checkpoint_names import checkpoint_name
 from deltaspec.model.decoder import DecoderLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
-from deltaspec.model.layers import FusedLinear, Linear, RMSNorm, SparseMoE, make_mlp
+from deltaspec.model.layers import FusedLinear, Linear, QuantizedEmbedding, RMSNorm, SparseMoE, make_mlp
 from deltaspec.model.mtp import MTPHead
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.mrope import mrope_cos_sin
@@ -161,6 +161,21 @@ class HybridModel(nn.Module):
                 shape = tuple(module.weight.shape)
                 shapes[shape] = shapes.get(shape, 0) + 1
         return shapes
+
+    def repack_for_kernels(self) -> int:
+        """Repack the Q4_K and Q6_K matrices that the op table's `quantized_linear` multiplies into the layouts of
+        the CUDA products (`QuantizedWeight.repack_for_kernels`); MoE layers' weights (the MoE kernels read blocks)
+        and an embedding table's stay. Returns how many segments were repacked."""
+        in_moe = {id(part) for layer in self.modules() if isinstance(layer, SparseMoE) for part in layer.modules()}
+        tables = {id(module.weight) for module in self.modules() if isinstance(module, QuantizedEmbedding)}
+        return sum(
+            module.weight.repack_for_kernels()
+            for module in self.modules()
+            if isinstance(module, Linear)
+            and id(module) not in in_moe
+            and isinstance(module.weight, QuantizedWeight)
+            and id(module.weight) not in tables
+        )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight under its Hugging Face checkpoint name; fused projections come back as views."""

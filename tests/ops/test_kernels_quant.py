@@ -143,7 +143,7 @@ def test_shares_are_added_in_order_by_the_last_to_finish(kernel, kernel_device, 
     one-share product of x with its columns outside share s zeroed (exact zeros add nothing), whichever share
     finished last; the per-tile arrival counts are back to 0 after each launch, so a second launch (sharing them)
     gives the same bits."""
-    from deltaspec.ops.triton import quant_matmul
+    from deltaspec.ops.triton import quant_bits, quant_matmul
 
     weight = QuantizedWeight([(qtype, random_weight(qtype, 40, 768, seed=3))], 768).to(kernel_device)
     x = torch.randn(3, 768, generator=torch.Generator().manual_seed(4)).to(kernel_device)
@@ -154,7 +154,7 @@ def test_shares_are_added_in_order_by_the_last_to_finish(kernel, kernel_device, 
         total += kernel(masked, weight, quant_matmul.Launch(family, 16, 1, m_block=m_block))
     for _ in range(2):
         assert torch.equal(kernel(x[:rows], weight, quant_matmul.Launch(family, 16, 3, m_block=m_block)), total)
-        tiles = quant_matmul.arrival_counts(x.device, 4 if m_block == 1 else 8)  # cdiv(40, 16) * row blocks, rounded up
+        tiles = quant_bits.arrival_counts(x.device, 4 if m_block == 1 else 8)  # cdiv(40, 16) * row blocks, rounded up
         assert not tiles.any()
 
 

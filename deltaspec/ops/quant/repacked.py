@@ -113,8 +113,8 @@ def _unpack_q6_k(words, high_words, scales, d) -> torch.Tensor:
     ql = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(rows, -1, 128)
     shifts = (2 * torch.arange(4, device=words.device, dtype=torch.int32))[:, None]
     qh = (high << shifts).sum(dim=3).reshape(rows, -1, 64)
-    scale_bytes = scales.t().contiguous().view(torch.uint8).reshape(rows, -1, 16)
-    d_bytes = d.t().contiguous().view(torch.uint8).reshape(rows, -1, 2)
+    scale_bytes = scales.t().flatten().view(torch.uint8).reshape(rows, -1, 16)
+    d_bytes = d.t().flatten().view(torch.uint8).reshape(rows, -1, 2)
     return torch.cat((ql.to(torch.uint8), qh.to(torch.uint8), scale_bytes, d_bytes), dim=-1).reshape(rows, -1)
 
 

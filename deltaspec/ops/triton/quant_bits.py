@@ -2,13 +2,27 @@
 `quant_dequant` and the MoE kernels): small integers and float16 halves read as float32 without conversion
 instructions, a byte turned into a float with one permute under a fixed exponent (`byte_as_float`,
 `byte_as_biased_float`), a GEMV program's share of a launch (`program_share`) and the sum of the shares in a fixed
-order (`store_or_add_shares`), so that a result never depends on which share finished first.
+order (`store_or_add_shares`, with the per-tile arrival counts it keeps: `arrival_counts`), so that a result never
+depends on which share finished first.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def arrival_counts(device: torch.device, count: int) -> torch.Tensor:
+    """[count] int32 zeros: per output tile (or router row), how many of its programs have finished; the last to
+    arrive sets its count back to 0 for the next launch (`quant_bits.store_or_add_shares`, the MoE router).
+    Allocated at the first launch of that many tiles, an eager one (graph capture warms up first); launches on a
+    device run one after another, as the engine's do, so they share it."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
+
 
 HALF_EXPONENT = 0x3F000000  # the top byte of a float32 in [0.5, 1), with the exponent's low bit 0
 BIASED_EXPONENT = 0x4B000000  # the top byte of a float32 in [2**23, 2**24)

@@ -18,7 +18,6 @@ types, and products of more rows, dequantize the matrix in one pass (`quant_dequ
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -27,9 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from deltaspec.ops.quant import repacked
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
-from deltaspec.ops.triton import pdl, quant_bits, quant_dequant, quant_gemv, quant_gemv_hf
+from deltaspec.ops.triton import pdl, quant_bits, quant_dequant, quant_gemv, quant_gemv_hf, quant_mma
 from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, STEP, _q4_k_half_chunk, _tile
 
 # Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
@@ -173,6 +173,7 @@ class Launch:
     num_warps: int = 4
     paired: bool = True
     m_block: int = 1
+    num_stages: int = 2
 
 
 # block type -> ((largest row count, launch), ...): the first entry whose row count covers the product's is taken.
@@ -208,6 +209,9 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
         (4, Launch("gemv", 32, 4, 4, m_block=4)),
         (MAX_ROWS, Launch("tile", 32, 4)),
     ),
+    # the repacked layouts (`quant_mma`): "gemv" on CUDA cores, "mma" on tensor cores
+    "Q4_K_R": ((2, Launch("gemv", 64, 4, 4)), (MAX_ROWS, Launch("mma", 64, 4, 4))),
+    "Q6_K_R": ((MAX_ROWS, Launch("mma", 64, 4, 4)),),
     "I4_G128": (
         (1, Launch("gemv", 64, 8)),
         (2, Launch("gemv", 64, 8, 8, m_block=2)),
@@ -215,15 +219,6 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
         (MAX_ROWS, Launch("tile", 64, 2)),
     ),
 }
-
-
-@functools.cache
-def arrival_counts(device: torch.device, count: int) -> torch.Tensor:
-    """[count] int32 zeros: per output tile (or router row), how many of its programs have finished; the last to
-    arrive sets its count back to 0 for the next launch (`quant_bits.store_or_add_shares`, the MoE router).
-    Allocated at the first launch of that many tiles, an eager one (graph capture warms up first); launches on a
-    device run one after another, as the engine's do, so they share it."""
-    return torch.zeros(count, dtype=torch.int32, device=device)
 
 
 def launch_for(qtype: str, rows: int) -> Launch:
@@ -235,6 +230,17 @@ def _segment_matmul(
     x: torch.Tensor, order: torch.Tensor | None, qtype: str, data: torch.Tensor, out: torch.Tensor, launch: Launch
 ) -> None:
     """out [M, N] (a column slice of the product) = x [M, K] times one segment's rows [N, row_bytes]."""
+    if qtype in repacked.BASE:
+        x = x if order is None else x.index_select(1, order)  # the stored columns' order
+        options = {"block_n": launch.block_n, "split_k": launch.split_k, "num_warps": launch.num_warps}
+        planes = repacked.planes(data, qtype, x.shape[1])
+        if qtype == "Q6_K_R":
+            quant_mma.q6_k_mma(x, *planes, out, num_stages=launch.num_stages, **options)
+        elif launch.family == "gemv":
+            quant_mma.q4_k_gemv(x, *planes, out, num_stages=launch.num_stages, **options)
+        else:
+            quant_mma.q4_k_mma(x, *planes, out, num_stages=launch.num_stages, **options)
+        return
     m, n = out.shape
     n_bytes = data.shape[1]
     steps = x.shape[1] // STEP
@@ -245,7 +251,7 @@ def _segment_matmul(
     order = x if order is None else order
     row_blocks = triton.cdiv(m, launch.m_block) if launch.family == "gemv" else 1
     grid = (triton.cdiv(n, launch.block_n) * row_blocks, shares)  # a GEMV's row blocks side by side (quant_gemv)
-    arrivals = arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
     results = (parts, arrivals, out, m, n)  # where the kernels put their sums, and the output's shape
     tail = (x.stride(0), out.stride(0), steps, per_share)
     common = {"HAS_ORDER": gathered, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps, **pdl.LAUNCH}
@@ -296,7 +302,7 @@ def kernel_handles(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bo
         and dtype in (torch.bfloat16, torch.float16, torch.float32)
         and len(weight.shape) == 2
         and weight.in_features % STEP == 0
-        and all(qtype in KERNEL_TYPES for qtype in weight.qtypes)
+        and all(qtype in KERNEL_TYPES or qtype in repacked.BASE for qtype in weight.qtypes)
     )
 
 
@@ -308,7 +314,11 @@ def _dequantize_then_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.T
     dense = torch.empty(weight.shape, device=x.device, dtype=x.dtype)  # [out, in]
     row = 0
     for qtype, data in weight.segments:
-        quant_dequant.dequantize(data, qtype, x.dtype, out=dense[row : row + data.shape[0]])
+        rows = dense[row : row + data.shape[0]]
+        if qtype in repacked.BASE:
+            quant_mma.dequantize(data, qtype, weight.in_features, x.dtype, out=rows)
+        else:
+            quant_dequant.dequantize(data, qtype, x.dtype, out=rows)
         row += data.shape[0]
     return F.linear(weight.ordered_input(x), dense)
 

@@ -11,6 +11,8 @@ of the input are added in a fixed order (`quant_bits.store_or_add_shares`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,7 @@ from deltaspec.ops.triton import pdl, quant_bits
 from deltaspec.ops.triton.quant_dequant import _q4_k_sub_block
 
 DEQUANT_BLOCK_N = 64
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bf16 dot operands raw
 
 
 @triton.jit
@@ -183,15 +186,13 @@ def q4_k_gemv(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """out [M, N] = x [M, in] times the repacked Q4_K matrix on CUDA cores, all M rows in one row block."""
-    from deltaspec.ops.triton.quant_matmul import arrival_counts
-
     m, n = out.shape
     steps = x.shape[1] // 256
     per_share = triton.cdiv(steps, split_k)
     shares = triton.cdiv(steps, per_share)
     parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
     grid = (triton.cdiv(n, block_n), shares)
-    arrivals = arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
     q4_k_gemv_kernel[grid](
         x,
         words,
@@ -276,15 +277,13 @@ def q6_k_mma(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """out [M, N] (row stride free) = x [M, in] (contiguous rows) times the repacked Q6_K matrix."""
-    from deltaspec.ops.triton.quant_matmul import INTERPRETED, arrival_counts
-
     m, n = out.shape
     steps = x.shape[1] // 256
     per_share = triton.cdiv(steps, split_k)
     shares = triton.cdiv(steps, per_share)
     parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
     grid = (triton.cdiv(n, block_n), shares)
-    arrivals = arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
     q6_k_mma_kernel[grid](
         x,
         words,
@@ -323,15 +322,13 @@ def q4_k_mma(
     post_scale: bool = False,
 ) -> torch.Tensor:
     """out [M, N] (row stride free) = x [M, in] (contiguous rows) times the repacked Q4_K matrix."""
-    from deltaspec.ops.triton.quant_matmul import INTERPRETED, arrival_counts
-
     m, n = out.shape
     steps = x.shape[1] // 256
     per_share = triton.cdiv(steps, split_k)
     shares = triton.cdiv(steps, per_share)
     parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
     grid = (triton.cdiv(n, block_n), shares)
-    arrivals = arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
     q4_k_mma_kernel[grid](
         x,
         words,

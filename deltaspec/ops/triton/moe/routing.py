@@ -13,7 +13,7 @@ import triton.language as tl
 
 from deltaspec.ops import moe as reference
 from deltaspec.ops.quant.weight import QuantizedWeight
-from deltaspec.ops.triton import pdl, quant_matmul
+from deltaspec.ops.triton import pdl, quant_bits
 from deltaspec.ops.triton.moe.products import rows_times_x
 from deltaspec.ops.triton.moe.tiles import FLOAT_DTYPES, RouterTile, router_tile
 
@@ -193,7 +193,7 @@ def router(
         logits,
         weights,
         experts,
-        quant_matmul.arrival_counts(x.device, rows),
+        quant_bits.arrival_counts(x.device, rows),
         (num_experts, first_expert, num_experts if held_experts is None else held_experts),
         out_features,
         hidden,
