@@ -17,6 +17,7 @@
 # Steps:
 #   kernels:SECONDS    the routed GEMV launches' sweep for 1-16 rows
 #   mma:SECONDS        tools/quant_mma_sweep.py: the tensor-core Q4_K product's variants against the routed launches
+#   script:SECONDS     bash .scratch/script.sh in the snapshot (one-off benchmarks), its output in $OUT/script.log
 #   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
 #   treeprof:SHAPE     cProfile of bench tree-oracle on a random-weight shape (host time of chain vs tree rounds)
 #   tests:SECONDS      pytest -m "gpu or kernel" over tests/, 8 workers
@@ -24,7 +25,7 @@
 #   peer:STEPS         tools/peer_bench.sh's STEPS (build,file,llama,deltaspec,combine) into $OUT, with llama.cpp's
 #                      source at .scratch/llama.cpp-2026-10-src.tar.xz and its build kept in .scratch/peer
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 DELTASPEC_COMMIT=$(cat .scratch/snap.commit)  # the benchmarks' reports name the snapshot
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site
 repo=$(pwd)
@@ -46,6 +47,9 @@ for step in "$@"; do
       PYTHONPATH=/tmp/snap:/tmp/site timeout ${arg:-400} python3 tools/quant_mma_sweep.py $OUT/mma_sweep.json \
         > $OUT/mma_sweep.stdout 2> $OUT/mma_sweep.log; echo "mma sweep exit $?"; cat $OUT/mma_sweep.stdout
       tail -3 $OUT/mma_sweep.log ;;
+    script)  # a one-off list of commands for this call, written beside the snapshot
+      PYTHONPATH=/tmp/snap:/tmp/site timeout "$arg" bash $repo/.scratch/script.sh > $OUT/script.log 2>&1
+      echo "script exit $?"; tail -40 $OUT/script.log ;;
     train)
       mkdir -p /tmp/dm/block && cp -r deltaspec/default_model/target /tmp/dm/target
       [ -f $repo/.scratch/block_ckpt/checkpoint.pt ] && cp $repo/.scratch/block_ckpt/checkpoint.pt /tmp/dm/block/
