@@ -2,11 +2,10 @@
 the routed block products (`quant_matmul`) and bf16 `F.linear`, all graph-timed over copies of the weight that
 exceed twice the L2 (as `tools/quant_kernel_sweep.py --table`).
 
-For Q4_K and Q6_K, stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages; for Q4_K replicated or
-reshaped nibble loads and scaling before or after the product; split-K 4) at 16 rows of the 27B shape's
-gate_up product; stage 2 times the best few at every row count and shape with split-K 1, 2, 4 and 8. Each
-result is checked against the dequantizing reference. Writes one JSON line per timing to stderr and the whole
-report to the path given.
+For Q4_K and Q6_K, stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages; split-K 4) at 16 rows of
+the 27B shape's gate_up product; stage 2 times the best few at every row count and shape with split-K 1, 2, 4 and
+8, and for Q4_K at 1 and 2 rows the CUDA-core product too. Each result is checked against the dequantizing reference. Writes one JSON line per timing to stderr and the
+whole report to the path given.
 
     python tools/quant_mma_sweep.py OUT.json [--rows=1,2,4,8,16] [--top=2]
 """
@@ -42,13 +41,13 @@ def timed(operands: list, call) -> float:
 
 PRODUCT = {"Q4_K": q4_k_mma, "Q6_K": q6_k_mma}
 CONFIG_KEYS = {
-    "Q4_K": ("block_n", "num_warps", "num_stages", "replicated", "post_scale"),
+    "Q4_K": ("block_n", "num_warps", "num_stages"),
     "Q6_K": ("block_n", "num_warps", "num_stages"),
 }
 
 
 # CUDA-core launches on the repacked Q4_K layout for 1 and 2 rows: (block_n, num_warps, num_stages)
-GEMVS = ((32, 2, 2), (64, 4, 2), (128, 4, 3))
+GEMVS = ((64, 2, 2), (128, 4, 2), (256, 8, 2))
 
 
 def mma_call(qtype: str, x: torch.Tensor, out: torch.Tensor, config: dict, packed: tuple) -> torch.Tensor:
@@ -101,9 +100,9 @@ def main() -> None:
                 lambda s=(n_out, n_in): torch.randn(s, device="cuda", dtype=torch.bfloat16), n_out * n_in * 2
             )
             fixtures[qtype, shape] = (blocks, weights, packs, dense)
-    grid = itertools.product((32, 64, 128), (4, 8), (2, 3), (True, False), (False, True), (4,))
+    grid = itertools.product((64, 128, 256), (4, 8), (1, 2, 3), (4,))
     q4_k_variants = [dict(zip((*CONFIG_KEYS["Q4_K"], "split_k"), values)) for values in grid]
-    grid = itertools.product((32, 64, 128), (4, 8), (2, 3), (4,))
+    grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (4,))
     q6_k_variants = [dict(zip((*CONFIG_KEYS["Q6_K"], "split_k"), values)) for values in grid]
     stage1, best, stage2 = [], {}, []
     for qtype, variants, tops in (("Q4_K", q4_k_variants, top), ("Q6_K", q6_k_variants, top)):
@@ -146,7 +145,7 @@ def main() -> None:
                 f"{qtype} {shape:8s} rows={rows:2d} routed {routed:7.1f} us ({routed / one_row['routed']:.2f}x) "
                 f"mma {mma['us']:7.1f} us ({mma['us'] / one_row['routed']:.2f}x of routed 1 row, "
                 f"{mma['gb_s']:5.0f} GB/s) n={mma['block_n']} w={mma['num_warps']} s={mma['num_stages']} "
-                f"rep={mma.get('replicated')} post={mma.get('post_scale')} k={mma['split_k']}  bf16 {bf16:7.1f} us"
+                f"k={mma['split_k']}  bf16 {bf16:7.1f} us"
             )
             if gemv:
                 print(

@@ -8,7 +8,8 @@ sub-block arrive as four int32 words per row:
 - Q4_K_R: the nibbles as int32 words [in / 8, out] (word w of row n holds values 8w .. 8w + 7 of that row,
   nibble i value 8w + i), then each super-block's four header words (float16 d | dmin, and the 12 bytes of 6-bit
   scales and mins) as int32 [in / 256 * 4, out];
-- Q6_K_R: the low nibbles as Q4_K_R's words, the top two bits as int32 words [in / 16, out] (value 16w + i at
+- Q6_K_R: the low nibbles as int32 words [in / 8, out] (word w holds values 8w .. 8w + 7, nibble i value
+  8w + i), the top two bits as int32 words [in / 16, out] (value 16w + i at
   bits 2i), the int8 scales [in / 16, out] and the float16 d [in / 256, out].
 
 The planes are one uint8 buffer of the original's size, kept as [out, row_bytes] so that a `QuantizedWeight`
@@ -80,15 +81,13 @@ def _repack_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = blocks.shape[0]
     supers = blocks.reshape(rows, -1, 144)
     heads = supers[..., :16].contiguous().view(torch.int32)  # [n, S, 4]
-    qs = supers[..., 16:].reshape(rows, -1, 4, 32).to(torch.int32)  # [n, S, chunk, byte]
-    values = torch.stack((qs & 0xF, qs >> 4), dim=3)  # value chunk * 64 + half * 32 + byte
-    return _pack_fields(values.reshape(rows, -1, 8), 4), heads.permute(1, 2, 0).reshape(-1, rows)
+    lanes = supers[..., 16:].reshape(rows, -1, 4, 32).transpose(2, 3).contiguous().view(torch.int32)  # [n, S, 32]
+    return lanes.reshape(rows, -1).t(), heads.permute(1, 2, 0).reshape(-1, rows)
 
 
 def _unpack_q4_k(words: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
     rows = words.shape[1]
-    values = _unpack_fields(words, 4).reshape(rows, -1, 4, 2, 32)  # [n, S, chunk, half, byte]
-    qs = (values[:, :, :, 0] | (values[:, :, :, 1] << 4)).to(torch.uint8).reshape(rows, -1, 128)
+    qs = words.t().contiguous().view(torch.uint8).reshape(rows, -1, 32, 4).transpose(2, 3).reshape(rows, -1, 128)
     head_bytes = heads.reshape(-1, 4, rows).permute(2, 0, 1).contiguous().view(torch.uint8)  # [n, S, 16]
     return torch.cat((head_bytes, qs), dim=-1).reshape(rows, -1)
 

@@ -210,8 +210,8 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
         (MAX_ROWS, Launch("tile", 32, 4)),
     ),
     # the repacked layouts (`quant_mma`): "gemv" on CUDA cores, "mma" on tensor cores
-    "Q4_K_R": ((2, Launch("gemv", 64, 4, 4)), (MAX_ROWS, Launch("mma", 64, 4, 4))),
-    "Q6_K_R": ((MAX_ROWS, Launch("mma", 64, 4, 4)),),
+    "Q4_K_R": ((MAX_ROWS, Launch("mma", 128, 8, 4)),),
+    "Q6_K_R": ((MAX_ROWS, Launch("mma", 64, 8, 4)),),
     "I4_G128": (
         (1, Launch("gemv", 64, 8)),
         (2, Launch("gemv", 64, 8, 8, m_block=2)),

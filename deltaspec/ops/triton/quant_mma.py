@@ -1,12 +1,14 @@
 """Q4_K and Q6_K products of 1 to 64 rows from the planes of their repacked layouts
-(`deltaspec.ops.quant.repacked`), on tensor cores and, for a row or two, on CUDA cores.
+(`deltaspec.ops.quant.repacked`): on tensor cores (`q4_k_mma`, `q6_k_mma`) and, for a row or two, on CUDA cores
+(`q4_k_gemv`), and the one-pass dequantization of prefill-sized products (`dequantize`).
 
-A program owns BLOCK_N output rows and a share of the super-blocks. Per 32-value sub-block it reads the four
-nibble words of each row, and either dequantizes them in float32 exactly as `deltaspec.ops.quant.dequant` does
-(d * scale * q - dmin * min, rounded to the activations' dtype) and multiplies by x on the tensor cores, or
-(POST_SCALE) multiplies x by the bare quants 128 + q (exact in bfloat16; 1024 + q in float16) and scales the
-sub-block's sums afterwards: scale * (P - B * X) - min * X with X the sum of the sub-block's activations. Shares
-of the input are added in a fixed order (`quant_bits.store_or_add_shares`).
+A program owns BLOCK_N output rows and a share of the super-blocks. Per super-block a Q4_K program reads the 32
+nibble words of each row in one load (lane l of all eight sub-blocks), moves the quants into the top bits of
+bytes with two masked shifts, and per sub-block turns each byte into the float f = 0.5 + q / 32 with one permute
+(`quant_bits.byte_as_float`), so that a value is one multiply-add, (32 * scale) * f - (16 * scale + min), within
+a float32 rounding of the reference's (`deltaspec.ops.quant.dequant`); rounded to the activations' dtype, a
+sub-block's values multiply x's 32 matching columns on the tensor cores. Q6_K dequantizes as the reference does.
+Shares of the input are added in a fixed order (`quant_bits.store_or_add_shares`).
 """
 
 from __future__ import annotations
@@ -37,19 +39,21 @@ def _q4_k_head(heads_ptr, step, cols, n_mask, N):
 
 
 @triton.jit
-def _q4_k_quants(words_ptr, step, j: tl.constexpr, cols, n_mask, N, REPLICATED: tl.constexpr):
-    """The nibbles q [32, BLOCK_N] (int32) of sub-block j of super-block `step`: each word loaded once per value it
-    holds (REPLICATED; the cache serves the repeats), or once and unpacked by a reshape."""
-    k = tl.arange(0, 32)
-    if REPLICATED:
-        words = tl.load(
-            words_ptr + (step * 32 + j * 4 + k // 8)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
-        )
-        return (words >> ((k % 8) * 4)[:, None]) & 0xF
+def _q4_k_lanes(words_ptr, step, cols, n_mask, N):
+    """The 32 nibble words [32, BLOCK_N] of super-block `step` of rows `cols`, and their quants moved into the top
+    bits of bytes: byte b of `low` is sub-block 2b's quant q << 3 at lane l (the row), of `high` sub-block 2b + 1's."""
     words = tl.load(
-        words_ptr + (step * 32 + j * 4 + tl.arange(0, 4))[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
-    )  # [4, BLOCK_N]
-    return tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (32, cols.shape[0]))
+        words_ptr + (step * 32 + tl.arange(0, 32))[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
+    )
+    return (words << 3) & 0x78787878, (words >> 1) & 0x78787878
+
+
+@triton.jit
+def _q4_k_sub_block_values(low, high, j: tl.constexpr, half_exponent, PRMT: tl.constexpr):
+    """Sub-block j's quants [32, BLOCK_N] as the floats f = 0.5 + q / 32 (one permute each)."""
+    if j % 2 == 0:
+        return quant_bits.byte_as_float(low, j // 2, half_exponent, PRMT)
+    return quant_bits.byte_as_float(high, j // 2, half_exponent, PRMT)
 
 
 @triton.jit
@@ -78,51 +82,40 @@ def q4_k_mma_kernel(
     stride_om,
     steps,
     steps_per_split,
+    half_exponent,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    REPLICATED: tl.constexpr,
-    POST_SCALE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PRMT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """out [M, N] = x [M, 256 * steps] times the repacked Q4_K rows (module docstring); REPLICATED loads each
-    nibble word once per value it holds (the cache serves the repeats) instead of once, unpacked by a reshape."""
+    """out [M, N] = x [M, 256 * steps] times the repacked Q4_K rows on tensor cores: per sub-block j, the quants
+    as f = 0.5 + q / 32 and the values as (32 * scale) * f - (16 * scale + min) (one multiply-add, in float32),
+    rounded to x's dtype and multiplied by x's 32 columns of that sub-block."""
     pdl.wait_for_previous()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
     m = tl.arange(0, BLOCK_M)
     m_mask = m < M
-    k = tl.arange(0, 32)
+    lane = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(1) * steps_per_split
     for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
         d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
+        low, high = _q4_k_lanes(words_ptr, step, cols, n_mask, N)
         for j in tl.static_range(8):
             sc, mn = _q4_k_sub_block(s0, s1, s2, j)
             scale = d * quant_bits.as_float(sc)  # [BLOCK_N]
-            low = dmin * quant_bits.as_float(mn)
-            q = _q4_k_quants(words_ptr, step, j, cols, n_mask, N, REPLICATED)
+            offset = 16.0 * scale + dmin * quant_bits.as_float(mn)
+            f = _q4_k_sub_block_values(low, high, j, half_exponent, PRMT)  # [32, BLOCK_N]
+            w = (32.0 * scale)[None, :] * f - offset[None, :]
             x = tl.load(
-                x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + k)[None, :], mask=m_mask[:, None], other=0
+                x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + lane)[None, :], mask=m_mask[:, None], other=0
             )
-            if POST_SCALE:
-                sums = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
-                if IEEE:
-                    bias: tl.constexpr = 0.0
-                    part = tl.dot(x.to(tl.float32), quant_bits.as_float(q), input_precision="ieee")
-                elif x.dtype == tl.bfloat16:
-                    bias: tl.constexpr = 128.0  # 0x4300 is bfloat16 128, whose last bit is worth 1
-                    part = tl.dot(x, (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True))
-                else:
-                    bias: tl.constexpr = 1024.0  # float16 0x6400 = 1024
-                    part = tl.dot(x, (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True))
-                acc += scale[None, :] * (part - bias * sums[:, None]) - low[None, :] * sums[:, None]
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
             else:
-                w = quant_bits.as_float(q) * scale[None, :] - low[None, :]  # [32, BLOCK_N]
-                if IEEE:
-                    acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
-                else:
-                    acc = tl.dot(x, w.to(x.dtype), acc)
+                acc = tl.dot(x, w.to(x.dtype), acc)
     mask = m_mask[:, None] & n_mask[None, :]
     part_at = m[:, None] * N + cols[None, :]
     out_at = m[:, None] * stride_om + cols[None, :]
@@ -143,35 +136,33 @@ def q4_k_gemv_kernel(
     stride_om,
     steps,
     steps_per_split,
+    half_exponent,
     BLOCK_N: tl.constexpr,
     M_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PRMT: tl.constexpr,
 ):
-    """The same product on CUDA cores for a few rows (M <= M_BLOCK): per sub-block, the sum of q * x per row
-    (the quants as float32, exactly) is scaled once, and the min is applied once to the sum of x."""
+    """The same product on CUDA cores for a few rows (M <= M_BLOCK): per sub-block the sums F of f * x and X of x,
+    and 32 * scale * F - (16 * scale + min) * X."""
     pdl.wait_for_previous()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
     m = tl.arange(0, M_BLOCK)
-    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None, None] * stride_xm  # [M_BLOCK, 1, 1]
-    place = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8]: word i, nibble b -> value 8i + b
-    shifts = tl.arange(0, 8)[None, :, None] * 4
+    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None] * stride_xm  # [M_BLOCK, 1]
+    lane = tl.arange(0, 32)
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(1) * steps_per_split
     for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
         d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
+        low, high = _q4_k_lanes(words_ptr, step, cols, n_mask, N)
         for j in tl.static_range(8):
             sc, mn = _q4_k_sub_block(s0, s1, s2, j)
-            words = tl.load(
-                words_ptr + (step * 32 + j * 4 + tl.arange(0, 4))[:, None] * N + cols[None, :],
-                mask=n_mask[None, :],
-                other=0,
-            )  # [4, BLOCK_N]
-            q = quant_bits.as_float((words[:, None, :] >> shifts) & 0xF)  # [4, 8, BLOCK_N]
-            x = tl.load(x_rows + step * 256 + j * 32 + place[None]).to(tl.float32)  # [M_BLOCK, 4, 8]
-            qx = tl.sum(tl.sum(q[None] * x[:, :, :, None], axis=1), axis=1)  # [M_BLOCK, BLOCK_N]
-            xs = tl.sum(tl.sum(x, axis=2), axis=1)  # [M_BLOCK]
-            acc += (d * quant_bits.as_float(sc))[None, :] * qx - (dmin * quant_bits.as_float(mn))[None, :] * xs[:, None]
+            scale = d * quant_bits.as_float(sc)
+            offset = 16.0 * scale + dmin * quant_bits.as_float(mn)
+            f = _q4_k_sub_block_values(low, high, j, half_exponent, PRMT)  # [32, BLOCK_N]
+            x = tl.load(x_rows + step * 256 + j * 32 + lane[None, :]).to(tl.float32)  # [M_BLOCK, 32]
+            sums = tl.sum(f[None, :, :] * x[:, :, None], axis=1)  # [M_BLOCK, BLOCK_N]
+            acc += (32.0 * scale)[None, :] * sums - offset[None, :] * tl.sum(x, axis=1)[:, None]
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
 
 
@@ -206,6 +197,8 @@ def q4_k_gemv(
         out.stride(0),
         steps,
         per_share,
+        quant_bits.HALF_EXPONENT,
+        PRMT=not INTERPRETED,
         BLOCK_N=block_n,
         M_BLOCK=triton.next_power_of_2(m),
         NUM_STAGES=num_stages,
@@ -318,8 +311,6 @@ def q4_k_mma(
     split_k: int = 4,
     num_warps: int = 4,
     num_stages: int = 2,
-    replicated: bool = True,
-    post_scale: bool = False,
 ) -> torch.Tensor:
     """out [M, N] (row stride free) = x [M, in] (contiguous rows) times the repacked Q4_K matrix."""
     m, n = out.shape
@@ -342,11 +333,11 @@ def q4_k_mma(
         out.stride(0),
         steps,
         per_share,
+        quant_bits.HALF_EXPONENT,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
-        REPLICATED=replicated,
-        POST_SCALE=post_scale,
         NUM_STAGES=num_stages,
+        PRMT=not INTERPRETED,
         IEEE=x.dtype == torch.float32 or INTERPRETED,
         num_warps=num_warps,
         **pdl.LAUNCH,
@@ -373,13 +364,11 @@ def dequantize_kernel(
             tl.store(out_at + j * 32, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
     else:
         d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
-        for j in tl.static_range(8):
+        words = tl.load(words_ptr + (step * 32 + k)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0)
+        for j in tl.static_range(8):  # sub-block j: nibble j % 2 of byte j // 2 (the reference's arithmetic)
             sc, mn = _q4_k_sub_block(s0, s1, s2, j)
-            q = _q4_k_quants(words_ptr, step, j, cols, n_mask, N, True)
-            w = (
-                quant_bits.as_float(q) * (d * quant_bits.as_float(sc))[None, :]
-                - (dmin * quant_bits.as_float(mn))[None, :]
-            )
+            q = quant_bits.as_float((words >> (8 * (j // 2) + 4 * (j % 2))) & 0xF)
+            w = q * (d * quant_bits.as_float(sc))[None, :] - (dmin * quant_bits.as_float(mn))[None, :]
             tl.store(out_at + j * 32, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
