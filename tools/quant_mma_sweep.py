@@ -4,8 +4,8 @@ exceed twice the L2 (as `tools/quant_kernel_sweep.py --table`).
 
 For Q4_K and Q6_K, stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages; split-K 4) at 16 rows of
 the 27B shape's gate_up product; stage 2 times the best few at every row count and shape with split-K 1, 2, 4 and
-8, and for Q4_K at 1 and 2 rows the CUDA-core product too. Each result is checked against the dequantizing reference. Writes one JSON line per timing to stderr and the
-whole report to the path given.
+8, and for Q4_K at 1 and 2 rows the CUDA-core product too. Each result is checked against the dequantizing
+reference. Writes one JSON line per timing to stderr and the whole report to the path given.
 
     python tools/quant_mma_sweep.py OUT.json [--rows=1,2,4,8,16] [--top=2]
 """
