@@ -2,15 +2,17 @@
 
 A GGUF file stores a matrix row by row, each row a run of 256-value super-blocks. The CUDA products
 (`deltaspec.ops.triton.quant_mma`) want each field of the blocks as its own plane, contiguous along the output
-rows, so that a program's loads of a few hundred output rows are whole 128-byte lines and the nibbles of a
-sub-block arrive as four int32 words per row:
+rows, so that a program's loads of a few hundred output rows are whole 128-byte lines:
 
-- Q4_K_R: the nibbles as int32 words [in / 8, out] (word w of row n holds values 8w .. 8w + 7 of that row,
-  nibble i value 8w + i), then each super-block's four header words (float16 d | dmin, and the 12 bytes of 6-bit
-  scales and mins) as int32 [in / 256 * 4, out];
-- Q6_K_R: the low nibbles as int32 words [in / 8, out] (word w holds values 8w .. 8w + 7, nibble i value
-  8w + i), the top two bits as int32 words [in / 16, out] (value 16w + i at
-  bits 2i), the int8 scales [in / 16, out] and the float16 d [in / 256, out].
+- Q4_K_R: the nibbles as int32 words [in / 8, out], word 32s + l of a row holding lane l of each of the eight
+  32-value sub-blocks of super-block s (byte b: sub-block 2b in the low nibble, 2b + 1 in the high one: the file's
+  quant bytes l, 32 + l, 64 + l, 96 + l), so that one masked shift of a word puts four sub-blocks' quants in its
+  bytes; then each super-block's four header words (float16 d | dmin, and the 12 bytes of 6-bit scales and mins)
+  as int32 [in / 256 * 4, out];
+- Q6_K_R: the low nibbles as words [in / 8, out] laid out by lane as Q4_K_R's (the file's ql bytes l, 32 + l,
+  64 + l, 96 + l: byte b = 2h + r holds quarter r of half h in its low nibble, quarter 2 + r in its high one), the
+  top two bits as words [in / 16, out] (word 16s + l, byte b: lane l's bits of quarters r and 2 + r of half h in
+  its low nibble, lane l + 16's in its high one), the int8 scales [in / 16, out] and the float16 d [in / 256, out].
 
 The planes are one uint8 buffer of the original's size, kept as [out, row_bytes] so that a `QuantizedWeight`
 holding it keeps its shape and byte count; only whole 2-D matrices are repacked, and the repacking is a
@@ -96,35 +98,25 @@ def _repack_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q6_K rows [n, S * 210] -> (low-nibble words, top-bit words, scales, d) as `plane_shapes` gives them."""
     rows = blocks.shape[0]
     supers = blocks.reshape(rows, -1, 210)
-    ql = supers[..., :128].reshape(rows, -1, 2, 2, 32).to(torch.int32)  # [n, S, half, quarter % 2, l]
-    qh = supers[..., 128:192].reshape(rows, -1, 2, 1, 32).to(torch.int32)  # [n, S, half, 1, l]
-    low = torch.stack((ql & 0xF, ql >> 4), dim=3)  # [n, S, half, nibble, quarter % 2, l]: quarter = 2 nibble + q % 2
-    high = (qh >> (2 * torch.arange(4, device=blocks.device, dtype=torch.int32))[:, None]) & 3  # [n, S, 2, 4, 32]
+    lanes = supers[..., :128].reshape(rows, -1, 4, 32).transpose(2, 3).contiguous().view(torch.int32)  # [n, S, 32]
+    qh = supers[..., 128:192].reshape(rows, -1, 2, 1, 32).to(torch.int32)  # [n, S, half h, 1, lane]
+    r = torch.arange(2, device=blocks.device, dtype=torch.int32)[:, None]
+    bits = ((qh >> (2 * r)) & 3) | (((qh >> (4 + 2 * r)) & 3) << 2)  # [n, S, h, r, lane]: quarters r and 2 + r
+    bits = bits.reshape(rows, -1, 4, 2, 16)  # byte b = 2h + r; lanes l and l + 16
+    packed = (bits[..., 0, :] | (bits[..., 1, :] << 4)).to(torch.uint8).transpose(2, 3).contiguous()  # [n, S, 16, 4]
     scales = supers[..., 192:208].reshape(rows, -1).t().view(torch.int8)
     d = supers[..., 208:].contiguous().view(torch.int16).reshape(rows, -1).t()
-    return _pack_fields(low.reshape(rows, -1, 8), 4), _pack_fields(high.reshape(rows, -1, 16), 2), scales, d
+    return lanes.reshape(rows, -1).t(), packed.view(torch.int32).reshape(rows, -1).t(), scales, d
 
 
 def _unpack_q6_k(words, high_words, scales, d) -> torch.Tensor:
     rows = words.shape[1]
-    low = _unpack_fields(words, 4).reshape(rows, -1, 2, 2, 2, 32)  # [n, S, half, nibble, quarter % 2, l]
-    high = _unpack_fields(high_words, 2).reshape(rows, -1, 2, 4, 32)  # [n, S, half, quarter, l]
-    ql = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(rows, -1, 128)
-    shifts = (2 * torch.arange(4, device=words.device, dtype=torch.int32))[:, None]
-    qh = (high << shifts).sum(dim=3).reshape(rows, -1, 64)
+    ql = words.t().contiguous().view(torch.uint8).reshape(rows, -1, 32, 4).transpose(2, 3).reshape(rows, -1, 128)
+    packed = high_words.t().contiguous().view(torch.uint8).reshape(rows, -1, 16, 4).transpose(2, 3).to(torch.int32)
+    bits = torch.stack((packed & 0xF, packed >> 4), dim=3).reshape(rows, -1, 2, 2, 32)  # [n, S, h, r, lane]
+    r = torch.arange(2, device=words.device, dtype=torch.int32)[:, None]
+    qh = (((bits & 3) << (2 * r)) | (((bits >> 2) & 3) << (4 + 2 * r))).sum(dim=3)  # [n, S, h, lane]
     scale_bytes = scales.t().flatten().view(torch.uint8).reshape(rows, -1, 16)
     d_bytes = d.t().flatten().view(torch.uint8).reshape(rows, -1, 2)
-    return torch.cat((ql.to(torch.uint8), qh.to(torch.uint8), scale_bytes, d_bytes), dim=-1).reshape(rows, -1)
-
-
-def _pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """[n, words, 32 / bits] small ints -> int32 words [words, n], field i at bits i * bits."""
-    shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int32)
-    words = (values << shifts).sum(dim=-1, dtype=torch.int64).to(torch.int32)  # bit 31 wraps to the int32's sign
-    return words.t()
-
-
-def _unpack_fields(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """`_pack_fields` undone: int32 words [words, n] -> [n, words, 32 / bits]."""
-    shifts = torch.arange(0, 32, bits, device=words.device, dtype=torch.int32)
-    return (words.t()[..., None] >> shifts) & ((1 << bits) - 1)
+    qh = qh.to(torch.uint8).reshape(rows, -1, 64)
+    return torch.cat((ql, qh, scale_bytes, d_bytes), dim=-1).reshape(rows, -1)

@@ -57,15 +57,18 @@ def _q4_k_sub_block_values(low, high, j: tl.constexpr, half_exponent, PRMT: tl.c
 
 
 @triton.jit
-def _q6_k_values(words_ptr, high_ptr, scales_ptr, d, step, j: tl.constexpr, cols, n_mask, N):
-    """Sub-block j of super-block `step` of Q6_K rows `cols`, dequantized as d * scale * (q - 32) in float32."""
-    k = tl.arange(0, 32)
-    group = (step * 16 + j * 2 + k // 16)[:, None] * N + cols[None, :]  # [32, BLOCK_N]: 16-value groups
-    low = tl.load(words_ptr + (step * 32 + j * 4 + k // 8)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0)
-    high = tl.load(high_ptr + group, mask=n_mask[None, :], other=0)
-    scale = tl.load(scales_ptr + group, mask=n_mask[None, :], other=0).to(tl.float32)
-    q = ((low >> ((k % 8) * 4)[:, None]) & 0xF) | (((high >> ((k % 16) * 2)[:, None]) & 3) << 4)
-    return (d[None, :] * scale) * (q - 32).to(tl.float32)
+def _q6_k_half_lanes(words_ptr, high_ptr, step, half: tl.constexpr, cols, n_mask, N):
+    """Lanes 16 * half .. + 15 [16, BLOCK_N] of super-block `step`'s Q6_K rows `cols`, as two words of bytes
+    2v (v the 6-bit value): byte b = 2h + r of `low` holds quarter r of half h, of `high` quarter 2 + r."""
+    lane = tl.arange(0, 16)
+    words = tl.load(
+        words_ptr + (step * 32 + half * 16 + lane)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
+    )
+    top = tl.load(high_ptr + (step * 16 + lane)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0)
+    top = (top >> (4 * half)) & 0x0F0F0F0F  # this half's lanes: quarter r's bits at 0-1, quarter 2 + r's at 2-3
+    low = ((words << 1) & 0x1E1E1E1E) | ((top & 0x03030303) << 5)
+    high = ((words >> 3) & 0x1E1E1E1E) | ((top & 0x0C0C0C0C) << 3)
+    return low, high
 
 
 @triton.jit
@@ -224,33 +227,46 @@ def q6_k_mma_kernel(
     stride_om,
     steps,
     steps_per_split,
+    half_exponent,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PRMT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """out [M, N] = x [M, 256 * steps] times the repacked Q6_K rows (`repack_q6_k`): per 32-value sub-block, the
-    6-bit values q of each row from its low-nibble and top-bit words, dequantized as d * scale * (q - 32) in
-    float32 (the reference's arithmetic), rounded to x's dtype and multiplied on the tensor cores."""
+    """out [M, N] = x [M, 256 * steps] times the repacked Q6_K rows: per half of the lanes, the 6-bit values v as
+    bytes 2v of two words (`_q6_k_half_lanes`), and per 16-value scale group the floats f = 0.5 + v / 128 and the
+    values (128 * d * scale) * f - 96 * d * scale = d * scale * (v - 32), one multiply-add and the reference's
+    float32 value exactly, rounded to x's dtype and multiplied by x's 16 matching columns on the tensor cores."""
     pdl.wait_for_previous()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
     m = tl.arange(0, BLOCK_M)
     m_mask = m < M
-    k = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(1) * steps_per_split
     for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
         d = tl.load(d_ptr + step * N + cols, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        for j in tl.static_range(8):
-            w = _q6_k_values(words_ptr, high_ptr, scales_ptr, d, step, j, cols, n_mask, N)  # [32, BLOCK_N]
-            x = tl.load(
-                x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + k)[None, :], mask=m_mask[:, None], other=0
-            )
-            if IEEE:
-                acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
-            else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
+        d128 = 128.0 * d
+        for half in tl.static_range(2):
+            low, high = _q6_k_half_lanes(words_ptr, high_ptr, step, half, cols, n_mask, N)
+            for b in tl.static_range(4):
+                for upper in tl.static_range(2):
+                    quarter = b % 2 + 2 * upper
+                    group = (b // 2) * 8 + quarter * 2 + half  # the 16 values' scale
+                    scale = tl.load(scales_ptr + (step * 16 + group) * N + cols, mask=n_mask, other=0).to(tl.float32)
+                    slope = d128 * scale  # 128 * d * scale and 96 * d * scale are exact in float32
+                    if upper == 0:
+                        f = quant_bits.byte_as_float(low, b, half_exponent, PRMT)  # 0.5 + v / 128
+                    else:
+                        f = quant_bits.byte_as_float(high, b, half_exponent, PRMT)
+                    w = slope[None, :] * f - (0.75 * slope)[None, :]  # d * scale * (v - 32), exactly
+                    column = step * 256 + (b // 2) * 128 + quarter * 32 + half * 16 + tl.arange(0, 16)
+                    x = tl.load(x_ptr + m[:, None] * stride_xm + column[None, :], mask=m_mask[:, None], other=0)
+                    if IEEE:
+                        acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+                    else:
+                        acc = tl.dot(x, w.to(x.dtype), acc)
     mask = m_mask[:, None] & n_mask[None, :]
     part_at = m[:, None] * N + cols[None, :]
     out_at = m[:, None] * stride_om + cols[None, :]
@@ -292,9 +308,11 @@ def q6_k_mma(
         out.stride(0),
         steps,
         per_share,
+        quant_bits.HALF_EXPONENT,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         NUM_STAGES=num_stages,
+        PRMT=not INTERPRETED,
         IEEE=x.dtype == torch.float32 or INTERPRETED,
         num_warps=num_warps,
         **pdl.LAUNCH,
@@ -359,9 +377,22 @@ def dequantize_kernel(
     out_at = out_ptr + cols.to(tl.int64)[None, :] * stride_on + step * 256 + k[:, None]  # [32, BLOCK_N]
     if Q6_K:
         d = tl.load(d_ptr + step * N + cols, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        for j in tl.static_range(8):
-            w = _q6_k_values(words_ptr, high_ptr, scales_ptr, d, step, j, cols, n_mask, N)
-            tl.store(out_at + j * 32, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+        for half in tl.static_range(2):
+            low, high = _q6_k_half_lanes(words_ptr, high_ptr, step, half, cols, n_mask, N)
+            lane = tl.arange(0, 16)
+            for b in tl.static_range(4):
+                for upper in tl.static_range(2):
+                    quarter = b % 2 + 2 * upper
+                    group = (b // 2) * 8 + quarter * 2 + half
+                    scale = tl.load(scales_ptr + (step * 16 + group) * N + cols, mask=n_mask, other=0).to(tl.float32)
+                    if upper == 0:
+                        v = (low >> (8 * b + 1)) & 63
+                    else:
+                        v = (high >> (8 * b + 1)) & 63
+                    w = (d * scale)[None, :] * (v - 32).to(tl.float32)  # the reference's arithmetic
+                    at = out_ptr + cols.to(tl.int64)[None, :] * stride_on + step * 256 + (b // 2) * 128
+                    at += quarter * 32 + half * 16 + lane[:, None]
+                    tl.store(at, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
     else:
         d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
         words = tl.load(words_ptr + (step * 32 + k)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0)
