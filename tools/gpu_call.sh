@@ -28,7 +28,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 DELTASPEC_COMMIT=$(cat .scratch/snap.commit)  # the benchmarks' reports name the snapshot
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site
-repo=$(pwd)
+repo=$(pwd); export REPO=$repo  # scripts find the carried folders under $REPO
 rm -rf /tmp/snap && mkdir -p /tmp/snap && tar xzf .scratch/snap.tar.gz -C /tmp/snap
 cp -r deltaspec/default_model /tmp/snap/deltaspec/ && cp -r tests/data /tmp/snap/tests/
 cd /tmp/snap
