@@ -211,7 +211,7 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
     ),
     # the repacked layouts (`quant_mma`): "gemv" on CUDA cores, "mma" on tensor cores
     "Q4_K_R": ((MAX_ROWS, Launch("mma", 128, 8, 4)),),
-    "Q6_K_R": ((MAX_ROWS, Launch("mma", 64, 8, 4)),),
+    "Q6_K_R": ((MAX_ROWS, Launch("mma", 128, 8, 4)),),
     "I4_G128": (
         (1, Launch("gemv", 64, 8)),
         (2, Launch("gemv", 64, 8, 8, m_block=2)),
