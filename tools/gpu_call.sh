@@ -44,7 +44,7 @@ for step in "$@"; do
         --rows=1,2,4,8,16 --types=Q4_K,Q6_K,Q8_0,FP8_B128,I4_G128 > $OUT/quant_sweep.stdout 2> $OUT/quant_sweep.log
       echo "sweep exit $?"; tail -12 $OUT/quant_sweep.stdout; grep -c . $OUT/quant_sweep.log ;;
     mma)  # the tensor-core Q4_K product on the repacked layout, swept against the routed launches (issue #44)
-      PYTHONPATH=/tmp/snap:/tmp/site timeout ${arg:-400} python3 tools/quant_mma_sweep.py $OUT/mma_sweep.json \
+      PYTHONPATH=/tmp/snap:/tmp/site timeout ${arg:-400} python3 tools/quant_mma_sweep.py $OUT/mma_sweep.json ${MMA_ARGS:-} \
         > $OUT/mma_sweep.stdout 2> $OUT/mma_sweep.log; echo "mma sweep exit $?"; cat $OUT/mma_sweep.stdout
       tail -3 $OUT/mma_sweep.log ;;
     script)  # a one-off list of commands for this call, written beside the snapshot

@@ -7,7 +7,7 @@ the 27B shape's gate_up product; stage 2 times the best few at every row count a
 8, and for Q4_K at 1 and 2 rows the CUDA-core product too. Each result is checked against the dequantizing
 reference. Writes one JSON line per timing to stderr and the whole report to the path given.
 
-    python tools/quant_mma_sweep.py OUT.json [--rows=1,2,4,8,16] [--top=2]
+    python tools/quant_mma_sweep.py OUT.json [--rows=1,2,4,8,16] [--top=2] [--quick]
 """
 
 import functools
@@ -100,9 +100,11 @@ def main() -> None:
                 lambda s=(n_out, n_in): torch.randn(s, device="cuda", dtype=torch.bfloat16), n_out * n_in * 2
             )
             fixtures[qtype, shape] = (blocks, weights, packs, dense)
-    grid = itertools.product((64, 128, 256), (4, 8), (1, 2, 3), (4,))
+    quick = "--quick" in sys.argv  # a few variants, two shapes, split-K 4 and 8: what fits beside a test run
+    stages = (2,) if quick else (1, 2, 3)
+    grid = itertools.product((128, 256) if quick else (64, 128, 256), (4, 8), stages, (4,))
     q4_k_variants = [dict(zip((*CONFIG_KEYS["Q4_K"], "split_k"), values)) for values in grid]
-    grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (4,))
+    grid = itertools.product((64, 128) if quick else (32, 64, 128), (4, 8), stages, (4,))
     q6_k_variants = [dict(zip((*CONFIG_KEYS["Q6_K"], "split_k"), values)) for values in grid]
     stage1, best, stage2 = [], {}, []
     for qtype, variants, tops in (("Q4_K", q4_k_variants, top), ("Q6_K", q6_k_variants, top)):
@@ -119,10 +121,12 @@ def main() -> None:
                 best[qtype].append(config)
             if len(best[qtype]) == tops:
                 break
-        for shape in SHAPES:
+        for shape in ("gate_up", "down") if quick else SHAPES:
             for rows in (int(r) for r in rows_flag.split(",")):
-                configs = [{**config, "split_k": k} for config in best[qtype] for k in (1, 2, 4, 8)]
-                if qtype == "Q4_K" and rows <= 2:
+                configs = [
+                    {**config, "split_k": k} for config in best[qtype] for k in ((4, 8) if quick else (1, 2, 4, 8))
+                ]
+                if qtype == "Q4_K" and rows <= (1 if quick else 2):
                     configs += [
                         {"gemv": True, "block_n": n, "num_warps": w, "num_stages": st, "split_k": k}
                         for (n, w, st), k in itertools.product(GEMVS, (4, 8))
@@ -130,7 +134,7 @@ def main() -> None:
                 stage2 += measure(qtype, shape, rows, configs, fixtures)
     report = {"device": torch.cuda.get_device_name(), "stage1": stage1, "best": best, "stage2": stage2}
     print(report["device"], "best configs at 16 rows:", best)
-    for qtype, shape in fixtures:
+    for qtype, shape in {(r["qtype"], r["shape"]) for r in stage2}:
         one_row = {}
         for rows in (int(r) for r in rows_flag.split(",")):
             here = [r for r in stage2 if (r["qtype"], r["shape"], r["rows"]) == (qtype, shape, rows) and "us" in r]
