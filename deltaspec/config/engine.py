@@ -128,6 +128,13 @@ class HostConfig:
             "(torch references everywhere)"
         },
     )
+    no_repack: bool = field(
+        default=False,
+        metadata={
+            "help": "on CUDA, keep Q4_K and Q6_K weights in the file's block layout instead of repacking them in "
+            "place (same memory) into the layout of the tensor-core products (llama.cpp's --no-repack)"
+        },
+    )
     enforce_eager: bool = field(default=False, metadata={"help": "run every pass eagerly, without CUDA graphs"})
 
     def device_name(self) -> str:

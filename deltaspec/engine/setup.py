@@ -59,7 +59,7 @@ def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParal
     cfg, device = planned.config, planned.cache.device
     torch.set_num_threads(cfg.host.threads)
     model = _loaded_model(planned, ops, progress, tp)
-    if device.type == "cuda" and cfg.host.kernels != "reference":
+    if device.type == "cuda" and cfg.host.kernels != "reference" and not cfg.host.no_repack:
         model.repack_for_kernels()  # the Q4_K / Q6_K layouts the CUDA products read: same bytes, in place
     return model
 
