@@ -128,11 +128,12 @@ class HostConfig:
             "(torch references everywhere)"
         },
     )
-    no_repack: bool = field(
+    repack: bool = field(
         default=False,
         metadata={
-            "help": "on CUDA, keep Q4_K and Q6_K weights in the file's block layout instead of repacking them in "
-            "place (same memory) into the layout of the tensor-core products (llama.cpp's --no-repack)"
+            "help": "on CUDA, repack Q4_K and Q6_K weights in place (same memory) into the layout of the tensor-core "
+            "products, which verify 2-64 rows at 1.1-1.4x the cost of one (kernel timings, docs/performance.md); "
+            "opt-in until its whole-model effect is measured"
         },
     )
     enforce_eager: bool = field(default=False, metadata={"help": "run every pass eagerly, without CUDA graphs"})

@@ -54,12 +54,12 @@ def engine_executor(config: EngineConfig, replica: Callable) -> Executor:
 
 def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE) -> HybridModel:
     """The engine's model (a tensor-parallel rank's share of it): random weights of the shape, or the checkpoint;
-    its MTP head only when it drafts; on CUDA with the kernels, its Q4_K and Q6_K matrices repacked for them.
+    its MTP head only when it drafts; with --repack on CUDA, its Q4_K and Q6_K matrices repacked for the kernels.
     Sets the process's torch CPU threads to the engine's `threads` first."""
     cfg, device = planned.config, planned.cache.device
     torch.set_num_threads(cfg.host.threads)
     model = _loaded_model(planned, ops, progress, tp)
-    if device.type == "cuda" and cfg.host.kernels != "reference" and not cfg.host.no_repack:
+    if cfg.host.repack and device.type == "cuda" and cfg.host.kernels != "reference":
         model.repack_for_kernels()  # the Q4_K / Q6_K layouts the CUDA products read: same bytes, in place
     return model
 

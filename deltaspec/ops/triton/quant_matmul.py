@@ -209,9 +209,10 @@ LAUNCHES: dict[str, tuple[tuple[int, Launch], ...]] = {
         (4, Launch("gemv", 32, 4, 4, m_block=4)),
         (MAX_ROWS, Launch("tile", 32, 4)),
     ),
-    # the repacked layouts (`quant_mma`): "gemv" on CUDA cores, "mma" on tensor cores
-    "Q4_K_R": ((MAX_ROWS, Launch("mma", 128, 8, 4)),),
-    "Q6_K_R": ((MAX_ROWS, Launch("mma", 128, 8, 4)),),
+    # the repacked layouts (`quant_mma`; "gemv" on CUDA cores, "mma" on tensor cores), graph-timed on an H100 over
+    # the 27B shape's gate_up and down products (benchmarks/h100/15b48f7/quant-mma-sweep-quick.json)
+    "Q4_K_R": ((1, Launch("gemv", 128, 8, 4)), (MAX_ROWS, Launch("mma", 128, 8, 4))),
+    "Q6_K_R": ((MAX_ROWS, Launch("mma", 64, 8, 4)),),
     "I4_G128": (
         (1, Launch("gemv", 64, 8)),
         (2, Launch("gemv", 64, 8, 8, m_block=2)),
