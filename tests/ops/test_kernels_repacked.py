@@ -124,3 +124,24 @@ def test_the_routed_products_and_the_prefill_dequantization_match_the_reference(
     for rows in (1, 2, 7, 65):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(kernel_device, torch.float32)
         assert_near_the_reference(kernel(x, weight), x, weight)
+
+
+@pytest.mark.gpu
+def test_with_repack_a_llama_quantize_file_runs_on_cuda_as_on_the_cpu():
+    """`--repack` on CUDA (float32): the Q4_K and Q6_K matrices are repacked, the scored log-probabilities are the CPU
+    reference's within float32 rounding, and greedy decoding gives the CPU's tokens, through verify passes of several
+    rows too (the n-gram drafter on a prompt that repeats itself)."""
+    prompts = [{"prompt_token_ids": [1, 17, 230, 4, 99, 7] * 3}, {"prompt_token_ids": [5, 6, 7, 8]}]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    options = dict(dtype="float32", max_num_seqs=2, max_model_len=128)
+    cpu = LLM(str(LLAMA_MADE), device="cpu", **options).generate(prompts, params)
+    cuda = LLM(str(LLAMA_MADE), device="cuda", repack=True, **options)
+    kept = {q for m in cuda.engine.model.modules() if isinstance(m, QuantizedWeight) for q in m.qtypes}
+    assert {"Q4_K_R", "Q6_K_R"} <= kept
+    for got, want in zip(cuda.generate(prompts, params), cpu):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        chosen = [[step[t].logprob for t in step] for step in got.outputs[0].logprobs]
+        expected = [[step[t].logprob for t in step] for step in want.outputs[0].logprobs]
+        torch.testing.assert_close(torch.tensor(chosen), torch.tensor(expected), rtol=0, atol=1e-3)
+    spec = LLM(str(LLAMA_MADE), device="cuda", repack=True, speculative="ngram", draft_tokens=3, **options)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == [o.outputs[0].token_ids for o in cpu]
