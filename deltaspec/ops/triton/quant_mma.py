@@ -180,30 +180,16 @@ def q4_k_gemv(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """out [M, N] = x [M, in] times the repacked Q4_K matrix on CUDA cores, all M rows in one row block."""
-    m, n = out.shape
-    steps = x.shape[1] // 256
-    per_share = triton.cdiv(steps, split_k)
-    shares = triton.cdiv(steps, per_share)
-    parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
-    grid = (triton.cdiv(n, block_n), shares)
-    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    grid, shared = _shares(x, out, block_n, split_k)
     q4_k_gemv_kernel[grid](
         x,
         words,
         heads,
-        parts,
-        arrivals,
-        out,
-        m,
-        n,
-        x.stride(0),
-        out.stride(0),
-        steps,
-        per_share,
+        *shared,
         quant_bits.HALF_EXPONENT,
         PRMT=not INTERPRETED,
         BLOCK_N=block_n,
-        M_BLOCK=triton.next_power_of_2(m),
+        M_BLOCK=triton.next_power_of_2(out.shape[0]),
         NUM_STAGES=num_stages,
         num_warps=num_warps,
         **pdl.LAUNCH,
@@ -286,30 +272,16 @@ def q6_k_mma(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """out [M, N] (row stride free) = x [M, in] (contiguous rows) times the repacked Q6_K matrix."""
-    m, n = out.shape
-    steps = x.shape[1] // 256
-    per_share = triton.cdiv(steps, split_k)
-    shares = triton.cdiv(steps, per_share)
-    parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
-    grid = (triton.cdiv(n, block_n), shares)
-    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    grid, shared = _shares(x, out, block_n, split_k)
     q6_k_mma_kernel[grid](
         x,
         words,
         high_words,
         scales,
         d,
-        parts,
-        arrivals,
-        out,
-        m,
-        n,
-        x.stride(0),
-        out.stride(0),
-        steps,
-        per_share,
+        *shared,
         quant_bits.HALF_EXPONENT,
-        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
         BLOCK_N=block_n,
         NUM_STAGES=num_stages,
         PRMT=not INTERPRETED,
@@ -331,28 +303,14 @@ def q4_k_mma(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """out [M, N] (row stride free) = x [M, in] (contiguous rows) times the repacked Q4_K matrix."""
-    m, n = out.shape
-    steps = x.shape[1] // 256
-    per_share = triton.cdiv(steps, split_k)
-    shares = triton.cdiv(steps, per_share)
-    parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
-    grid = (triton.cdiv(n, block_n), shares)
-    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    grid, shared = _shares(x, out, block_n, split_k)
     q4_k_mma_kernel[grid](
         x,
         words,
         heads,
-        parts,
-        arrivals,
-        out,
-        m,
-        n,
-        x.stride(0),
-        out.stride(0),
-        steps,
-        per_share,
+        *shared,
         quant_bits.HALF_EXPONENT,
-        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
         BLOCK_N=block_n,
         NUM_STAGES=num_stages,
         PRMT=not INTERPRETED,
@@ -361,6 +319,20 @@ def q4_k_mma(
         **pdl.LAUNCH,
     )
     return out
+
+
+def _shares(x: torch.Tensor, out: torch.Tensor, block_n: int, split_k: int) -> tuple[tuple[int, int], tuple]:
+    """A product's grid (output tiles, input shares) and the arguments every kernel here takes after its planes:
+    the float32 workspace of the shares' sums (the output itself for one share), the arrival counts, out, M, N,
+    x's and out's row strides, the super-blocks and the super-blocks per share (`quant_bits.store_or_add_shares`)."""
+    m, n = out.shape
+    steps = x.shape[1] // 256
+    per_share = triton.cdiv(steps, split_k)
+    shares = triton.cdiv(steps, per_share)
+    parts = torch.empty(shares, m, n, device=x.device, dtype=torch.float32) if shares > 1 else out
+    grid = (triton.cdiv(n, block_n), shares)
+    arrivals = quant_bits.arrival_counts(x.device, triton.next_power_of_2(grid[0]))
+    return grid, (parts, arrivals, out, m, n, x.stride(0), out.stride(0), steps, per_share)
 
 
 @triton.jit
