@@ -22,7 +22,7 @@ from triton.testing import do_bench_cudagraph
 from deltaspec.ops.quant.repacked import REPACKED, planes, repack
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton.quant_matmul import launch_for, quantized_linear
-from deltaspec.ops.triton.quant_mma import q4_k_gemv, q4_k_mma, q6_k_mma
+from deltaspec.ops.triton.quant_mma import mma, q4_k_gemv
 from tests.ops.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
@@ -39,7 +39,6 @@ def timed(operands: list, call) -> float:
     return do_bench_cudagraph(lambda: call(next(turn)), rep=30) * 1e3
 
 
-PRODUCT = {"Q4_K": q4_k_mma, "Q6_K": q6_k_mma}
 CONFIG_KEYS = {
     "Q4_K": ("block_n", "num_warps", "num_stages"),
     "Q6_K": ("block_n", "num_warps", "num_stages"),
@@ -53,7 +52,7 @@ GEMVS = ((64, 2, 2), (128, 4, 2), (256, 8, 2))
 def mma_call(qtype: str, x: torch.Tensor, out: torch.Tensor, config: dict, packed: tuple) -> torch.Tensor:
     if config.get("gemv"):
         return q4_k_gemv(x, *packed, out, **{key: value for key, value in config.items() if key != "gemv"})
-    return PRODUCT[qtype](x, *packed, out, **config)
+    return mma(x, packed, out, REPACKED[qtype], **config)
 
 
 def measure(qtype: str, shape: str, rows: int, configs: list[dict], fixtures: dict) -> list[dict]:

@@ -235,12 +235,10 @@ def _segment_matmul(
         x = x if order is None else x.index_select(1, order)  # the stored columns' order
         options = {"block_n": launch.block_n, "split_k": launch.split_k, "num_warps": launch.num_warps}
         planes = repacked.planes(data, qtype, x.shape[1])
-        if qtype == "Q6_K_R":
-            quant_mma.q6_k_mma(x, *planes, out, num_stages=launch.num_stages, **options)
-        elif launch.family == "gemv":
+        if launch.family == "gemv":  # Q4_K_R
             quant_mma.q4_k_gemv(x, *planes, out, num_stages=launch.num_stages, **options)
         else:
-            quant_mma.q4_k_mma(x, *planes, out, num_stages=launch.num_stages, **options)
+            quant_mma.mma(x, planes, out, qtype, num_stages=launch.num_stages, **options)
         return
     m, n = out.shape
     n_bytes = data.shape[1]

@@ -1,6 +1,6 @@
 """Q4_K and Q6_K products of 1 to 64 rows from the planes of their repacked layouts
-(`deltaspec.ops.quant.repacked`): on tensor cores (`q4_k_mma`, `q6_k_mma`) and, for a row or two, on CUDA cores
-(`q4_k_gemv`), and the one-pass dequantization of prefill-sized products (`dequantize`).
+(`deltaspec.ops.quant.repacked`): on tensor cores (`mma`) and, for a row or two, on CUDA cores (`q4_k_gemv`), and
+the one-pass dequantization of prefill-sized products (`dequantize`).
 
 A program owns BLOCK_N output rows and a share of the super-blocks. Per super-block a Q4_K program reads the 32
 nibble words of each row in one load (lane l of all eight sub-blocks), moves the quants into the top bits of
@@ -72,6 +72,15 @@ def _q6_k_half_lanes(words_ptr, high_ptr, step, half: tl.constexpr, cols, n_mask
 
 
 @triton.jit
+def _plus_product(acc, x, w, IEEE: tl.constexpr):
+    """acc + x [BLOCK_M, K] times w [K, BLOCK_N] (float32 values, rounded to x's dtype first) on the tensor cores; in
+    float32 without TF32 rounding for float32 activations or under the interpreter (IEEE)."""
+    if IEEE:
+        return acc + tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype), acc)
+
+
+@triton.jit
 def q4_k_mma_kernel(
     x_ptr,
     words_ptr,
@@ -115,14 +124,8 @@ def q4_k_mma_kernel(
             x = tl.load(
                 x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + lane)[None, :], mask=m_mask[:, None], other=0
             )
-            if IEEE:
-                acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
-            else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
-    mask = m_mask[:, None] & n_mask[None, :]
-    part_at = m[:, None] * N + cols[None, :]
-    out_at = m[:, None] * stride_om + cols[None, :]
-    quant_bits.store_or_add_shares(part_ptr, arrivals_ptr, out_ptr, acc, part_at, out_at, mask, tl.program_id(0), M, N)
+            acc = _plus_product(acc, x, w, IEEE)
+    quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
 
 
 @triton.jit
@@ -249,65 +252,27 @@ def q6_k_mma_kernel(
                     w = slope[None, :] * f - (0.75 * slope)[None, :]  # d * scale * (v - 32), exactly
                     column = step * 256 + (b // 2) * 128 + quarter * 32 + half * 16 + tl.arange(0, 16)
                     x = tl.load(x_ptr + m[:, None] * stride_xm + column[None, :], mask=m_mask[:, None], other=0)
-                    if IEEE:
-                        acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
-                    else:
-                        acc = tl.dot(x, w.to(x.dtype), acc)
-    mask = m_mask[:, None] & n_mask[None, :]
-    part_at = m[:, None] * N + cols[None, :]
-    out_at = m[:, None] * stride_om + cols[None, :]
-    quant_bits.store_or_add_shares(part_ptr, arrivals_ptr, out_ptr, acc, part_at, out_at, mask, tl.program_id(0), M, N)
+                    acc = _plus_product(acc, x, w, IEEE)
+    quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
 
 
-def q6_k_mma(
+def mma(
     x: torch.Tensor,
-    words: torch.Tensor,
-    high_words: torch.Tensor,
-    scales: torch.Tensor,
-    d: torch.Tensor,
+    planes: tuple[torch.Tensor, ...],
     out: torch.Tensor,
+    layout: str,
     block_n: int = 64,
     split_k: int = 4,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """out [M, N] (row stride free) = x [M, in] (contiguous rows) times the repacked Q6_K matrix."""
+    """out [M, N] (row stride free) = x [M, in] (contiguous rows) times a repacked matrix of `layout` (Q4_K_R or
+    Q6_K_R, its `repacked.planes`) on tensor cores."""
     grid, shared = _shares(x, out, block_n, split_k)
-    q6_k_mma_kernel[grid](
+    kernel = q6_k_mma_kernel if layout == "Q6_K_R" else q4_k_mma_kernel
+    kernel[grid](
         x,
-        words,
-        high_words,
-        scales,
-        d,
-        *shared,
-        quant_bits.HALF_EXPONENT,
-        BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
-        BLOCK_N=block_n,
-        NUM_STAGES=num_stages,
-        PRMT=not INTERPRETED,
-        IEEE=x.dtype == torch.float32 or INTERPRETED,
-        num_warps=num_warps,
-        **pdl.LAUNCH,
-    )
-    return out
-
-
-def q4_k_mma(
-    x: torch.Tensor,
-    words: torch.Tensor,
-    heads: torch.Tensor,
-    out: torch.Tensor,
-    block_n: int = 64,
-    split_k: int = 4,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> torch.Tensor:
-    """out [M, N] (row stride free) = x [M, in] (contiguous rows) times the repacked Q4_K matrix."""
-    grid, shared = _shares(x, out, block_n, split_k)
-    q4_k_mma_kernel[grid](
-        x,
-        words,
-        heads,
+        *planes,
         *shared,
         quant_bits.HALF_EXPONENT,
         BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
