@@ -4,7 +4,7 @@ exceed twice the L2 (as `tools/quant_kernel_sweep.py --table`).
 
 For Q4_K and Q6_K, stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages; split-K 4) at 16 rows of
 the 27B shape's gate_up product; stage 2 times the best few at every row count and shape with split-K 1, 2, 4 and
-8, and for Q4_K at 1 and 2 rows the CUDA-core product too. Each result is checked against the dequantizing
+8, and at 1 and 2 rows the CUDA-core product too. Each result is checked against the dequantizing
 reference. Writes one JSON line per timing to stderr and the whole report to the path given.
 
     python tools/quant_mma_sweep.py OUT.json [--rows=1,2,4,8,16] [--top=2] [--quick]
@@ -22,7 +22,7 @@ from triton.testing import do_bench_cudagraph
 from deltaspec.ops.quant.repacked import REPACKED, planes, repack
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton.quant_matmul import launch_for, quantized_linear
-from deltaspec.ops.triton.quant_mma import mma, q4_k_gemv
+from deltaspec.ops.triton.quant_mma import gemv, mma
 from tests.ops.test_kernels_quant import random_weight
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
@@ -45,13 +45,13 @@ CONFIG_KEYS = {
 }
 
 
-# CUDA-core launches on the repacked Q4_K layout for 1 and 2 rows: (block_n, num_warps, num_stages)
+# CUDA-core launches on the repacked layouts for 1 and 2 rows: (block_n, num_warps, num_stages)
 GEMVS = ((64, 2, 2), (128, 4, 2), (256, 8, 2))
 
 
 def mma_call(qtype: str, x: torch.Tensor, out: torch.Tensor, config: dict, packed: tuple) -> torch.Tensor:
     if config.get("gemv"):
-        return q4_k_gemv(x, *packed, out, **{key: value for key, value in config.items() if key != "gemv"})
+        return gemv(x, packed, out, REPACKED[qtype], **{key: value for key, value in config.items() if key != "gemv"})
     return mma(x, packed, out, REPACKED[qtype], **config)
 
 
@@ -125,7 +125,7 @@ def main() -> None:
                 configs = [
                     {**config, "split_k": k} for config in best[qtype] for k in ((4, 8) if quick else (1, 2, 4, 8))
                 ]
-                if qtype == "Q4_K" and rows <= (1 if quick else 2):
+                if rows <= (1 if quick else 2):
                     configs += [
                         {"gemv": True, "block_n": n, "num_warps": w, "num_stages": st, "split_k": k}
                         for (n, w, st), k in itertools.product(GEMVS, (4, 8))

@@ -88,10 +88,11 @@ def repacked_weight(qtype: str, rows: int, columns: int, order=None, seed: int =
     return weight
 
 
-# (type, family, rows, shares): one row and two on CUDA cores; 3 and 16 rows on tensor cores, one share and
-# several (3 shares of 3 super-blocks; 2 leaves the last share shorter)
+# (type, family, rows, shares): one row and two on CUDA cores; 1 to 16 rows on tensor cores, one share and several
+# (3 shares of 3 super-blocks; 2 leaves the last share shorter)
 GRID = [("Q4_K_R", "gemv", 1, 1), ("Q4_K_R", "gemv", 2, 2), ("Q4_K_R", "mma", 3, 3), ("Q4_K_R", "mma", 16, 2)]
-GRID += [("Q6_K_R", "mma", 1, 1), ("Q6_K_R", "mma", 5, 2), ("Q6_K_R", "mma", 16, 3)]
+GRID += [("Q6_K_R", "gemv", 1, 1), ("Q6_K_R", "gemv", 2, 2), ("Q6_K_R", "mma", 1, 1), ("Q6_K_R", "mma", 5, 2)]
+GRID += [("Q6_K_R", "mma", 16, 3)]
 
 
 @pytest.mark.gpu

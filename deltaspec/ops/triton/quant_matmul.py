@@ -235,8 +235,8 @@ def _segment_matmul(
         x = x if order is None else x.index_select(1, order)  # the stored columns' order
         options = {"block_n": launch.block_n, "split_k": launch.split_k, "num_warps": launch.num_warps}
         planes = repacked.planes(data, qtype, x.shape[1])
-        if launch.family == "gemv":  # Q4_K_R
-            quant_mma.q4_k_gemv(x, *planes, out, num_stages=launch.num_stages, **options)
+        if launch.family == "gemv":
+            quant_mma.gemv(x, planes, out, qtype, num_stages=launch.num_stages, **options)
         else:
             quant_mma.mma(x, planes, out, qtype, num_stages=launch.num_stages, **options)
         return

@@ -1,5 +1,5 @@
 """Q4_K and Q6_K products of 1 to 64 rows from the planes of their repacked layouts
-(`deltaspec.ops.quant.repacked`): on tensor cores (`mma`) and, for a row or two, on CUDA cores (`q4_k_gemv`), and
+(`deltaspec.ops.quant.repacked`): on tensor cores (`mma`) and, for a row or two, on CUDA cores (`gemv`), and
 the one-pass dequantization of prefill-sized products (`dequantize`).
 
 A program owns BLOCK_N output rows and a share of the super-blocks. Per super-block a Q4_K program reads the 32
@@ -148,7 +148,7 @@ def q4_k_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PRMT: tl.constexpr,
 ):
-    """The same product on CUDA cores for a few rows (M <= M_BLOCK): per sub-block the sums F of f * x and X of x,
+    """The Q4_K product on CUDA cores for a few rows (M <= M_BLOCK): per sub-block the sums F of f * x and X of x,
     and 32 * scale * F - (16 * scale + min) * X."""
     pdl.wait_for_previous()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,22 +172,77 @@ def q4_k_gemv_kernel(
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
 
 
-def q4_k_gemv(
+@triton.jit
+def q6_k_gemv_kernel(
+    x_ptr,
+    words_ptr,
+    high_ptr,
+    scales_ptr,
+    d_ptr,
+    part_ptr,
+    arrivals_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_om,
+    steps,
+    steps_per_split,
+    half_exponent,
+    BLOCK_N: tl.constexpr,
+    M_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """The Q6_K product on CUDA cores for a few rows (M <= M_BLOCK): per 16-value scale group the sums F of
+    f * x and X of x, and 128 * d * scale * (F - 0.75 * X) (`q6_k_mma_kernel`'s values)."""
+    pdl.wait_for_previous()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    m = tl.arange(0, M_BLOCK)
+    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None] * stride_xm  # [M_BLOCK, 1]
+    lane = tl.arange(0, 16)
+    acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    first = tl.program_id(1) * steps_per_split
+    for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
+        d128 = 128.0 * tl.load(d_ptr + step * N + cols, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(
+            tl.float32
+        )
+        for half in tl.static_range(2):
+            low, high = _q6_k_half_lanes(words_ptr, high_ptr, step, half, cols, n_mask, N)
+            for b in tl.static_range(4):
+                for upper in tl.static_range(2):
+                    quarter = b % 2 + 2 * upper
+                    group = (b // 2) * 8 + quarter * 2 + half
+                    scale = tl.load(scales_ptr + (step * 16 + group) * N + cols, mask=n_mask, other=0).to(tl.float32)
+                    if upper == 0:
+                        f = quant_bits.byte_as_float(low, b, half_exponent, PRMT)  # [16, BLOCK_N]
+                    else:
+                        f = quant_bits.byte_as_float(high, b, half_exponent, PRMT)
+                    column = step * 256 + (b // 2) * 128 + quarter * 32 + half * 16
+                    x = tl.load(x_rows + column + lane[None, :]).to(tl.float32)  # [M_BLOCK, 16]
+                    sums = tl.sum(f[None, :, :] * x[:, :, None], axis=1)  # [M_BLOCK, BLOCK_N]
+                    acc += (d128 * scale)[None, :] * (sums - 0.75 * tl.sum(x, axis=1)[:, None])
+    quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
+
+
+def gemv(
     x: torch.Tensor,
-    words: torch.Tensor,
-    heads: torch.Tensor,
+    planes: tuple[torch.Tensor, ...],
     out: torch.Tensor,
+    layout: str,
     block_n: int = 64,
     split_k: int = 4,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """out [M, N] = x [M, in] times the repacked Q4_K matrix on CUDA cores, all M rows in one row block."""
+    """out [M, N] = x [M, in] times a repacked matrix of `layout` (its `repacked.planes`) on CUDA cores, all M rows
+    in one row block."""
     grid, shared = _shares(x, out, block_n, split_k)
-    q4_k_gemv_kernel[grid](
+    kernel = q6_k_gemv_kernel if layout == "Q6_K_R" else q4_k_gemv_kernel
+    kernel[grid](
         x,
-        words,
-        heads,
+        *planes,
         *shared,
         quant_bits.HALF_EXPONENT,
         PRMT=not INTERPRETED,
