@@ -17,26 +17,25 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench_cudagraph
 
 from deltaspec.ops.quant.repacked import REPACKED, planes, repack
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.triton.quant_matmul import launch_for, quantized_linear
 from deltaspec.ops.triton.quant_mma import gemv, mma
 from tests.ops.test_kernels_quant import random_weight
+from tools.quant_kernel_sweep import copies_past_l2, graph_timed
 
 SHAPES = {"gate_up": (2 * 17408, 5120), "down": (5120, 17408), "qkv_gdn": (10240 + 2 * 2048, 5120)}
 
 
 def copies(make, nbytes: int) -> list:
     """Enough results of `make()` to exceed twice the L2 cache together."""
-    return [make() for _ in range(2 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes + 1)]
+    return [make() for _ in range(copies_past_l2(nbytes))]
 
 
 def timed(operands: list, call) -> float:
     """Median microseconds of `call(operand)` in a CUDA graph, each call taking the next operand."""
-    turn = itertools.cycle(operands)
-    return do_bench_cudagraph(lambda: call(next(turn)), rep=30) * 1e3
+    return graph_timed(operands, call) * 1e3
 
 
 CONFIG_KEYS = {

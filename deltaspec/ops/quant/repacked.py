@@ -47,7 +47,7 @@ def planes(data: torch.Tensor, layout: str, columns: int) -> tuple[torch.Tensor,
     flat = data.reshape(-1)
     views, at = [], 0
     for dtype, shape in plane_shapes(layout, data.shape[0], columns):
-        size = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        size = shape[0] * shape[1] * dtype.itemsize
         views.append(flat[at : at + size].view(dtype).view(shape))
         at += size
     return tuple(views)

@@ -9,10 +9,13 @@ depends on which share finished first.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter multiplies bf16 dot operands raw
 
 
 @functools.cache

@@ -18,7 +18,6 @@ types, and products of more rows, dequantize the matrix in one pass (`quant_dequ
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +29,9 @@ from deltaspec.ops.quant import repacked
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
 from deltaspec.ops.triton import pdl, quant_bits, quant_dequant, quant_gemv, quant_gemv_hf, quant_mma
+from deltaspec.ops.triton.quant_bits import INTERPRETED  # there bfloat16 products are widened (IEEE)
 from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, STEP, _q4_k_half_chunk, _tile
 
-# Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit storage: there, products are widened
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PRMT = not INTERPRETED  # the CUDA-core products' byte permutes as PTX (the interpreter takes shifts and masks)
 HALF, BIASED = quant_bits.HALF_EXPONENT, quant_bits.BIASED_EXPONENT
 MAX_ROWS = 64

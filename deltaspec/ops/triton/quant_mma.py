@@ -13,18 +13,16 @@ Shares of the input are added in a fixed order (`quant_bits.store_or_add_shares`
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from deltaspec.ops.quant import repacked
 from deltaspec.ops.triton import pdl, quant_bits
+from deltaspec.ops.triton.quant_bits import INTERPRETED
 from deltaspec.ops.triton.quant_dequant import _q4_k_sub_block
 
 DEQUANT_BLOCK_N = 64
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bf16 dot operands raw
 
 
 @triton.jit

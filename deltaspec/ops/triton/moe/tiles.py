@@ -4,14 +4,14 @@ limits and flags every launch reads (`ALIGN_MAX_PAIRS`, `PAIR_MAX_TOKENS`, `FLOA
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bf16 dot operands raw
+from deltaspec.ops.triton.quant_bits import INTERPRETED
+
 ALIGN_MAX_PAIRS = 4096  # the one-program grouping's limit (a bitonic sort of the pairs)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_BLOCK = 1024
