@@ -1,0 +1,73 @@
+"""Compile the repacked Q4_K / Q6_K products (`deltaspec/ops/triton/quant_mma.py`) for an H100/H200 (sm_90) on any
+machine, no GPU needed, and count the SASS instructions of their loop over super-blocks per weight value, as
+`tools/kernel_sass.py` does for the block GEMVs (a proxy for issue slots; measure speed on the GPU).
+
+    python tools/quant_mma_sass.py
+"""
+
+import collections
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from deltaspec.ops.triton import quant_mma
+from tools.kernel_sass import INSTRUCTION, run_tool
+
+COMMON = {"x_ptr": "*bf16", "part_ptr": "*fp32", "arrivals_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32"}
+COMMON |= {"stride_xm": "i32", "stride_om": "i32", "steps": "i32", "steps_per_split": "i32", "half_exponent": "i32"}
+Q4_K = {"words_ptr": "*i32", "heads_ptr": "*i32"}
+Q6_K = {"words_ptr": "*i32", "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*i16"}
+MMA = {"BLOCK_M": 16, "NUM_STAGES": 2, "PRMT": True, "IEEE": False}
+GEMV = {"M_BLOCK": 1, "NUM_STAGES": 2, "PRMT": True}
+VARIANTS = [  # name, kernel, planes, constexprs, (BLOCK_N, warps) tiles
+    ("q4_k mma", quant_mma.q4_k_mma_kernel, Q4_K, MMA, ((64, 4), (128, 4), (128, 8), (256, 8))),
+    ("q4_k gemv", quant_mma.q4_k_gemv_kernel, Q4_K, GEMV, ((64, 2), (128, 4), (256, 8))),
+    ("q6_k mma", quant_mma.q6_k_mma_kernel, Q6_K, MMA, ((64, 4), (128, 4), (128, 8))),
+    ("q6_k gemv", quant_mma.q6_k_gemv_kernel, Q6_K, GEMV, ((64, 2), (128, 4), (256, 8))),
+]
+
+
+def compile_for_sm90(kernel, planes: dict, constants: dict, block_n: int, warps: int):
+    """The kernel for sm_90 with 16-byte-aligned pointers and sizes divisible by 16 (as the JIT specializes)."""
+    arguments = list(kernel.arg_names)
+    types = {**COMMON, **planes}
+    signature = {a: types.get(a, "constexpr") for a in arguments}
+    aligned = [a for a in arguments if types.get(a, "").startswith("*") or a in ("N", "stride_xm", "stride_om")]
+    attrs = {(arguments.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={**constants, "BLOCK_N": block_n}, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def largest_loop(sass: str) -> collections.Counter:
+    """The instructions of the largest loop (a label and the backward branch to it; pipelining adds small ones)."""
+    lines = sass.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.match(r"^\s*\.L_x_\d+:\s*$", line)}
+    loops = []
+    for end, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), end) < end:
+            body = lines[labels[target.group(1)] : end + 1]
+            loops.append(collections.Counter(m.group(1) for text in body if (m := INSTRUCTION.search(text))))
+    return max(loops, key=lambda loop: sum(loop.values()))
+
+
+def main() -> None:
+    for name, kernel, planes, constants, tiles in VARIANTS:
+        for block_n, warps in tiles:
+            cubin = compile_for_sm90(kernel, planes, constants, block_n, warps).asm["cubin"]
+            loop = largest_loop(run_tool("nvdisasm", cubin, "-c"))
+            registers = re.search(r"REG:(\d+)", run_tool("cuobjdump", cubin, "--dump-resource-usage")).group(1)
+            total = sum(loop.values())
+            per_thread = block_n * 256 / (warps * 32)  # values a thread walks per super-block
+            common = ", ".join(f"{op} {n}" for op, n in loop.most_common(8))
+            print(
+                f"{name} BLOCK_N={block_n} warps={warps}: {registers} registers, loop {total} instructions, "
+                f"{total / per_thread:.2f} per weight ({common})",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
