@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call of a development session, run from the repo root there with `.whl` and `.scratch` carried:
 # install the carried wheels, unpack a committed snapshot (.scratch/snap.tar.gz, its commit in .scratch/snap.commit,
-# so that uncommitted edits in the working tree never reach the GPU run) to /tmp/snap with the sent tree's model and
+# so that uncommitted edits in the working tree never reach the GPU run; without it, the sent tree itself, which
+# must then be clean at the commit in snap.commit) to /tmp/snap with the sent tree's model and
 # test data, then run the steps in order. Make the snapshot here with
 #   git archive HEAD $(git ls-tree -r --name-only HEAD | grep -v '^deltaspec/default_model/\|^tests/data/\|^benchmarks/') \
 #     | gzip > .scratch/snap.tar.gz && git rev-parse --short HEAD > .scratch/snap.commit
@@ -29,7 +30,9 @@ export PYTHONUNBUFFERED=1 DELTASPEC_COMMIT=$(cat .scratch/snap.commit)  # the be
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site
 repo=$(pwd); export REPO=$repo  # scripts find the carried folders under $REPO
-rm -rf /tmp/snap && mkdir -p /tmp/snap && tar xzf .scratch/snap.tar.gz -C /tmp/snap
+rm -rf /tmp/snap && mkdir -p /tmp/snap
+if [ -f .scratch/snap.tar.gz ]; then tar xzf .scratch/snap.tar.gz -C /tmp/snap
+else tar c --exclude=./.whl --exclude=./.scratch . | tar x -C /tmp/snap; fi  # a clean tree sent as it is (snap.commit: HEAD)
 cp -r deltaspec/default_model /tmp/snap/deltaspec/ && cp -r tests/data /tmp/snap/tests/
 cd /tmp/snap
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat $repo/.scratch/snap.commit;
