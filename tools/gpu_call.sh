@@ -6,6 +6,9 @@
 # test data, then run the steps in order. Make the snapshot here with
 #   git archive HEAD $(git ls-tree -r --name-only HEAD | grep -v '^deltaspec/default_model/\|^tests/data/\|^benchmarks/') \
 #     | gzip > .scratch/snap.tar.gz && git rev-parse --short HEAD > .scratch/snap.commit
+# or, where the tree and the wheels leave no room for it (64 MiB a call), only what differs from the commit:
+#   git archive HEAD $(git diff --name-only HEAD) | gzip > .scratch/overlay.tar.gz
+#   git ls-files --others --exclude-standard > .scratch/untracked.txt; git rev-parse --short HEAD > .scratch/snap.commit
 # and, for `train`, a packed corpus in .scratch/pack (train.bin.xz, heldout_{code,chat}.bin; tools/README.md).
 # The wheels the GPU image lacks (pip download --no-deps --only-binary=:all: --python-version 3.12 for manylinux
 # x86_64 into .whl; the device tool's README says how): gguf, llguidance, fastapi, starlette, pydantic,
@@ -32,7 +35,11 @@ export PYTHONPATH=/tmp/site
 repo=$(pwd); export REPO=$repo  # scripts find the carried folders under $REPO
 rm -rf /tmp/snap && mkdir -p /tmp/snap
 if [ -f .scratch/snap.tar.gz ]; then tar xzf .scratch/snap.tar.gz -C /tmp/snap
-else tar c --exclude=./.whl --exclude=./.scratch . | tar x -C /tmp/snap; fi  # a clean tree sent as it is (snap.commit: HEAD)
+else  # the sent tree brought back to the commit: its untracked files dropped, its changed files as committed
+  tar c --exclude=./.whl --exclude=./.scratch . | tar x -C /tmp/snap
+  [ -f .scratch/untracked.txt ] && (cd /tmp/snap && xargs -r rm -f < $repo/.scratch/untracked.txt)
+  [ -f .scratch/overlay.tar.gz ] && tar xzf .scratch/overlay.tar.gz -C /tmp/snap
+fi
 cp -r deltaspec/default_model /tmp/snap/deltaspec/ && cp -r tests/data /tmp/snap/tests/
 cd /tmp/snap
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat $repo/.scratch/snap.commit;
