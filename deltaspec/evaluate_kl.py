@@ -323,8 +323,11 @@ def scoring_config(config: EngineConfig, window: int, **changes) -> EngineConfig
     """`config` with `changes`, sized for scoring one window at a time when the streams and context are unset (on
     one device: windows run through the runner directly, outside the steps tensor-parallel ranks share)."""
     config = config.with_settings(**changes)
-    if config.parallel.tensor_parallel_size > 1:
-        raise DeltaspecError("KL scoring and imatrix calibration run on one device; drop --tensor-parallel-size.")
+    if config.parallel.world_size > 1:
+        raise DeltaspecError(
+            "KL scoring and imatrix calibration run on one device; drop --tensor-parallel-size and "
+            "--pipeline-parallel-size."
+        )
     return config.with_settings(
         max_num_seqs=config.scheduler.max_num_seqs or 1, max_model_len=config.scheduler.max_model_len or window + 1
     )

@@ -125,6 +125,7 @@ def cmd_bench_data_parallel(args: argparse.Namespace, engine_config) -> None:
             "device": engine_config.host.device_name(),
             "dtype": load.dtype,
             "tensor_parallel_size": engine_config.parallel.tensor_parallel_size,
+            "pipeline_parallel_size": engine_config.parallel.pipeline_parallel_size,
             "data_parallel_size": args.data_parallel_size,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,

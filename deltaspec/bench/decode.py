@@ -51,8 +51,8 @@ def decode_run(engine: Engine, context: int, max_tokens: int, seed: int) -> dict
 
 
 def bench_decode(config: EngineConfig, context: int, max_tokens: int, runs: int, compare_hf: bool = False) -> dict:
-    if compare_hf and config.parallel.tensor_parallel_size > 1:
-        raise DeltaspecError("--compare-hf runs transformers on one device; drop --tensor-parallel-size.")
+    if compare_hf and config.parallel.world_size > 1:
+        raise DeltaspecError("--compare-hf runs transformers on one device; drop the parallel sizes.")
     engine = bench_engine(config, context + max_tokens)
     mtp = "mtp" in engine.config.speculation.speculative.split("+")
     say("measuring copy bandwidth ...")

@@ -130,6 +130,8 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         "fp8_activations": cfg.load.fp8_activations,  # dynamic: FP8 products of over 64 rows quantize activations
         "tensor_parallel_size": cfg.parallel.tensor_parallel_size,  # ranks (GPUs); bytes and rooflines are one rank's
         "expert_parallel": cfg.parallel.enable_expert_parallel,  # routed experts split whole among the ranks
+        "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,  # stages; bytes and rooflines are rank 0's
+        "pipeline_micro_batches": cfg.parallel.pipeline_micro_batches,  # a step's sequences cut into at most these
         "speculative": cfg.speculation.speculative,
         "draft_tokens": cfg.speculation.draft_tokens if cfg.speculation.speculative != "none" else None,
         "dependent_launch": dependent_launch(engine.device),  # Triton kernels with programmatic dependent launch

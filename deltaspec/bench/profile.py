@@ -99,7 +99,7 @@ def bench_profile(config: EngineConfig, streams: int, context: int, steps: int, 
     sync(engine.device)
     step_ms = 1000 * (time.perf_counter() - began) / steps
     graphs = engine.runner.graphs
-    if engine.config.parallel.tensor_parallel_size > 1:
+    if engine.config.parallel.world_size > 1:
         graphs = None  # a replay outside a step would wait for the other ranks' collectives
     replay_ms = graphs.time_replays(next(b for b in graphs.batch_sizes if b >= streams), 1) if graphs else None
     on_device = engine.device.type == "cuda"

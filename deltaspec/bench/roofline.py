@@ -19,6 +19,7 @@ from deltaspec.bench.device import start
 from deltaspec.engine.engine import Engine
 from deltaspec.model.layers import SparseMoE
 from deltaspec.ops.quant.weight import QuantizedWeight
+from deltaspec.parallel.pipeline import stage_config
 from deltaspec.parallel.shard import shard_config
 
 
@@ -78,9 +79,12 @@ def bytes_per_step(
 ) -> dict:
     """{"weights", "kv", "gdn_state", "total"} bytes one decode step of `streams` sequences reads (and, for
     states, writes) at `context` tokens of attention KV each, reading `experts` distinct experts per MoE layer; under
-    tensor parallelism, one rank's: its weights, its heads' KV and states."""
+    tensor parallelism, one rank's: its weights, its heads' KV and states (of its pipeline stage's layers)."""
     layout = engine.config.parallel.tensor_parallel_size, engine.config.parallel.enable_expert_parallel
-    config, dtype_size = shard_config(engine.model_config, *layout), engine.dtype.itemsize
+    config, dtype_size = (
+        stage_config(shard_config(engine.model_config, *layout), engine.model.layers),
+        engine.dtype.itemsize,
+    )
     state_size = torch.empty(0, dtype=engine.cache.gdn.state[0].dtype).element_size() if config.gdn_layer_ids else 0
     kv_layers = len(config.attention_layer_ids) + (
         engine.model.num_kv_layers - len(config.attention_layer_ids) if mtp else 0

@@ -1,10 +1,10 @@
 """`EngineConfig`: what the user chooses about running a model, composed of frozen groups (as vLLM's `VllmConfig`):
 `LoadConfig` (the model and its weights), `HostConfig` (device, threads, kernels), `SchedulerConfig` (streams, context,
 pass sizes), `CacheConfig` (cache dtypes, KV pages, prefix checkpoints), `SpeculativeConfig` (drafter, draft length,
-trees) and `ParallelConfig` (tensor and expert parallelism). Each setting's field carries `help` metadata from which the
-CLI generates its flag; a setting keeps one flat name (`block_size`, `--block-size`) whatever group holds it, and
-`EngineConfig.from_flat` is the way in from flat names (the `LLM` keywords, the flags). "auto" values are resolved in
-`deltaspec.config.resolve`, which also derives the resolved `CacheSpec` every cache reader takes."""
+trees) and `ParallelConfig` (tensor, expert and pipeline parallelism). Each setting's field carries `help` metadata
+from which the CLI generates its flag; a setting keeps one flat name (`block_size`, `--block-size`) whatever group holds
+it, and `EngineConfig.from_flat` is the way in from flat names (the `LLM` keywords, the flags). "auto" values are
+resolved in `deltaspec.config.resolve`, which also derives the resolved `CacheSpec` every cache reader takes."""
 
 from __future__ import annotations
 
@@ -295,7 +295,8 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split across GPUs."""
+    """How the model is split across GPUs: tensor (and expert) parallelism inside a pipeline stage, pipeline stages
+    of consecutive layers."""
 
     tensor_parallel_size: int = field(
         default=1,
@@ -313,6 +314,26 @@ class ParallelConfig:
             "aliases": ("-ep",),
         },
     )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "pipeline stages the model's layers are split across, consecutive layers per stage (each stage "
+            "--tensor-parallel-size processes: pipeline x tensor processes in all)",
+            "aliases": ("-pp",),
+        },
+    )
+    pipeline_micro_batches: int = field(
+        default=0,
+        metadata={
+            "help": "with --pipeline-parallel-size, the micro-batches a step's sequences are split into so that the "
+            "stages overlap (0: one per stage; 1: none)"
+        },
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: the pipeline stages times the tensor-parallel ranks of each."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
             raise DeltaspecError(f"{name} must be 0 (automatic) or more, got {settings[name]}.")
     for name in (
         "tensor_parallel_size",
+        "pipeline_parallel_size",
         "block_size",
         "max_num_batched_tokens",
         "prefill_chunk",
@@ -100,8 +101,13 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
     ):
         if settings[name] < 1:
             raise DeltaspecError(f"{name} must be at least 1, got {settings[name]}.")
+    if settings["pipeline_micro_batches"] < 0:
+        raise DeltaspecError(
+            f"pipeline_micro_batches must be 0 (one per stage) or more, got {settings['pipeline_micro_batches']}."
+        )
     chat_template = None if cfg.load.chat_template is None else chat_template_text(cfg.load.chat_template)
     return cfg.with_settings(
+        pipeline_micro_batches=cfg.parallel.pipeline_micro_batches or cfg.parallel.pipeline_parallel_size,
         device=device,
         dtype=dtype_name,
         state_dtype=state_dtype,
@@ -187,7 +193,8 @@ def cache_spec(cfg: EngineConfig, streams: int, ctx: int, kv_blocks: int) -> Cac
         log_rows=log_rows(cfg.speculation),
         checkpoint_slots=checkpoint_slots(cfg, streams),
         offload_bytes=int(cfg.cache.prefix_offload_gib * 2**30),
-        cuda_graphs=uses_cuda_graphs(cfg.host.device, cfg.host.enforce_eager, cfg.host.kernels),
+        cuda_graphs=uses_cuda_graphs(cfg.host.device, cfg.host.enforce_eager, cfg.host.kernels)
+        and cfg.parallel.pipeline_parallel_size == 1,  # a pipeline stage's passes wait on its neighbours: eager
     )
 
 

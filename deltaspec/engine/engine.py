@@ -3,8 +3,9 @@
 The update after a pass advances every scheduled sequence (the cache manager records what the pass did to its
 state), lets the Speculator commit what verification accepted, picks the next token of every sequence that samples
 one, and appends tokens until a stop condition. The engine steps one executor (`deltaspec.engine.executor`), the
-ranks it runs on: it records every change made from outside (`admit`, `abort`, `fail`), and with
-`tensor_parallel_size` > 1 each follower rank's engine applies them and steps in lock step (`deltaspec.engine.workers`).
+ranks it runs on: it records every change made from outside (`admit`, `abort`, `fail`), and with several ranks
+(tensor-parallel, pipeline stages) each follower rank's engine applies them and steps in lock step
+(`deltaspec.engine.workers`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from deltaspec.engine.setup import (
     engine_speculator,
     engine_tokenizer,
     graph_runner,
+    pipeline_pass,
     route_gemms,
 )
 from deltaspec.engine.stopping import StopChecker
@@ -82,18 +84,19 @@ class Engine:
     def _build(self, planned, progress: bool, drafter: Drafter | None, draft_policy: DraftLength | None) -> None:
         reference_only = self.config.host.kernels == "reference"
         ops = self.ops = ops_for(self.device, reference_only, self.config.load.fp8_activations)
-        self.model = engine_model(planned, ops, progress, self.executor.tp)
+        self.model = engine_model(planned, ops, progress, self.executor.tp, self.executor.pipeline)
         self.tokenizer, self.images = engine_tokenizer(planned), engine_images(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
         verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
         verify_costs = self.executor.share(verify_costs)  # rank 0's measurements: every rank drafts alike
-        self.cache = engine_cache(planned, self.model.num_kv_layers)
+        self.cache = engine_cache(planned, self.model)
         self.scheduler = engine_scheduler(self.config, self.cache)
         running = lambda seq_id: next(s for s in self.scheduler.running if s.request.request_id == seq_id)  # noqa: E731
         drafter = drafter or engine_drafter(planned, self.model, self.cache, running, self.ops)
         self.speculator = engine_speculator(self.config, self.model, self.cache, drafter, draft_policy, verify_costs)
         graphs = graph_runner(self.model, self.cache, planned, progress)
-        self.runner = Runner(self.model, self.cache.caches, self.config.cache.block_size, self.device, graphs)
+        staged = pipeline_pass(self.executor.pipeline, self.config)  # None on one stage
+        self.runner = Runner(self.model, self.cache.caches, self.config.cache.block_size, self.device, graphs, staged)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self.eos_ids = frozenset(set(self.model_config.eos_token_ids) | tokenizer_eos)
         self.stops = StopChecker(self.tokenizer, self.max_model_len)

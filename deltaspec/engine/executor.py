@@ -1,7 +1,8 @@
 """The executor an engine steps: the ranks it runs on (DESIGN §8: parallel ranks live behind one executor below the
 engine). `Executor` is all an engine asks of them; `SingleDevice` is the executor of one device, where nothing is
-sent; `deltaspec.engine.workers` holds the tensor-parallel ones (rank 0's, which starts and drives the followers,
-and a follower's). `deltaspec.engine.setup.engine_executor` picks one from the resolved config."""
+sent; `deltaspec.engine.workers` holds those of several ranks, tensor-parallel and pipeline stages (rank 0's, which
+starts and drives the followers, and a follower's). `deltaspec.engine.setup.engine_executor` picks one from the
+resolved config."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol, TypeVar
 
 from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.pipeline import WHOLE, Pipeline
 
 T = TypeVar("T")
 
@@ -18,7 +20,8 @@ class Executor(Protocol):
     """The ranks an engine runs on. Every rank runs the same engine over its shard of the model, in lock step; rank 0
     alone talks to the outside."""
 
-    tp: TensorParallel  # this rank's place in the group, by which its model is sharded
+    tp: TensorParallel  # this rank's place in its stage's group, by which its model is sharded
+    pipeline: Pipeline  # this rank's pipeline stage: which layers it holds, whom it trades activations with
 
     def building(self) -> AbstractContextManager[None]:
         """Around building this rank's engine: if that fails, stop the other ranks and leave the group."""
@@ -47,6 +50,7 @@ class SingleDevice:
     """The executor of an engine on one device: nothing to send, record or close."""
 
     tp = SINGLE
+    pipeline = WHOLE
 
     @contextmanager
     def building(self) -> Iterator[None]:

@@ -50,6 +50,7 @@ from deltaspec.model.vision.preprocess import read_image_processing
 from deltaspec.model.weights import count_mtp_layers, model_dir_for
 from deltaspec.ops.dispatch import REFERENCE
 from deltaspec.parallel.group import TensorParallel
+from deltaspec.parallel.pipeline import check_stages, stage_config, stage_layers
 from deltaspec.parallel.shard import Shard, shard_config
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import drafter_memory, uses
@@ -122,20 +123,24 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         raise DeltaspecError("speculative_tree grows trees of drafts; it needs a drafter, e.g. --speculative mtp.")
     dtype = parse_dtype(resolved.load.dtype)
     with_mtp = drafter is None and uses(resolved.speculation.speculative, "mtp")
-    size = resolved.parallel.tensor_parallel_size
+    size, stages = resolved.parallel.tensor_parallel_size, resolved.parallel.pipeline_parallel_size
     experts_whole = resolved.parallel.enable_expert_parallel
+    check_stages(model_config.num_hidden_layers, stages)
+    layers = planned_stage(model_config, stages)
     rank_config = shard_config(model_config, size, experts_whole)  # one rank's; refuses sizes that do not divide
-    if size > 1:
+    rank_config = stage_config(rank_config, layers)  # of the stage planned for: its layers' caches
+    if resolved.parallel.world_size > 1:
         _check_parallel(resolved, drafter)
-    if size > 1 and gguf is None:
-        target, mtp = rank_weight_bytes(model_config, dtype, TensorParallel(0, size, experts_whole), with_mtp)
+    if resolved.parallel.world_size > 1 and gguf is None:
+        tp = TensorParallel(0, size, experts_whole)
+        target, mtp = rank_weight_bytes(model_config, dtype, tp, with_mtp, layers)
     elif model_dir is None and resolved.load.quant:
         target, mtp = random_quantized_bytes(model_config, dtype, resolved.load.quant, with_mtp)
     elif model_dir is None:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
     elif gguf is not None:
-        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, Shard(model_config, 0, size, experts_whole))
+        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, Shard(model_config, 0, size, experts_whole), layers)
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
@@ -175,10 +180,15 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     sizing = PoolSizing(resolved, model_config.max_position_embeddings, plan_at)
     streams, ctx, kv_blocks, notes = sizing.decide()
     layout = f"tensor parallel {size}" + (", experts split whole" if experts_whole else "")
+    if stages > 1:
+        layout = (
+            f"pipeline parallel {stages} (this stage: layers {layers.start}-{layers.stop - 1} of "
+            f"{model_config.num_hidden_layers}, the most any stage holds), {layout}"
+        )
     parallel_note = f"{layout}: the weights, caches and memory above are one rank's (one GPU's)"
     plan = replace(
         plan_at(streams, ctx, kv_blocks),
-        notes=tuple(filter(None, (budget_note, parallel_note if size > 1 else None, *notes))),
+        notes=tuple(filter(None, (budget_note, parallel_note if size * stages > 1 else None, *notes))),
         available_label="budget" if budget_note else "free",
     )
     plan = replace(plan, alternatives=sizing.alternatives(plan))
@@ -192,12 +202,21 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     return Planned(plan, resolved, plan.cache, model_config, raw, model_dir, with_mtp, gguf, images)
 
 
-def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, with_mtp: bool) -> tuple[int, int]:
-    """Bytes of rank `tp`'s weights in `dtype`: the target's and (0 unless `with_mtp`) its MTP head's, as the
-    sharded model holds them."""
+def planned_stage(config: ModelConfig, stages: int) -> range:
+    """The layers of the pipeline stage the plan sizes for, since every stage runs with the same pools: the stage with
+    the most layers, and of those the one with the most attention layers (the most KV)."""
+    held = [stage_layers(config.num_hidden_layers, stages, index) for index in range(stages)]
+    return max(held, key=lambda layers: (len(layers), sum(i in config.attention_layer_ids for i in layers)))
+
+
+def rank_weight_bytes(
+    config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, with_mtp: bool, layers: range | None = None
+) -> tuple[int, int]:
+    """Bytes of rank `tp`'s weights in `dtype` (of the pipeline stage holding `layers`): the target's and (0 unless
+    `with_mtp`) its MTP head's, as the sharded model holds them."""
     with torch.device("meta"):
         rank_config = shard_config(config, tp.size, tp.expert_parallel)
-        model = HybridModel(rank_config, REFERENCE, dtype, "meta", config.num_mtp_layers, tp)
+        model = HybridModel(rank_config, REFERENCE, dtype, "meta", config.num_mtp_layers, tp, layers)
     sizes = {name: p.numel() * dtype.itemsize for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         sizes.pop("lm_head.weight")
@@ -206,16 +225,22 @@ def rank_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParalle
 
 
 def _check_parallel(config: EngineConfig, drafter: Drafter | None) -> None:
-    """Refuse what tensor parallelism does not run, saying what does."""
-    size = config.parallel.tensor_parallel_size
+    """Refuse what tensor parallelism and pipeline stages do not run, saying what does."""
+    size, stages = config.parallel.world_size, config.parallel.pipeline_parallel_size
+    flags = "--tensor-parallel-size" if stages == 1 else "--pipeline-parallel-size"
     if config.load.quant:
-        raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
+        raise DeltaspecError(f"--quant runs on one device; drop {flags} or --quant.")
     if drafter is not None:
-        raise DeltaspecError("An injected drafter runs on one device; drop tensor_parallel_size or the drafter.")
+        raise DeltaspecError("An injected drafter runs on one device; drop the parallel sizes or the drafter.")
+    if stages > 1 and uses(config.speculation.speculative, "block"):
+        raise DeltaspecError(
+            "The block drafter reads the outputs of layers on every pipeline stage, which the stages do not send; "
+            "use --speculative mtp, draft or ngram with --pipeline-parallel-size, or drop it."
+        )
     if config.host.device.startswith("cuda") and size > torch.cuda.device_count():
         raise DeltaspecError(
-            f"--tensor-parallel-size {size} needs {size} GPUs, one per rank, but {torch.cuda.device_count()} "
-            "are visible; lower it or make more GPUs visible."
+            f"{flags} {size if stages == 1 else stages} needs {size} GPUs, one per rank, but "
+            f"{torch.cuda.device_count()} are visible; lower it or make more GPUs visible."
         )
 
 

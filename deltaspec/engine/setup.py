@@ -21,6 +21,7 @@ from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.workers import join_launched, launch, launched_rank
 from deltaspec.errors import DeltaspecError
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
+from deltaspec.execution.pipeline_pass import PipelinePass
 from deltaspec.execution.sequence import Sequence
 from deltaspec.model.block_drafter import load_block_drafter, random_block_drafter
 from deltaspec.model.generation_config import FILE_NAME, sampling_defaults
@@ -31,6 +32,7 @@ from deltaspec.model.tokenizer import BorrowedTokenizer, Tokenizer
 from deltaspec.model.weights import default_model_path, load_model
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.pipeline import WHOLE, Pipeline, stage_config
 from deltaspec.parallel.shard import shard_config
 from deltaspec.sample.params import SamplingParams
 from deltaspec.spec.block import BlockDrafter
@@ -44,27 +46,30 @@ ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf
 
 
 def engine_executor(config: EngineConfig, replica: Callable) -> Executor:
-    """The ranks the engine runs on: its one device, or rank 0 of `config.parallel.tensor_parallel_size` ranks, whose
-    followers each build their engine with `replica` (the engine's class; `deltaspec.engine.workers`): processes it
-    starts itself, or, under an outside launcher (torchrun, Slurm), the launcher's other ranks."""
+    """The ranks the engine runs on: its one device, or rank 0 of `config.parallel.world_size` ranks (pipeline stages
+    x tensor-parallel ranks), whose followers each build their engine with `replica` (the engine's class;
+    `deltaspec.engine.workers`): processes it starts itself, or, under an outside launcher (torchrun, Slurm), the
+    launcher's other ranks."""
     if launched_rank() is not None:
         return join_launched(config, replica)
-    return launch(config, replica) if config.parallel.tensor_parallel_size > 1 else SingleDevice()
+    return launch(config, replica) if config.parallel.world_size > 1 else SingleDevice()
 
 
-def engine_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE) -> HybridModel:
-    """The engine's model (a tensor-parallel rank's share of it): random weights of the shape, or the checkpoint;
-    its MTP head only when it drafts; with --repack on CUDA, its Q4_K and Q6_K matrices repacked for the kernels.
-    Sets the process's torch CPU threads to the engine's `threads` first."""
+def engine_model(
+    planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel = SINGLE, pipeline: Pipeline = WHOLE
+) -> HybridModel:
+    """The engine's model (a tensor-parallel rank's share of it, of its pipeline stage's layers): random weights of the
+    shape, or the checkpoint; its MTP head only when it drafts; with --repack on CUDA, its Q4_K and Q6_K matrices
+    repacked for the kernels. Sets the process's torch CPU threads to the engine's `threads` first."""
     cfg, device = planned.config, planned.cache.device
     torch.set_num_threads(cfg.host.threads)
-    model = _loaded_model(planned, ops, progress, tp)
+    model = _loaded_model(planned, ops, progress, tp, pipeline.layers(planned.model_config.num_hidden_layers))
     if cfg.host.repack and device.type == "cuda" and cfg.host.kernels != "reference":
         model.repack_for_kernels()  # the Q4_K / Q6_K layouts the CUDA products read: same bytes, in place
     return model
 
 
-def _loaded_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel) -> HybridModel:
+def _loaded_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorParallel, layers: range) -> HybridModel:
     cfg, dtype, device = planned.config, planned.cache.dtype, planned.cache.device
     if cfg.load.random_weights:
         return random_model(
@@ -77,11 +82,13 @@ def _loaded_model(planned: Planned, ops: OpTable, progress: bool, tp: TensorPara
             planned.with_mtp,
             quant=cfg.load.quant,
             tp=tp,
+            layers=layers,
         )
     if planned.gguf is not None:
-        return load_gguf_model(planned.gguf, planned.model_config, dtype, device, ops, progress, planned.with_mtp, tp)
+        gguf, config = planned.gguf, planned.model_config
+        return load_gguf_model(gguf, config, dtype, device, ops, progress, planned.with_mtp, tp, layers)
     return load_model(
-        planned.model_dir, planned.model_config, planned.raw, dtype, device, ops, progress, planned.with_mtp, tp
+        planned.model_dir, planned.model_config, planned.raw, dtype, device, ops, progress, planned.with_mtp, tp, layers
     )
 
 
@@ -129,14 +136,14 @@ def engine_sampling_defaults(planned: Planned) -> dict[str, float | int]:
     return defaults
 
 
-def engine_cache(planned: Planned, num_kv_layers: int) -> CacheManager:
-    """The caches the plan sized (KV pages, state slots, logs, checkpoints); a tensor-parallel rank's hold its heads
-    only."""
+def engine_cache(planned: Planned, model: HybridModel) -> CacheManager:
+    """The caches the plan sized (KV pages, state slots, logs, checkpoints) for `model`'s layers (its MTP head's
+    included); a tensor-parallel rank's hold its heads only, a pipeline stage's its layers only."""
     cfg = planned.config
     rank_config = shard_config(
         planned.model_config, cfg.parallel.tensor_parallel_size, cfg.parallel.enable_expert_parallel
     )
-    return CacheManager(rank_config, num_kv_layers, planned.cache)
+    return CacheManager(stage_config(rank_config, model.layers), model.num_kv_layers, planned.cache)
 
 
 def engine_scheduler(config: EngineConfig, cache: CacheManager) -> Scheduler:
@@ -214,6 +221,11 @@ def graph_runner(model: HybridModel, cache: CacheManager, planned: Planned, prog
     graphs = CudaGraphRunner(model, cache.caches, planned.cache, cache.gdn.scratch_slot, trees)
     graphs.capture_all(progress)
     return graphs
+
+
+def pipeline_pass(pipeline: Pipeline, config: EngineConfig) -> PipelinePass | None:
+    """How a pipeline stage runs its passes (its micro-batches); None on one stage."""
+    return PipelinePass(pipeline, config.parallel.pipeline_micro_batches) if pipeline.staged else None
 
 
 def engine_speculator(

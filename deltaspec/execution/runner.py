@@ -5,7 +5,8 @@ A sequence's token rows are the rows whose next token the engine decides: every 
 drafts (row i predicts the token after i drafts), else its last row when the pass completes its prompt or
 decodes; a prompt chunk that leaves part of the prompt has none. The pass returns the argmax of every
 token row (one device-to-host copy per pass) and the logits of a sequence's token rows only when the
-argmax is not enough for it (sampling, penalties, logprobs, unmet min_tokens).
+argmax is not enough for it (sampling, penalties, logprobs, unmet min_tokens). On a pipeline stage the layers run
+micro-batch by micro-batch (`PipelinePass`), and every stage goes on from the last stage's hidden states.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.execution.batch import Scheduled, build_batch, device_index
 from deltaspec.execution.cuda_graphs import CudaGraphRunner
+from deltaspec.execution.pipeline_pass import PipelinePass
 from deltaspec.execution.sequence import Sequence
 from deltaspec.model.hybrid import HybridModel
 
@@ -46,7 +48,8 @@ def token_rows(item: Scheduled) -> range:
 
 
 class Runner:
-    """Runs passes eagerly, or through `graphs` (CUDA graphs) when the pass fits one of its buckets."""
+    """Runs passes eagerly, or through `graphs` (CUDA graphs) when the pass fits one of its buckets, or as one
+    pipeline stage (`staged`) of several."""
 
     def __init__(
         self,
@@ -55,12 +58,14 @@ class Runner:
         block_size: int,
         device: torch.device,
         graphs: CudaGraphRunner | None = None,
+        staged: PipelinePass | None = None,
     ):
         self.model = model
         self.caches = caches
         self.block_size = block_size
         self.device = device
         self.graphs = graphs
+        self.staged = staged
 
     @torch.inference_mode()
     def execute(self, schedule: list[Scheduled]) -> list[SeqOutput]:
@@ -81,8 +86,11 @@ class Runner:
                 lambda lo, hi: replay.logits.index_select(0, picks[lo:hi]),
                 lambda lo, hi: replay.logits.index_select(0, replay.rows[lo:hi]),
             )
-        batch = build_batch(schedule, self.block_size, self.device)
-        hidden, features = self.model.run(batch, self.caches)  # [T, hidden], [T, taps * hidden] or None
+        if self.staged is not None:
+            hidden, features = self.staged.run(self.model, self.caches, schedule, self.block_size, self.device), None
+        else:
+            batch = build_batch(schedule, self.block_size, self.device)
+            hidden, features = self.model.run(batch, self.caches)  # [T, hidden], [T, taps * hidden] or None
         logits = self.model.compute_logits(hidden[self._token_rows_at(starts, schedule)])  # [token rows, vocab]
         return self._outputs(
             schedule,

@@ -2,7 +2,9 @@
 
 The residual stream runs with each add fused into the norm that follows it: a block takes its
 normed input and the residual, and returns the next block's normed input and the residual. Under tensor
-parallelism the mixer's and the MLP's outputs are each rank's partial sums, all-reduced before the add.
+parallelism the mixer's and the MLP's outputs are each rank's partial sums, all-reduced before the add. A pipeline stage
+before the last ends on its last layer's residual stream, which the next stage's first layer norms; another stage's
+layers are `OtherStageLayer`s.
 """
 
 import torch
@@ -49,21 +51,30 @@ class DecoderLayer(nn.Module):
         caches: ModelCaches,
         cos,
         sin,
-        next_norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x = input_layernorm(residual) [T, hidden] -> (next_norm(new residual), new residual)."""
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """x = input_layernorm(residual) [T, hidden] -> (next_norm(new residual), new residual); without `next_norm`
+        (the last layer of a pipeline stage before the last) (None, new residual)."""
         if self.is_gdn:
             mixed = self.linear_attn(x, batch, caches)
         else:
             mixed = self.self_attn(x, batch, caches, cos, sin)
         x, residual = self.post_attention_layernorm.add(self.tp.all_reduce(mixed), residual)
-        return next_norm.add(self.tp.all_reduce(self.mlp(x)), residual)
+        mlp = self.tp.all_reduce(self.mlp(x))
+        if next_norm is None:
+            return None, residual + mlp  # what `add` sums: the next stage's first norm reads it
+        return next_norm.add(mlp, residual)
+
+
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no weights, never run (the layer indices, and so
+    the checkpoint names, stay those of the whole model)."""
 
 
 def run_blocks(
     layers: nn.ModuleList,
     h: torch.Tensor,
-    final_norm: RMSNorm,
+    final_norm: RMSNorm | None,
     batch: ForwardBatch,
     caches: ModelCaches,
     cos,
@@ -72,7 +83,8 @@ def run_blocks(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """h [T, hidden] through `layers`, then `final_norm` -> ([T, hidden], the output of each layer in `taps`
     as transformers' `hidden_states[i + 1]` gives it: the residual stream after the layer, un-normed, except after
-    the last layer, where it is normed; [T, hidden] each, in the order of `taps`)."""
+    the last layer, where it is normed; [T, hidden] each, in the order of `taps`). Without `final_norm` (a pipeline
+    stage before the last) the first result is the residual stream after the last layer, un-normed."""
     x, residual = layers[0].input_layernorm(h), h
     tapped = {}
     for i, layer in enumerate(layers):
@@ -81,4 +93,4 @@ def run_blocks(
         x, residual = layer(x, residual, batch, caches, cos, sin, next_norm)
         if i in taps:
             tapped[i] = x if last else residual
-    return x, [tapped[i] for i in taps]
+    return residual if final_norm is None else x, [tapped[i] for i in taps]

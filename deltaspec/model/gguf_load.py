@@ -27,6 +27,7 @@ from deltaspec.model.layers import QuantizedEmbedding, set_weight
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.pipeline import holds
 from deltaspec.parallel.shard import ROW_PARALLEL_BIAS, Shard, shard_config
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -61,22 +62,25 @@ def load_gguf_model(
     progress: bool = True,
     with_mtp: bool = True,
     tp: TensorParallel = SINGLE,
+    layers: range | None = None,
 ) -> HybridModel:
     """The model of `checkpoint` (a `GGUFCheckpoint`) on `device`: quantized weights kept as blocks, float ones in
-    `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share."""
+    `dtype`; the MTP head only `with_mtp`; a rank of the tensor-parallel group `tp` builds and reads its share, a
+    pipeline stage its decoder `layers` only."""
     if not any(name.endswith("in_proj_qkvz.weight") for name in checkpoint.tensors):
         config = replace(config, gdn_layout="qwen3_5")  # a Qwen3-Next file's GDN projections read as separate ones
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
     with torch.device("meta"):
         num_mtp_layers = config.num_mtp_layers if with_mtp else 0
-        model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)
+        rank_config = shard_config(config, tp.size, tp.expert_parallel)
+        model = HybridModel(rank_config, ops, dtype, device, num_mtp_layers, tp, layers)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     experts: dict[str, dict[str, QuantizedWeight | torch.Tensor]] = {}
     filled: set[str] = set()
     for name, tensor in tqdm(checkpoint.tensors.items(), desc="Loading weights", unit="tensor", disable=not progress):
         target = target_name(name, with_mtp)
-        if target is None:
+        if target is None or not holds(model.layers, target):
             continue
         module_name, _, attribute = target.rpartition(".")
         tensor = shard_tensor(name, target, tensor, shard)
@@ -145,12 +149,17 @@ def shard_tensor(name: str, target: str, tensor: GGUFTensor, shard: Shard) -> GG
     return GGUFTensor(tensor.qtype, (*tensor.shape[:-1], len(held)), kept, None if in_order else new_order)
 
 
-def gguf_weight_bytes(checkpoint, dtype: torch.dtype, with_mtp: bool, shard: Shard | None = None) -> tuple[int, int]:
+def gguf_weight_bytes(
+    checkpoint, dtype: torch.dtype, with_mtp: bool, shard: Shard | None = None, layers: range | None = None
+) -> tuple[int, int]:
     """Bytes the loaded weights take (quantized ones as their blocks, float ones in `dtype`): the target model's
-    and its MTP head's (0 unless `with_mtp`); with `shard`, one tensor-parallel rank's."""
+    and its MTP head's (0 unless `with_mtp`); with `shard`, one tensor-parallel rank's; with `layers`, a pipeline
+    stage's."""
     target = mtp = 0
     for name, tensor in checkpoint.tensors.items():
         if (parameter := target_name(name, with_mtp=True)) is None:
+            continue
+        if layers is not None and not holds(layers, parameter):
             continue
         size = tensor.data.nbytes if tensor.qtype not in FLOAT_TYPES else int(np.prod(tensor.shape)) * dtype.itemsize
         size = int(size * shard.fraction(parameter, torch.Size(tensor.shape))) if shard is not None else size

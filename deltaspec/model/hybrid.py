@@ -6,7 +6,10 @@ a block drafter reads, `feature_layers`); `compute_logits` applies the LM head t
 caller needs. Parameter names follow the Hugging Face checkpoint names
 (`model.layers.N...`, `lm_head.weight`, `mtp...`) so that loading is a name lookup. A tensor-parallel rank
 builds it from its share of the architecture (`deltaspec.parallel.shard.shard_config`) with its `tp` group:
-the embedding and the LM head then hold its slice of the vocabulary.
+the embedding and the LM head then hold its slice of the vocabulary. A pipeline stage builds the decoder `layers` it
+holds (the others are empty places) and runs them on the residual stream the stage before it sent (`run`); the
+embedding, final norm, LM head and MTP head are on every stage, so that every stage turns the last stage's hidden
+states into the same logits and drafts (`deltaspec.parallel.pipeline`).
 """
 
 import functools
@@ -18,7 +21,7 @@ from torch import nn
 from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.config.model import LINEAR_ATTENTION, ModelConfig
 from deltaspec.model.checkpoint_names import checkpoint_name
-from deltaspec.model.decoder import DecoderLayer, run_blocks
+from deltaspec.model.decoder import DecoderLayer, OtherStageLayer, run_blocks
 from deltaspec.model.forward_batch import ForwardBatch
 from deltaspec.model.layers import FusedLinear, Linear, QuantizedEmbedding, RMSNorm, SparseMoE, make_mlp
 from deltaspec.model.mtp import MTPHead
@@ -75,7 +78,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: OpTable, tp: TensorParallel = SINGLE):
+    """The embedding, the decoder `layers` held (an `OtherStageLayer` in the place of each other one; their caches are
+    indexed from the first held layer on) and the final norm."""
+
+    def __init__(self, config: ModelConfig, ops: OpTable, tp: TensorParallel, layers: range):
         super().__init__()
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -83,10 +89,13 @@ class TextModel(nn.Module):
             else nn.Embedding(config.vocab_size, config.hidden_size)
         )
         gdn_index = attn_index = 0
-        layers = []
+        held = []
         for i, kind in enumerate(config.layer_types):
+            if i not in layers:
+                held.append(OtherStageLayer())
+                continue
             is_gdn = kind == LINEAR_ATTENTION
-            layers.append(
+            held.append(
                 DecoderLayer(
                     config,
                     gdn_index if is_gdn else attn_index,
@@ -97,7 +106,7 @@ class TextModel(nn.Module):
                 )
             )
             gdn_index, attn_index = gdn_index + is_gdn, attn_index + (not is_gdn)
-        self.layers = nn.ModuleList(layers)
+        self.layers = nn.ModuleList(held)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
@@ -110,20 +119,27 @@ class HybridModel(nn.Module):
         device,
         num_mtp_layers: int,
         tp: TensorParallel = SINGLE,
+        layers: range | None = None,
     ):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = TextModel(config, ops, tp)
+        self.layers = range(config.num_hidden_layers) if layers is None else layers  # the pipeline stage's
+        self.model = TextModel(config, ops, tp, self.layers)
         self.lm_head = Linear(config.hidden_size, config.vocab_size // tp.size, ops)
-        self.mtp = MTPHead(config, num_mtp_layers, len(config.attention_layer_ids), ops, tp) if num_mtp_layers else None
+        held_kv = self.held_attention_layers
+        self.mtp = MTPHead(config, num_mtp_layers, held_kv, ops, tp) if num_mtp_layers else None
         self.rotary = RotaryTable(config, dtype, device)
         self.feature_layers: tuple[int, ...] = ()  # layers whose outputs `run` returns, for a block drafter
 
     @property
+    def held_attention_layers(self) -> int:
+        return sum(self.config.layer_types[i] != LINEAR_ATTENTION for i in self.layers)
+
+    @property
     def num_kv_layers(self) -> int:
-        """Attention layers with a KV cache: the model's, then the MTP head's."""
-        return len(self.config.attention_layer_ids) + (len(self.mtp.layers) if self.mtp else 0)
+        """Attention layers with a KV cache: the model's (the stage's), then the MTP head's."""
+        return self.held_attention_layers + (len(self.mtp.layers) if self.mtp else 0)
 
     def fuse_projections(self) -> None:
         """Fuse every group of projections that reads the same input into one weight (after loading)."""
@@ -193,15 +209,28 @@ class HybridModel(nn.Module):
         """All rows of `batch` through the stack -> final hidden states [T, hidden]."""
         return self.run(batch, caches)[0]
 
-    def run(self, batch: ForwardBatch, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, batch: ForwardBatch, caches: ModelCaches, stream: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All rows of `batch` through the stack -> (final hidden states [T, hidden], the outputs of the layers in
-        `feature_layers` side by side [T, len(feature_layers) * hidden], or None when it is empty)."""
+        `feature_layers` side by side [T, len(feature_layers) * hidden], or None when it is empty). A pipeline stage
+        after the first starts from the residual `stream` [T, hidden] the stage before sent instead of the embeddings,
+        and one before the last returns the residual stream after its last layer, un-normed, for the next."""
         cos, sin = self.rotary(batch)
-        embeds = self.model.embed_tokens(batch.token_ids)
-        if batch.images is not None:  # the tower's embeddings in place of the image tokens'
-            embeds = embeds.index_copy(0, batch.images.rows, batch.images.embeds.to(embeds.dtype))
+        if stream is None:
+            stream = self.model.embed_tokens(batch.token_ids)
+            if batch.images is not None:  # the tower's embeddings in place of the image tokens'
+                stream = stream.index_copy(0, batch.images.rows, batch.images.embeds.to(stream.dtype))
+        last_stage = self.layers.stop == self.config.num_hidden_layers
         hidden, taps = run_blocks(
-            self.model.layers, embeds, self.model.norm, batch, caches, cos, sin, self.feature_layers
+            self.model.layers[self.layers.start : self.layers.stop],
+            stream,
+            self.model.norm if last_stage else None,
+            batch,
+            caches,
+            cos,
+            sin,
+            self.feature_layers,
         )
         return hidden, torch.cat(taps, dim=-1) if taps else None
 

@@ -27,6 +27,7 @@ from deltaspec.model.random_quant import quantized_config, random_blocks, tensor
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.pipeline import holds
 from deltaspec.parallel.shard import Shard, shard_config
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
@@ -125,6 +126,7 @@ def random_model(
     with_mtp: bool = True,
     quant: str | None = None,
     tp: TensorParallel = SINGLE,
+    layers: range | None = None,
 ) -> HybridModel:
     """The model of `config` with seeded random weights drawn on `device` (`random_parameters`), fused like a
     loaded checkpoint (the shape's MTP head only `with_mtp`); with `quant`, each weight matrix becomes blocks of
@@ -132,21 +134,26 @@ def random_model(
     (`random_quant.random_blocks`: blocks drawn from a pool of quantized unit-normal blocks, their scales
     multiplied by the matrix's std), so the float model never exists whole (and Qwen3-Next's GDN projections are
     separate, as a GGUF file's load). A rank of the tensor-parallel group `tp` keeps its part of each float
-    weight (`--quant` runs on one device)."""
+    weight (`--quant` runs on one device); a pipeline stage keeps its decoder `layers` only. Every weight is drawn
+    either way, so every rank's share is that of the same model."""
     if quant and tp.sharded:
         raise DeltaspecError("--quant runs on one device; drop --tensor-parallel-size or --quant.")
     if quant:
         config = quantized_config(config)
     num_mtp_layers = config.num_mtp_layers if with_mtp else 0
     with torch.device("meta"):
-        model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)
-        full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
+        rank_config = shard_config(config, tp.size, tp.expert_parallel)
+        model = HybridModel(rank_config, ops, dtype, device, num_mtp_layers, tp, layers)
+        whole = not tp.sharded and len(model.layers) == config.num_hidden_layers
+        full = model if whole else HybridModel(config, ops, dtype, device, num_mtp_layers)
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
     shapes = parameter_shapes(full, config)
     modules = dict(model.named_modules())
     weights = {}
     drawn = random_parameters(config, shapes, dtype, device, seed, quant)
     for name, value in tqdm(drawn, total=len(shapes), desc="Random weights", unit="tensor", disable=not progress):
+        if not holds(model.layers, name):  # another pipeline stage's layer
+            continue
         if isinstance(value, QuantizedWeight):
             module_name, _, attribute = name.rpartition(".")
             set_weight(modules[module_name], attribute, value)

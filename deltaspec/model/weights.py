@@ -32,6 +32,7 @@ from deltaspec.model.safetensors_files import checkpoint_tensors, open_safetenso
 from deltaspec.ops.dispatch import OpTable
 from deltaspec.ops.quant.checkpoint_layout import weight_name
 from deltaspec.parallel.group import SINGLE, TensorParallel
+from deltaspec.parallel.pipeline import holds
 from deltaspec.parallel.shard import Shard, shard_config
 
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -154,10 +155,12 @@ def load_model(
     progress: bool = True,
     with_mtp: bool = True,
     tp: TensorParallel = SINGLE,
+    layers: range | None = None,
 ) -> HybridModel:
     """Build the model and fill every parameter from the checkpoint at `model_dir` (the MTP head, when the
     checkpoint has one, only `with_mtp`: it is a drafter's memory); a rank of a tensor-parallel group `tp` builds
-    and reads its share. A quantized checkpoint's matrices are kept as blocks."""
+    and reads its share, a pipeline stage its decoder `layers` only. A quantized checkpoint's matrices are kept as
+    blocks."""
     quantization = checkpoint_quantization(raw_config, model_dir)
     tensors = checkpoint_tensors(model_dir)
     by_param = {target: t for name, t in tensors.items() if (target := target_name(weight_name(name))) is not None}
@@ -165,8 +168,9 @@ def load_model(
     files = {name: tensor.file for name, tensor in tensors.items()}
     num_mtp_layers = count_mtp_layers(files) if with_mtp else 0
     with torch.device("meta"):
-        model = HybridModel(shard_config(config, tp.size, tp.expert_parallel), ops, dtype, device, num_mtp_layers, tp)
-        full = HybridModel(config, ops, dtype, device, num_mtp_layers) if tp.sharded else model
+        rank_config = shard_config(config, tp.size, tp.expert_parallel)
+        model = HybridModel(rank_config, ops, dtype, device, num_mtp_layers, tp, layers)
+        full = HybridModel(config, ops, dtype, device, num_mtp_layers, layers=layers) if tp.sharded else model
     shapes = {name: param.shape for name, param in full.named_parameters()}  # the checkpoint's (full) shapes
     shard = Shard(config, tp.rank, tp.size, tp.expert_parallel)
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
@@ -183,7 +187,7 @@ def load_model(
             for name in names:
                 bar.update(1)
                 target = target_name(weight_name(name), with_mtp)
-                if target is None or blocks.skipped(name):
+                if target is None or not holds(model.layers, target) or blocks.skipped(name):
                     continue
                 source = f.get_slice(name)
                 if expert := EXPERT_RE.match(target):

@@ -74,11 +74,12 @@ def replica_environments(engine_config: EngineConfig, replicas: int) -> list[dic
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    per_replica = engine_config.parallel.tensor_parallel_size
+    per_replica = engine_config.parallel.world_size  # pipeline stages x tensor-parallel ranks
     if replicas * per_replica > len(gpus):
         raise DeltaspecError(
-            f"--data-parallel-size {replicas} x --tensor-parallel-size {per_replica} needs {replicas * per_replica} "
-            f"GPUs, but this process sees {len(gpus)}; give fewer replicas or a smaller tensor-parallel size."
+            f"--data-parallel-size {replicas} x {per_replica} GPUs per replica (tensor x pipeline parallel) needs "
+            f"{replicas * per_replica} GPUs, but this process sees {len(gpus)}; give fewer replicas or smaller "
+            "parallel sizes."
         )
     return [
         {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per_replica : (i + 1) * per_replica])}

@@ -83,7 +83,7 @@ def serve_on_ray(engine_config: EngineConfig, server_config: ServerConfig) -> in
     configure_logging()
     sock = bind_socket(server_config.host, server_config.port)
     count, base = server_config.data_parallel_size, server_config.port
-    gpus = 0 if engine_config.host.device == "cpu" else engine_config.parallel.tensor_parallel_size
+    gpus = 0 if engine_config.host.device == "cpu" else engine_config.parallel.world_size
     try:
         ray.init()
         serve.start(proxy_location="Disabled")
