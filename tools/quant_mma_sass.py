@@ -22,7 +22,7 @@ Q6_K = {"words_ptr": "*i32", "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "
 MMA = {"BLOCK_M": 16, "NUM_STAGES": 2, "PRMT": True, "IEEE": False}
 GEMV = {"M_BLOCK": 1, "NUM_STAGES": 2, "PRMT": True}
 VARIANTS = [  # name, kernel, planes, constexprs, (BLOCK_N, warps) tiles
-    ("q4_k mma", quant_mma.q4_k_mma_kernel, Q4_K, MMA, ((64, 4), (128, 4), (128, 8), (256, 8))),
+    ("q4_k mma", quant_mma.q4_k_mma_kernel, Q4_K, {**MMA, "VALUES": "bf16"}, ((64, 4), (128, 4), (128, 8), (256, 8))),
     ("q4_k gemv", quant_mma.q4_k_gemv_kernel, Q4_K, GEMV, ((64, 2), (128, 4), (256, 8))),
     ("q6_k mma", quant_mma.q6_k_mma_kernel, Q6_K, MMA, ((64, 4), (128, 4), (128, 8))),
     ("q6_k gemv", quant_mma.q6_k_gemv_kernel, Q6_K, GEMV, ((64, 2), (128, 4), (256, 8))),

@@ -98,7 +98,7 @@ GRID += [("Q6_K_R", "mma", 16, 3)]
 @pytest.mark.gpu
 @pytest.mark.kernel
 @pytest.mark.parametrize(("layout", "family", "rows", "split_k"), GRID)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_repacked_product_matches_the_reference(kernel, kernel_device, layout, family, rows, split_k, dtype):
     from deltaspec.ops.triton.quant_matmul import Launch
 

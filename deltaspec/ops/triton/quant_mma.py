@@ -3,12 +3,13 @@
 the one-pass dequantization of prefill-sized products (`dequantize`).
 
 A program owns BLOCK_N output rows and a share of the super-blocks. Per super-block a Q4_K program reads the 32
-nibble words of each row in one load (lane l of all eight sub-blocks), moves the quants into the top bits of
-bytes with two masked shifts, and per sub-block turns each byte into the float f = 0.5 + q / 32 with one permute
-(`quant_bits.byte_as_float`), so that a value is one multiply-add, (32 * scale) * f - (16 * scale + min), within
-a float32 rounding of the reference's (`deltaspec.ops.quant.dequant`); rounded to the activations' dtype, a
-sub-block's values multiply x's 32 matching columns on the tensor cores. Q6_K dequantizes as the reference does.
-Shares of the input are added in a fixed order (`quant_bits.store_or_add_shares`).
+nibble words of each row in one load (lane l of all eight sub-blocks). On tensor cores the quants q themselves are
+the operand, as the exact 16-bit floats 0.5 + q / 256 and 0.5 + q / 16 (a byte's low and high nibble; one permute
+per two words and one masked or per sub-block and pair), and a sub-block's scale and min act on its float32 sums;
+on CUDA cores each byte becomes the float f = 0.5 + q / 32 with one permute (`quant_bits.byte_as_float`), so that a
+value is one multiply-add, (32 * scale) * f - (16 * scale + min), within a float32 rounding of the reference's
+(`deltaspec.ops.quant.dequant`). Q6_K dequantizes as the reference does, its values rounded to the activations'
+dtype for the tensor cores. Shares of the input are added in a fixed order (`quant_bits.store_or_add_shares`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,61 @@ def _q4_k_sub_block_values(low, high, j: tl.constexpr, half_exponent, PRMT: tl.c
     return quant_bits.byte_as_float(high, j // 2, half_exponent, PRMT)
 
 
+def _nibble_values_asm(b: int, half: bool) -> tl.constexpr:
+    """`_q4_k_byte_values`' PTX for byte b: t's bytes 0 and 2 are byte b of the two words; then the low nibbles under
+    the exponent of 0.5 in $0, the high ones in $1 (bfloat16: 0x3F00 | q and 0x3F00 | q << 4; float16, whose
+    mantissa has ten bits: t shifted left by three, 0x3800 | q << 3 and 0x3800 | q << 7)."""
+    select = f"prmt.b32 t, $2, $3, 0x{4 + b}{4 + b}{b}{b};"
+    if half:
+        masks = "shl.b32 t, t, 3; lop3.b32 $0, t, 0x00780078, 0x38003800, 0xEA;"
+        masks += " lop3.b32 $1, t, 0x07800780, 0x38003800, 0xEA;"
+    else:
+        masks = "lop3.b32 $0, t, 0x000F000F, 0x3F003F00, 0xEA; lop3.b32 $1, t, 0x00F000F0, 0x3F003F00, 0xEA;"
+    return tl.constexpr("{.reg .b32 t; " + select + " " + masks + "}")
+
+
+_BF16_BYTE0, _BF16_BYTE1, _BF16_BYTE2, _BF16_BYTE3 = (_nibble_values_asm(b, False) for b in range(4))
+_HALF_BYTE0, _HALF_BYTE1, _HALF_BYTE2, _HALF_BYTE3 = (_nibble_values_asm(b, True) for b in range(4))
+
+
+@triton.jit
+def _q4_k_byte_values(words, b: tl.constexpr, VALUES: tl.constexpr, PRMT: tl.constexpr):
+    """Sub-blocks 2b and 2b + 1 [32, BLOCK_N] of the nibble words (byte b's low and high nibbles q), exactly: for
+    16-bit activations (VALUES "bf16" or "f16") as the floats 0.5 + q / 256 and 0.5 + q / 16 of their type, on
+    CUDA one permute per two words and one masked or per sub-block (`_nibble_values_asm`); for float32 ones q."""
+    if VALUES == "f32":
+        low = quant_bits.as_float((words >> (8 * b)) & 0xF)
+        high = quant_bits.as_float((words >> (8 * b + 4)) & 0xF)
+    elif not PRMT:
+        low = 0.5 + quant_bits.as_float((words >> (8 * b)) & 0xF) / 256.0
+        high = 0.5 + quant_bits.as_float((words >> (8 * b + 4)) & 0xF) / 16.0
+    elif VALUES == "f16":
+        if b == 0:
+            f16_asm: tl.constexpr = _HALF_BYTE0
+        elif b == 1:
+            f16_asm: tl.constexpr = _HALF_BYTE1
+        elif b == 2:
+            f16_asm: tl.constexpr = _HALF_BYTE2
+        else:
+            f16_asm: tl.constexpr = _HALF_BYTE3
+        low, high = tl.inline_asm_elementwise(
+            f16_asm, "=r,=r,r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+        )
+    else:
+        if b == 0:
+            bf16_asm: tl.constexpr = _BF16_BYTE0
+        elif b == 1:
+            bf16_asm: tl.constexpr = _BF16_BYTE1
+        elif b == 2:
+            bf16_asm: tl.constexpr = _BF16_BYTE2
+        else:
+            bf16_asm: tl.constexpr = _BF16_BYTE3
+        low, high = tl.inline_asm_elementwise(
+            bf16_asm, "=r,=r,r,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2
+        )
+    return low, high
+
+
 @triton.jit
 def _q6_k_half_lanes(words_ptr, high_ptr, step, half: tl.constexpr, cols, n_mask, N):
     """Lanes 16 * half .. + 15 [16, BLOCK_N] of super-block `step`'s Q6_K rows `cols`, as two words of bytes
@@ -71,10 +127,9 @@ def _q6_k_half_lanes(words_ptr, high_ptr, step, half: tl.constexpr, cols, n_mask
 
 @triton.jit
 def _plus_product(acc, x, w, IEEE: tl.constexpr):
-    """acc + x [BLOCK_M, K] times w [K, BLOCK_N] (float32 values, rounded to x's dtype first) on the tensor cores; in
-    float32 without TF32 rounding for float32 activations or under the interpreter (IEEE)."""
+    """acc + x [BLOCK_M, K] times w [K, BLOCK_N] (`_product`), added inside the tensor-core product."""
     if IEEE:
-        return acc + tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+        return acc + _product(x, w, IEEE)
     return tl.dot(x, w.to(x.dtype), acc)
 
 
@@ -98,10 +153,13 @@ def q4_k_mma_kernel(
     NUM_STAGES: tl.constexpr,
     PRMT: tl.constexpr,
     IEEE: tl.constexpr,
+    VALUES: tl.constexpr,
 ):
-    """out [M, N] = x [M, 256 * steps] times the repacked Q4_K rows on tensor cores: per sub-block j, the quants
-    as f = 0.5 + q / 32 and the values as (32 * scale) * f - (16 * scale + min) (one multiply-add, in float32),
-    rounded to x's dtype and multiplied by x's 32 columns of that sub-block."""
+    """out [M, N] = x [M, 256 * steps] times the repacked Q4_K rows on tensor cores. Per sub-block j the quants q,
+    for 16-bit activations as the exact floats f = 0.5 + q / c of their type (c = 256 for even j, 16 for odd:
+    `_q4_k_byte_values`), multiply x's 32 columns of that sub-block into P, and ones into their sum X; the value
+    scale * q - min adds (c * scale) * P - (c / 2 * scale + min) * X to the float32 sums, two multiply-adds per
+    sum (float32 activations: f = q, scale * P - min * X, which cancels less)."""
     pdl.wait_for_previous()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
@@ -109,21 +167,47 @@ def q4_k_mma_kernel(
     m_mask = m < M
     lane = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ones = tl.full((32, BLOCK_N), 1.0, tl.float32)
     first = tl.program_id(1) * steps_per_split
     for step in tl.range(first, tl.minimum(first + steps_per_split, steps), num_stages=NUM_STAGES):
         d, dmin, s0, s1, s2 = _q4_k_head(heads_ptr, step, cols, n_mask, N)
-        low, high = _q4_k_lanes(words_ptr, step, cols, n_mask, N)
-        for j in tl.static_range(8):
-            sc, mn = _q4_k_sub_block(s0, s1, s2, j)
-            scale = d * quant_bits.as_float(sc)  # [BLOCK_N]
-            offset = 16.0 * scale + dmin * quant_bits.as_float(mn)
-            f = _q4_k_sub_block_values(low, high, j, half_exponent, PRMT)  # [32, BLOCK_N]
-            w = (32.0 * scale)[None, :] * f - offset[None, :]
-            x = tl.load(
-                x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + lane)[None, :], mask=m_mask[:, None], other=0
-            )
-            acc = _plus_product(acc, x, w, IEEE)
+        words = tl.load(
+            words_ptr + (step * 32 + lane)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
+        )  # [32, BLOCK_N]: lane l of the eight sub-blocks
+        for b in tl.static_range(4):
+            low, high = _q4_k_byte_values(words, b, VALUES, PRMT)
+            for upper in tl.static_range(2):
+                j = 2 * b + upper
+                sc, mn = _q4_k_sub_block(s0, s1, s2, j)
+                scale = d * quant_bits.as_float(sc)  # [BLOCK_N]
+                x = tl.load(
+                    x_ptr + m[:, None] * stride_xm + (step * 256 + j * 32 + lane)[None, :],
+                    mask=m_mask[:, None],
+                    other=0,
+                )
+                minimum = dmin * quant_bits.as_float(mn)
+                if upper == 0:
+                    product = _product(x, low, IEEE)
+                else:
+                    product = _product(x, high, IEEE)
+                if VALUES == "f32":
+                    slope = scale
+                    offset = minimum
+                else:
+                    slope = scale * (256.0 if upper == 0 else 16.0)
+                    offset = 0.5 * slope + minimum
+                acc = tl.fma(product, slope[None, :], acc)
+                acc = tl.fma(_product(x, ones, IEEE), -offset[None, :], acc)
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
+
+
+@triton.jit
+def _product(x, w, IEEE: tl.constexpr):
+    """x [BLOCK_M, K] times w [K, BLOCK_N] (values exact in x's dtype) on the tensor cores, in float32; without TF32
+    rounding for float32 activations or under the interpreter (IEEE)."""
+    if IEEE:
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype))
 
 
 @triton.jit
@@ -333,10 +417,14 @@ def mma(
         NUM_STAGES=num_stages,
         PRMT=not INTERPRETED,
         IEEE=x.dtype == torch.float32 or INTERPRETED,
+        **({} if layout == "Q6_K_R" else {"VALUES": _VALUES[x.dtype]}),
         num_warps=num_warps,
         **pdl.LAUNCH,
     )
     return out
+
+
+_VALUES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # `_q4_k_byte_values`
 
 
 def _shares(x: torch.Tensor, out: torch.Tensor, block_n: int, split_k: int) -> tuple[tuple[int, int], tuple]:
