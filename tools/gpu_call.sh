@@ -21,6 +21,7 @@
 # Steps:
 #   kernels:SECONDS    the routed GEMV launches' sweep for 1-16 rows
 #   mma:SECONDS        tools/quant_mma_sweep.py: the tensor-core Q4_K product's variants against the routed launches
+#   repack:SECONDS     the 27B Q4_K_M shape's verify passes (1-16 rows) and batch-1 decode, block kernels then --repack
 #   script:SECONDS     bash .scratch/script.sh in the snapshot (one-off benchmarks), its output in $OUT/script.log
 #   train:MINUTES      block drafter training, resumed from .scratch/block_ckpt/checkpoint.pt when present
 #   treeprof:SHAPE     cProfile of bench tree-oracle on a random-weight shape (host time of chain vs tree rounds)
@@ -57,6 +58,14 @@ for step in "$@"; do
       PYTHONPATH=/tmp/snap:/tmp/site timeout ${arg:-400} python3 tools/quant_mma_sweep.py $OUT/mma_sweep.json ${MMA_ARGS:-} \
         > $OUT/mma_sweep.stdout 2> $OUT/mma_sweep.log; echo "mma sweep exit $?"; cat $OUT/mma_sweep.stdout
       tail -3 $OUT/mma_sweep.log ;;
+    repack)  # the whole-model effect of --repack (issue #44): the same random-weight file's passes both ways
+      q4="--random-weights --shape qwen3.5-27b --device cuda --dtype bfloat16 --quant q4_k_m"
+      for way in no-repack repack; do
+        PYTHONPATH=/tmp/snap:/tmp/site timeout "$arg" python3 -m deltaspec.cli bench verify --context 128 \
+          --rows 1,2,4,8,16 --runs 3 $q4 --$way --out $OUT/verify-27b-q4km-$way.json >> $OUT/repack.log 2>&1
+        PYTHONPATH=/tmp/snap:/tmp/site timeout "$arg" python3 -m deltaspec.cli bench decode --context 128 \
+          --max-tokens 64 --runs 3 $q4 --$way --out $OUT/decode-27b-q4km-$way.json >> $OUT/repack.log 2>&1
+      done; echo "repack A/B exit $?"; grep -h -o '"ratio_to_1_row": [0-9.]*\|"decode_tok_s": [0-9.]*' $OUT/*q4km*.json ;;
     script)  # a one-off list of commands for this call, written beside the snapshot
       PYTHONPATH=/tmp/snap:/tmp/site timeout "$arg" bash $repo/.scratch/script.sh > $OUT/script.log 2>&1
       echo "script exit $?"; tail -40 $OUT/script.log ;;
