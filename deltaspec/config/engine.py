@@ -325,8 +325,8 @@ class ParallelConfig:
     pipeline_micro_batches: int = field(
         default=0,
         metadata={
-            "help": "with --pipeline-parallel-size, the micro-batches a step's sequences are split into so that the "
-            "stages overlap (0: one per stage; 1: none)"
+            "help": "with --pipeline-parallel-size, the micro-batches a step's sequences are cut into so that the "
+            "stages overlap (0: automatic, one per stage where each gets at least 64 rows, else none; 1: none)"
         },
     )
 

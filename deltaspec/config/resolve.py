@@ -107,7 +107,6 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_dtype: str | None) -> En
         )
     chat_template = None if cfg.load.chat_template is None else chat_template_text(cfg.load.chat_template)
     return cfg.with_settings(
-        pipeline_micro_batches=cfg.parallel.pipeline_micro_batches or cfg.parallel.pipeline_parallel_size,
         device=device,
         dtype=dtype_name,
         state_dtype=state_dtype,

@@ -1,8 +1,10 @@
 """`PipelinePass`: one pass of a pipeline stage over a schedule, micro-batch by micro-batch
 (`deltaspec.parallel.pipeline` holds the stage and its messages).
 
-The schedule's sequences are cut, in order, into up to `micro_batches` groups of about equal rows. For each group the
-stage builds the group's batch, takes its residual stream (the first stage embeds the tokens; the others receive it
+The schedule's sequences are cut, in order, into up to `micro_batches` groups of about equal rows (0: automatic, one
+per stage where each group gets at least `AUTO_MICRO_BATCH_ROWS` rows, else one group: a micro-batch of few rows reads
+every weight of the stage as the whole batch would, for a share of its rows, and costs about as much). For each group
+the stage builds the group's batch, takes its residual stream (the first stage embeds the tokens; the others receive it
 from the stage before), runs its layers and sends the stream on without waiting, so that stage s works on micro-batch
 m + 1 while stage s + 1 works on m. The step needs its result only after the last micro-batch: the last stage's final
 hidden states of every row, which it broadcasts to the other stages, so that every rank goes on from the same hidden
@@ -21,6 +23,8 @@ from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.execution.batch import Scheduled, build_batch
 from deltaspec.model.hybrid import HybridModel
 from deltaspec.parallel.pipeline import Pipeline
+
+AUTO_MICRO_BATCH_ROWS = 64  # the skinny products' last row bucket: fewer rows are bound by the weights' reads
 
 
 def micro_batches(schedule: list[Scheduled], count: int) -> list[list[Scheduled]]:
@@ -41,7 +45,7 @@ def micro_batches(schedule: list[Scheduled], count: int) -> list[list[Scheduled]
 
 @dataclass
 class PipelinePass:
-    """This rank's stage (`pipeline`) and how many micro-batches a pass is cut into."""
+    """This rank's stage (`pipeline`) and how many micro-batches a pass is cut into (0: automatic)."""
 
     pipeline: Pipeline
     micro_batches: int
@@ -53,7 +57,8 @@ class PipelinePass:
         started = time.perf_counter()
         stage, width, dtype = self.pipeline, model.config.hidden_size, model.rotary.dtype
         outputs, rows = [], 0
-        for group in micro_batches(schedule, self.micro_batches):
+        count = self.micro_batches or min(stage.size, sum(item.num_rows for item in schedule) // AUTO_MICRO_BATCH_ROWS)
+        for group in micro_batches(schedule, count):
             batch = build_batch(group, block_size, device)
             stream = None if stage.first_stage else stage.receive(batch.num_rows, width, dtype, device)
             hidden, _ = model.run(batch, caches, stream)  # [group rows, hidden]

@@ -68,16 +68,17 @@ def session(path: Path, **options) -> tuple[list, list]:
 
 def test_stages_give_the_logprobs_of_one_process_with_speculation_and_prefix_caching(with_mtp):
     """MTP drafts (a random head's: rejected, so every stage rolls its own layers back) on 2 stages, and a draft model
-    (the target itself: accepted) on 2 stages x 2 tensor-parallel ranks."""
+    (the target itself: accepted) on 2 stages x 2 tensor-parallel ranks; steps of several sequences cut into 2
+    micro-batches."""
     mtp = dict(speculative="mtp", draft_tokens=3)
     want = session(with_mtp, **mtp)
-    got = session(with_mtp, pipeline_parallel_size=2, **mtp)
+    got = session(with_mtp, pipeline_parallel_size=2, pipeline_micro_batches=2, **mtp)
     for a, b in zip(got, want, strict=True):
         assert_same_outputs(a, b)
     drafted = sum(sum(o.metrics["drafted_at"]) for o in got[0])
     assert drafted > sum(o.metrics["spec_accepted_tokens"] for o in got[0])  # rejected drafts rolled back
     draft = dict(speculative="draft", draft_model=str(with_mtp), draft_tokens=3)
-    got = session(with_mtp, pipeline_parallel_size=2, tensor_parallel_size=2, **draft)
+    got = session(with_mtp, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_micro_batches=2, **draft)
     for a, b in zip(got, want, strict=True):
         assert_same_outputs(a, b)
     assert sum(o.metrics["spec_accepted_tokens"] for o in got[0]) > 0  # accepted drafts folded into every stage
