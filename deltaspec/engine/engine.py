@@ -87,7 +87,7 @@ class Engine:
         self.model = engine_model(planned, ops, progress, self.executor.tp, self.executor.pipeline)
         self.tokenizer, self.images = engine_tokenizer(planned), engine_images(planned)
         self.sampling_defaults = engine_sampling_defaults(planned)  # SamplingParams fields a request leaves unset
-        verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress)
+        verify_costs = route_gemms(self.model, ops, self.config, self.dtype, self.device, progress, self.executor.share)
         verify_costs = self.executor.share(verify_costs)  # rank 0's measurements: every rank drafts alike
         self.cache = engine_cache(planned, self.model)
         self.scheduler = engine_scheduler(self.config, self.cache)

@@ -166,13 +166,20 @@ def borrowed_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
 
 
 def route_gemms(
-    model: HybridModel, ops: OpTable, config: EngineConfig, dtype: torch.dtype, device: torch.device, progress: bool
+    model: HybridModel,
+    ops: OpTable,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool,
+    share: Callable = lambda value: value,
 ) -> VerifyCostTable:
     """On CUDA in 16-bit precision with the Triton kernels, route every weight multiply of `model` by the device's
     measured skinny-GEMM table (DESIGN §6) and read the verify-cost table from the same measurements, a MoE
     model's expert reads (which grow with the rows) added at the bandwidth they imply; elsewhere keep torch's
     matmul and the default cost estimate. Weights too small to be bandwidth-bound stay on torch's matmul
-    without measuring; a model with no large weight keeps the default estimate."""
+    without measuring; a model with no large weight keeps the default estimate. Pipeline stages route by rank 0's
+    table (`share`: rank 0's value on every rank), so the weights every stage holds multiply alike everywhere."""
     if device.type != "cuda" or config.host.kernels == "reference" or dtype not in (torch.bfloat16, torch.float16):
         return VerifyCostTable()
     from deltaspec.ops.gemm_routing import GemmRouter
@@ -183,6 +190,8 @@ def route_gemms(
     if not shapes:
         return VerifyCostTable()
     router = GemmRouter(shapes, dtype, device, show_progress=progress)
+    if config.parallel.pipeline_parallel_size > 1:
+        router.adopt(share(router.table))
     model.use_ops(replace(ops, linear=router.linear))
     return VerifyCostTable(
         router.relative_costs(max(config.speculation.draft_tokens + 1, 2), model.expected_expert_bytes)

@@ -133,6 +133,12 @@ class GemmRouter:
             self._save()
         self._routes = {shape: self._routes_by_rows(shape) for shape in self.shapes}
 
+    def adopt(self, table: dict[Shape, dict[int, dict]]) -> None:
+        """Route by another process's measured `table` where it has a shape (by this one's elsewhere): pipeline
+        stages multiply the weights they all hold (LM head, MTP head) by the same kernels, so their logits agree."""
+        self.table = {**self.table, **table}
+        self._routes = {shape: self._routes_by_rows(shape) for shape in self.shapes}
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`x @ weight.T` for x [..., K], weight [N, K], by the route measured for x's row count."""
         routes = self._routes.get(weight.shape)
