@@ -181,10 +181,8 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     streams, ctx, kv_blocks, notes = sizing.decide()
     layout = f"tensor parallel {size}" + (", experts split whole" if experts_whole else "")
     if stages > 1:
-        layout = (
-            f"pipeline parallel {stages} (this stage: layers {layers.start}-{layers.stop - 1} of "
-            f"{model_config.num_hidden_layers}, the most any stage holds), {layout}"
-        )
+        stage = f"this stage: layers {layers.start}-{layers.stop - 1} of {model_config.num_hidden_layers}"
+        layout = f"pipeline parallel {stages} ({stage}, the most any stage holds)" + (f", {layout}" if size > 1 else "")
     parallel_note = f"{layout}: the weights, caches and memory above are one rank's (one GPU's)"
     plan = replace(
         plan_at(streams, ctx, kv_blocks),
