@@ -12,20 +12,33 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deltaspec.ops.triton import quant_mma
+from deltaspec.ops.triton import quant_matmul, quant_mma, quant_mma_hf
+from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES
 from tools.kernel_sass import INSTRUCTION, run_tool
 
 COMMON = {"x_ptr": "*bf16", "part_ptr": "*fp32", "arrivals_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32"}
 COMMON |= {"stride_xm": "i32", "stride_om": "i32", "steps": "i32", "steps_per_split": "i32", "half_exponent": "i32"}
 Q4_K = {"words_ptr": "*i32", "heads_ptr": "*i32"}
 Q6_K = {"words_ptr": "*i32", "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*i16"}
+I4 = {"w32_ptr": "*i32", "row_words": "i32"}
+TILE = {"w_ptr": "*u8", "order_ptr": "*i64", "row_bytes": "i32"}
 MMA = {"BLOCK_M": 16, "NUM_STAGES": 2, "PRMT": True, "IEEE": False}
 GEMV = {"M_BLOCK": 1, "NUM_STAGES": 2, "PRMT": True}
-VARIANTS = [  # name, kernel, planes, constexprs, (BLOCK_N, warps) tiles
-    ("q4_k mma", quant_mma.q4_k_mma_kernel, Q4_K, {**MMA, "VALUES": "bf16"}, ((64, 4), (128, 4), (128, 8), (256, 8))),
-    ("q4_k gemv", quant_mma.q4_k_gemv_kernel, Q4_K, GEMV, ((64, 2), (128, 4), (256, 8))),
-    ("q6_k mma", quant_mma.q6_k_mma_kernel, Q6_K, MMA, ((64, 4), (128, 4), (128, 8))),
-    ("q6_k gemv", quant_mma.q6_k_gemv_kernel, Q6_K, GEMV, ((64, 2), (128, 4), (256, 8))),
+I4_TILE = {"BLOCK_M": 16, "HAS_ORDER": False, "QTYPE": KERNEL_TYPES["I4_G128"], "IEEE": False}
+VARIANTS = [  # name, kernel, planes, constexprs, values per loop iteration and weight row, (BLOCK_N, warps) tiles
+    (
+        "q4_k mma",
+        quant_mma.q4_k_mma_kernel,
+        Q4_K,
+        {**MMA, "VALUES": "bf16"},
+        256,
+        ((64, 4), (128, 4), (128, 8), (256, 8)),
+    ),
+    ("q4_k gemv", quant_mma.q4_k_gemv_kernel, Q4_K, GEMV, 256, ((64, 2), (128, 4), (256, 8))),
+    ("q6_k mma", quant_mma.q6_k_mma_kernel, Q6_K, MMA, 256, ((64, 4), (128, 4), (128, 8))),
+    ("q6_k gemv", quant_mma.q6_k_gemv_kernel, Q6_K, GEMV, 256, ((64, 2), (128, 4), (256, 8))),
+    ("i4_g128 mma", quant_mma_hf.i4_mma_kernel, I4, {**MMA, "VALUES": "bf16"}, 128, ((64, 4), (128, 4), (128, 8))),
+    ("i4_g128 tile (routed)", quant_matmul._tile_kernel, TILE, I4_TILE, 256, ((32, 4), (64, 4))),
 ]
 
 
@@ -54,13 +67,13 @@ def largest_loop(sass: str) -> collections.Counter:
 
 
 def main() -> None:
-    for name, kernel, planes, constants, tiles in VARIANTS:
+    for name, kernel, planes, constants, values, tiles in VARIANTS:
         for block_n, warps in tiles:
             cubin = compile_for_sm90(kernel, planes, constants, block_n, warps).asm["cubin"]
             loop = largest_loop(run_tool("nvdisasm", cubin, "-c"))
             registers = re.search(r"REG:(\d+)", run_tool("cuobjdump", cubin, "--dump-resource-usage")).group(1)
             total = sum(loop.values())
-            per_thread = block_n * 256 / (warps * 32)  # values a thread walks per super-block
+            per_thread = block_n * values / (warps * 32)  # values a thread walks per loop iteration
             common = ", ".join(f"{op} {n}" for op, n in loop.most_common(8))
             print(
                 f"{name} BLOCK_N={block_n} warps={warps}: {registers} registers, loop {total} instructions, "

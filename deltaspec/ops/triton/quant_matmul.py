@@ -28,7 +28,7 @@ import triton.language as tl
 from deltaspec.ops.quant import repacked
 from deltaspec.ops.quant.weight import QuantizedWeight
 from deltaspec.ops.quant.weight import quantized_linear as dequantize_then_matmul
-from deltaspec.ops.triton import pdl, quant_bits, quant_dequant, quant_gemv, quant_gemv_hf, quant_mma
+from deltaspec.ops.triton import pdl, quant_bits, quant_dequant, quant_gemv, quant_gemv_hf, quant_mma, quant_mma_hf
 from deltaspec.ops.triton.quant_bits import INTERPRETED  # there bfloat16 products are widened (IEEE)
 from deltaspec.ops.triton.quant_dequant import KERNEL_TYPES, STEP, _q4_k_half_chunk, _tile
 
@@ -160,7 +160,8 @@ def _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, 
 
 @dataclass(frozen=True)
 class Launch:
-    """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores), weight
+    """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores; "mma": the
+    repacked layouts' and I4_G128's products of `quant_mma` and `quant_mma_hf`, which take their values exact), weight
     rows per program, how many shares the input dimension is split into, warps per program, for Q4_K tiles
     whether a chunk's two sub-blocks make one K = 64 product, and for GEMVs the rows of x per program (a power of
     two; more rows take several row blocks, which share the weight's reads through L2)."""
@@ -229,6 +230,11 @@ def _segment_matmul(
     x: torch.Tensor, order: torch.Tensor | None, qtype: str, data: torch.Tensor, out: torch.Tensor, launch: Launch
 ) -> None:
     """out [M, N] (a column slice of the product) = x [M, K] times one segment's rows [N, row_bytes]."""
+    if qtype == "I4_G128" and launch.family == "mma":  # the file's blocks on tensor cores (`quant_mma_hf`)
+        x = x if order is None else x.index_select(1, order)
+        options = {"block_n": launch.block_n, "split_k": launch.split_k, "num_warps": launch.num_warps}
+        quant_mma_hf.i4_mma(x, data, out, num_stages=launch.num_stages, **options)
+        return
     if qtype in repacked.BASE:
         x = x if order is None else x.index_select(1, order)  # the stored columns' order
         options = {"block_n": launch.block_n, "split_k": launch.split_k, "num_warps": launch.num_warps}

@@ -56,7 +56,7 @@ def _q4_k_sub_block_values(low, high, j: tl.constexpr, half_exponent, PRMT: tl.c
 
 
 def _nibble_values_asm(b: int, half: bool) -> tl.constexpr:
-    """`_q4_k_byte_values`' PTX for byte b: t's bytes 0 and 2 are byte b of the two words; then the low nibbles under
+    """`nibble_values`' PTX for byte b: t's bytes 0 and 2 are byte b of the two words; then the low nibbles under
     the exponent of 0.5 in $0, the high ones in $1 (bfloat16: 0x3F00 | q and 0x3F00 | q << 4; float16, whose
     mantissa has ten bits: t shifted left by three, 0x3800 | q << 3 and 0x3800 | q << 7)."""
     select = f"prmt.b32 t, $2, $3, 0x{4 + b}{4 + b}{b}{b};"
@@ -73,7 +73,7 @@ _HALF_BYTE0, _HALF_BYTE1, _HALF_BYTE2, _HALF_BYTE3 = (_nibble_values_asm(b, True
 
 
 @triton.jit
-def _q4_k_byte_values(words, b: tl.constexpr, VALUES: tl.constexpr, PRMT: tl.constexpr):
+def nibble_values(words, b: tl.constexpr, VALUES: tl.constexpr, PRMT: tl.constexpr):
     """Sub-blocks 2b and 2b + 1 [32, BLOCK_N] of the nibble words (byte b's low and high nibbles q), exactly: for
     16-bit activations (VALUES "bf16" or "f16") as the floats 0.5 + q / 256 and 0.5 + q / 16 of their type, on
     CUDA one permute per two words and one masked or per sub-block (`_nibble_values_asm`); for float32 ones q."""
@@ -126,10 +126,10 @@ def _q6_k_half_lanes(words_ptr, high_ptr, step, half: tl.constexpr, cols, n_mask
 
 
 @triton.jit
-def _plus_product(acc, x, w, IEEE: tl.constexpr):
-    """acc + x [BLOCK_M, K] times w [K, BLOCK_N] (`_product`), added inside the tensor-core product."""
+def plus_dot_product(acc, x, w, IEEE: tl.constexpr):
+    """acc + x [BLOCK_M, K] times w [K, BLOCK_N] (`dot_product`), added inside the tensor-core product."""
     if IEEE:
-        return acc + _product(x, w, IEEE)
+        return acc + dot_product(x, w, IEEE)
     return tl.dot(x, w.to(x.dtype), acc)
 
 
@@ -157,7 +157,7 @@ def q4_k_mma_kernel(
 ):
     """out [M, N] = x [M, 256 * steps] times the repacked Q4_K rows on tensor cores. Per sub-block j the quants q,
     for 16-bit activations as the exact floats f = 0.5 + q / c of their type (c = 256 for even j, 16 for odd:
-    `_q4_k_byte_values`), multiply x's 32 columns of that sub-block into P, and ones into their sum X; the value
+    `nibble_values`), multiply x's 32 columns of that sub-block into P, and ones into their sum X; the value
     scale * q - min adds (c * scale) * P - (c / 2 * scale + min) * X to the float32 sums, two multiply-adds per
     sum (float32 activations: f = q, scale * P - min * X, which cancels less)."""
     pdl.wait_for_previous()
@@ -175,7 +175,7 @@ def q4_k_mma_kernel(
             words_ptr + (step * 32 + lane)[:, None] * N + cols[None, :], mask=n_mask[None, :], other=0
         )  # [32, BLOCK_N]: lane l of the eight sub-blocks
         for b in tl.static_range(4):
-            low, high = _q4_k_byte_values(words, b, VALUES, PRMT)
+            low, high = nibble_values(words, b, VALUES, PRMT)
             for upper in tl.static_range(2):
                 j = 2 * b + upper
                 sc, mn = _q4_k_sub_block(s0, s1, s2, j)
@@ -187,22 +187,22 @@ def q4_k_mma_kernel(
                 )
                 minimum = dmin * quant_bits.as_float(mn)
                 if upper == 0:
-                    product = _product(x, low, IEEE)
+                    sums = dot_product(x, low, IEEE)
                 else:
-                    product = _product(x, high, IEEE)
+                    sums = dot_product(x, high, IEEE)
                 if VALUES == "f32":
                     slope = scale
                     offset = minimum
                 else:
                     slope = scale * (256.0 if upper == 0 else 16.0)
                     offset = 0.5 * slope + minimum
-                acc = tl.fma(product, slope[None, :], acc)
-                acc = tl.fma(_product(x, ones, IEEE), -offset[None, :], acc)
+                acc = tl.fma(sums, slope[None, :], acc)
+                acc = tl.fma(dot_product(x, ones, IEEE), -offset[None, :], acc)
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
 
 
 @triton.jit
-def _product(x, w, IEEE: tl.constexpr):
+def dot_product(x, w, IEEE: tl.constexpr):
     """x [BLOCK_M, K] times w [K, BLOCK_N] (values exact in x's dtype) on the tensor cores, in float32; without TF32
     rounding for float32 activations or under the interpreter (IEEE)."""
     if IEEE:
@@ -320,7 +320,7 @@ def gemv(
 ) -> torch.Tensor:
     """out [M, N] = x [M, in] times a repacked matrix of `layout` (its `repacked.planes`) on CUDA cores, all M rows
     in one row block."""
-    grid, shared = _shares(x, out, block_n, split_k)
+    grid, shared = launch_shares(x, out, block_n, split_k)
     kernel = q6_k_gemv_kernel if layout == "Q6_K_R" else q4_k_gemv_kernel
     kernel[grid](
         x,
@@ -389,7 +389,7 @@ def q6_k_mma_kernel(
                     w = slope[None, :] * f - (0.75 * slope)[None, :]  # d * scale * (v - 32), exactly
                     column = step * 256 + (b // 2) * 128 + quarter * 32 + half * 16 + tl.arange(0, 16)
                     x = tl.load(x_ptr + m[:, None] * stride_xm + column[None, :], mask=m_mask[:, None], other=0)
-                    acc = _plus_product(acc, x, w, IEEE)
+                    acc = plus_dot_product(acc, x, w, IEEE)
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, acc, m, cols, n_mask, M, N, stride_om)
 
 
@@ -405,7 +405,7 @@ def mma(
 ) -> torch.Tensor:
     """out [M, N] (row stride free) = x [M, in] (contiguous rows) times a repacked matrix of `layout` (Q4_K_R or
     Q6_K_R, its `repacked.planes`) on tensor cores."""
-    grid, shared = _shares(x, out, block_n, split_k)
+    grid, shared = launch_shares(x, out, block_n, split_k)
     kernel = q6_k_mma_kernel if layout == "Q6_K_R" else q4_k_mma_kernel
     kernel[grid](
         x,
@@ -417,17 +417,17 @@ def mma(
         NUM_STAGES=num_stages,
         PRMT=not INTERPRETED,
         IEEE=x.dtype == torch.float32 or INTERPRETED,
-        **({} if layout == "Q6_K_R" else {"VALUES": _VALUES[x.dtype]}),
+        **({} if layout == "Q6_K_R" else {"VALUES": VALUES_OF[x.dtype]}),
         num_warps=num_warps,
         **pdl.LAUNCH,
     )
     return out
 
 
-_VALUES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # `_q4_k_byte_values`
+VALUES_OF = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # `nibble_values`
 
 
-def _shares(x: torch.Tensor, out: torch.Tensor, block_n: int, split_k: int) -> tuple[tuple[int, int], tuple]:
+def launch_shares(x: torch.Tensor, out: torch.Tensor, block_n: int, split_k: int) -> tuple[tuple[int, int], tuple]:
     """A product's grid (output tiles, input shares) and the arguments every kernel here takes after its planes:
     the float32 workspace of the shares' sums (the output itself for one share), the arrival counts, out, M, N,
     x's and out's row strides, the super-blocks and the super-blocks per share (`quant_bits.store_or_add_shares`)."""
