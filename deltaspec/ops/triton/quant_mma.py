@@ -74,39 +74,37 @@ _HALF_BYTE0, _HALF_BYTE1, _HALF_BYTE2, _HALF_BYTE3 = (_nibble_values_asm(b, True
 
 @triton.jit
 def nibble_values(words, b: tl.constexpr, VALUES: tl.constexpr, PRMT: tl.constexpr):
-    """Sub-blocks 2b and 2b + 1 [32, BLOCK_N] of the nibble words (byte b's low and high nibbles q), exactly: for
-    16-bit activations (VALUES "bf16" or "f16") as the floats 0.5 + q / 256 and 0.5 + q / 16 of their type, on
-    CUDA one permute per two words and one masked or per sub-block (`_nibble_values_asm`); for float32 ones q."""
+    """The low and high nibbles q of byte b of each nibble word (a Q4_K lane word's sub-blocks 2b and 2b + 1; an
+    int4 word's values 2b and 2b + 1), shaped as `words`, exactly: for 16-bit activations (VALUES "bf16" or "f16")
+    as the floats 0.5 + q / 256 and 0.5 + q / 16 of their type, on CUDA one permute per two words and one masked
+    or per nibble and pair (`_nibble_values_asm`); for float32 activations q itself."""
     if VALUES == "f32":
         low = quant_bits.as_float((words >> (8 * b)) & 0xF)
         high = quant_bits.as_float((words >> (8 * b + 4)) & 0xF)
     elif not PRMT:
         low = 0.5 + quant_bits.as_float((words >> (8 * b)) & 0xF) / 256.0
         high = 0.5 + quant_bits.as_float((words >> (8 * b + 4)) & 0xF) / 16.0
-    elif VALUES == "f16":
-        if b == 0:
-            f16_asm: tl.constexpr = _HALF_BYTE0
-        elif b == 1:
-            f16_asm: tl.constexpr = _HALF_BYTE1
-        elif b == 2:
-            f16_asm: tl.constexpr = _HALF_BYTE2
-        else:
-            f16_asm: tl.constexpr = _HALF_BYTE3
-        low, high = tl.inline_asm_elementwise(
-            f16_asm, "=r,=r,r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
-        )
     else:
         if b == 0:
+            f16_asm: tl.constexpr = _HALF_BYTE0
             bf16_asm: tl.constexpr = _BF16_BYTE0
         elif b == 1:
+            f16_asm: tl.constexpr = _HALF_BYTE1
             bf16_asm: tl.constexpr = _BF16_BYTE1
         elif b == 2:
+            f16_asm: tl.constexpr = _HALF_BYTE2
             bf16_asm: tl.constexpr = _BF16_BYTE2
         else:
+            f16_asm: tl.constexpr = _HALF_BYTE3
             bf16_asm: tl.constexpr = _BF16_BYTE3
-        low, high = tl.inline_asm_elementwise(
-            bf16_asm, "=r,=r,r,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2
-        )
+        if VALUES == "f16":
+            low, high = tl.inline_asm_elementwise(
+                f16_asm, "=r,=r,r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+            )
+        else:
+            low, high = tl.inline_asm_elementwise(
+                bf16_asm, "=r,=r,r,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2
+            )
     return low, high
 
 
