@@ -199,8 +199,14 @@ def test_each_replica_gets_its_own_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0")
     two_gpus = EngineConfig.from_flat(device="cuda", tensor_parallel_size=2)
     assert [env["CUDA_VISIBLE_DEVICES"] for env in replica_environments(two_gpus, 2)] == ["4,5", "6,7"]
-    with pytest.raises(DeltaspecError, match=r"x --tensor-parallel-size 2 needs 6 GPUs, but this process sees 5;"):
+    with pytest.raises(
+        DeltaspecError, match=r"3 x 2 GPUs per replica \(tensor x pipeline parallel\) needs 6 GPUs, but"
+    ):
         replica_environments(two_gpus, 3)
+    stages = EngineConfig.from_flat(device="cuda", pipeline_parallel_size=2)
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in replica_environments(stages, 2)] == ["4,5", "6,7"]
+    with pytest.raises(DeltaspecError, match=r"needs 8 GPUs, but this process sees 5; give fewer replicas"):
+        replica_environments(stages.with_settings(tensor_parallel_size=2), 2)
     with pytest.raises(DeltaspecError, match=r"^--device cuda:1 names one GPU, but --data-parallel-size 2 gives"):
         replica_environments(EngineConfig.from_flat(device="cuda:1"), 2)
 
