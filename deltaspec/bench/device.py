@@ -127,6 +127,7 @@ def identity(engine: Engine, benchmark: str, **extra) -> dict:
         **source,
         "quant": cfg.load.quant,
         "weight_blocks": block_types(engine.model),  # GGUF types of the weights kept quantized; [] for float
+        "repack_s": engine.model.repack_seconds,  # --repack: seconds the load spent repacking; None: not repacked
         "fp8_activations": cfg.load.fp8_activations,  # dynamic: FP8 products of over 64 rows quantize activations
         "tensor_parallel_size": cfg.parallel.tensor_parallel_size,  # ranks (GPUs); bytes and rooflines are one rank's
         "expert_parallel": cfg.parallel.enable_expert_parallel,  # routed experts split whole among the ranks

@@ -70,6 +70,7 @@ class MemoryPlan:
     alternatives: tuple[str, ...] = ()  # the largest configurations that fit, as flags would give them
     available_label: str = "free"  # what `available` is: the free memory, or a --gpu-memory-utilization budget
     notes: tuple[str, ...] = ()  # how automatic values were chosen
+    load_transient: int = 0  # held only while the model loads, before the caches: --repack's copy and temporaries
 
     @property
     def device(self) -> str:
@@ -130,8 +131,13 @@ class MemoryPlan:
         return self.weights + self.kv + self.states + self.drafter_bytes + self.workspace + self.reserve
 
     @property
+    def at_load(self) -> int:
+        """The peak while the model loads: its weights, what repacking them holds for a moment, the reserve."""
+        return self.weights + self.drafter.weights + self.load_transient + self.reserve
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.available
+        return self.total <= self.available and self.at_load <= self.available
 
     def state_in_tokens(self) -> int:
         """The tokens (whole pages) whose KV takes as much memory as one state slot: the prompt length from which
@@ -149,6 +155,7 @@ class MemoryPlan:
             (f"GDN states ({self.streams} slots, {self.checkpoints} prefix checkpoints, scratch)", self.states),
             (f"drafter: {self.drafter.name} (weights, KV, states)", self.drafter_bytes),
             ("workspace (one forward pass)", self.workspace),
+            *([("repacking at load (freed before the caches)", self.load_transient)] if self.load_transient else []),
             ("reserve (runtime)", self.reserve),
             ("total needed", self.total),
             (f"{self.available_label} on {self.device}", self.available),
@@ -166,6 +173,11 @@ class MemoryPlan:
             return (
                 f"not even the weights, workspace and runtime reserve ({self.fixed / GIB:.2f} GiB) fit; use a smaller "
                 "dtype or model, or a device with more memory"
+            )
+        if self.at_load > self.available:
+            return (
+                f"loading needs {self.at_load / GIB:.2f} GiB, {self.load_transient / GIB:.2f} of them to repack the "
+                "largest Q4_K / Q6_K matrix for the tensor cores; drop --repack, or use a device with more memory"
             )
         return f"not even one stream of {self.block_size} tokens fits next to the weights"
 

@@ -11,6 +11,7 @@ automatic (streams, context, KV pool; `pool_sizing.py`) within the free memory o
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ from deltaspec.engine.images import has_vision_tower, mrope_sections, tower_work
 from deltaspec.engine.pool_sizing import PoolSizing
 from deltaspec.errors import DeltaspecError
 from deltaspec.model.checkpoint_names import target_name
-from deltaspec.model.gguf_load import gguf_weight_bytes
+from deltaspec.model.gguf_load import FLOAT_TYPES, gguf_weight_bytes
 from deltaspec.model.gguf_raw import read_raw
 from deltaspec.model.hf_config import checkpoint_dtype, parse_model_config, read_config_json
 from deltaspec.model.hybrid import HybridModel
@@ -49,8 +50,10 @@ from deltaspec.model.vision.mmproj import mmproj_config
 from deltaspec.model.vision.preprocess import read_image_processing
 from deltaspec.model.weights import count_mtp_layers, model_dir_for
 from deltaspec.ops.dispatch import REFERENCE
+from deltaspec.ops.quant import repacked
+from deltaspec.ops.quant.formats import row_bytes
 from deltaspec.parallel.group import TensorParallel
-from deltaspec.parallel.pipeline import check_stages, stage_config, stage_layers
+from deltaspec.parallel.pipeline import check_stages, holds, stage_config, stage_layers
 from deltaspec.parallel.shard import Shard, shard_config
 from deltaspec.spec.drafter import Drafter
 from deltaspec.spec.factory import drafter_memory, uses
@@ -125,6 +128,7 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     with_mtp = drafter is None and uses(resolved.speculation.speculative, "mtp")
     size, stages = resolved.parallel.tensor_parallel_size, resolved.parallel.pipeline_parallel_size
     experts_whole = resolved.parallel.enable_expert_parallel
+    matrices: list[tuple[str, str, int, int]] = []  # the quantized 2-D weights, as `repack_transient` reads them
     check_stages(model_config.num_hidden_layers, stages)
     layers = planned_stage(model_config, stages)
     rank_config = shard_config(model_config, size, experts_whole)  # one rank's; refuses sizes that do not divide
@@ -136,14 +140,20 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         target, mtp = rank_weight_bytes(model_config, dtype, tp, with_mtp, layers)
     elif model_dir is None and resolved.load.quant:
         target, mtp = random_quantized_bytes(model_config, dtype, resolved.load.quant, with_mtp)
+        matrices = random_quantized_matrices(model_config, resolved.load.quant, with_mtp)
     elif model_dir is None:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
     elif gguf is not None:
-        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, Shard(model_config, 0, size, experts_whole), layers)
+        shard = Shard(model_config, 0, size, experts_whole)
+        target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, shard, layers)
+        matrices = gguf_matrices(gguf, with_mtp, shard, layers)
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
+    device = torch.device(resolved.host.device)
+    repacks = resolved.host.repack and device.type == "cuda" and resolved.host.kernels != "reference"
+    load_transient = repack_transient(matrices) if repacks else 0
     images, image_workspace, tower = 0, 0, 0
     if resolved.load.mmproj:
         images, tower, image_workspace = mmproj_plan(resolved, gguf, raw, dtype)
@@ -162,7 +172,6 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     memory = (
         DrafterMemory(drafter.name) if drafter is not None else drafter_memory(resolved, model_dir, model_config, mtp)
     )
-    device = torch.device(resolved.host.device)
     available, budget_note = _available(resolved, device)
 
     workspace = Workspace(
@@ -173,9 +182,9 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     )
 
     def plan_at(streams: int, ctx: int, kv_blocks: int) -> MemoryPlan:
-        return plan_memory(
-            rank_config, cache_spec(resolved, streams, ctx, kv_blocks), target, workspace, memory, available
-        )
+        cache = cache_spec(resolved, streams, ctx, kv_blocks)
+        plan = plan_memory(rank_config, cache, target, workspace, memory, available)
+        return replace(plan, load_transient=load_transient)
 
     sizing = PoolSizing(resolved, model_config.max_position_embeddings, plan_at)
     streams, ctx, kv_blocks, notes = sizing.decide()
@@ -257,6 +266,52 @@ def random_quantized_bytes(config: ModelConfig, dtype: torch.dtype, quant: str, 
     }
     mtp = sum(size for name, size in sizes.items() if name.startswith("mtp."))
     return sum(sizes.values()) - mtp, mtp if with_mtp else 0
+
+
+def random_quantized_matrices(config: ModelConfig, quant: str, with_mtp: bool) -> list[tuple[str, str, int, int]]:
+    """(parameter, block type, bytes, row bytes) of the 2-D weights a random-weight model quantized under `quant`
+    keeps as blocks."""
+    with torch.device("meta"):
+        model = HybridModel(
+            quantized_config(config), REFERENCE, torch.bfloat16, "meta", num_mtp_layers=config.num_mtp_layers
+        )
+    shapes = {name: p.shape for name, p in model.named_parameters() if with_mtp or not name.startswith("mtp.")}
+    types = tensor_types(config, shapes, quant)
+    return [
+        (name, qtype, quantized_bytes(shapes[name], qtype), row_bytes(qtype, shapes[name][-1]))
+        for name, qtype in types.items()
+        if len(shapes[name]) == 2
+    ]
+
+
+def gguf_matrices(checkpoint, with_mtp: bool, shard: Shard, layers: range) -> list[tuple[str, str, int, int]]:
+    """(parameter, block type, bytes, row bytes) of a GGUF file's quantized 2-D weights as one rank of one stage
+    loads them."""
+    matrices = []
+    for name, tensor in checkpoint.tensors.items():
+        parameter = target_name(name, with_mtp=with_mtp)
+        if parameter is None or not holds(layers, parameter) or len(tensor.shape) != 2 or tensor.qtype in FLOAT_TYPES:
+            continue
+        share = shard.fraction(parameter, torch.Size(tensor.shape))
+        matrices.append((parameter, tensor.qtype, int(tensor.data.nbytes * share), int(tensor.data.shape[-1])))
+    return matrices
+
+
+KEPT_AS_BLOCKS = re.compile(r"embed_tokens|\.mlp\.(gate\.|experts\.|shared_expert)")  # embeddings, MoE layers
+
+
+def repack_transient(matrices: list[tuple[str, str, int, int]]) -> int:
+    """What `--repack` holds for a moment while the model loads: the most that repacking one of `matrices` takes
+    (`repacked.transient_bytes`) over the Q4_K and Q6_K ones `HybridModel.repack_for_kernels` repacks (not an
+    embedding table's, not a MoE layer's)."""
+    return max(
+        (
+            repacked.transient_bytes(qtype, nbytes, row)
+            for name, qtype, nbytes, row in matrices
+            if qtype in repacked.REPACKED and not KEPT_AS_BLOCKS.search(name)
+        ),
+        default=0,
+    )
 
 
 def _read_gguf(path: Path) -> GGUFCheckpoint:

@@ -66,7 +66,7 @@ class PoolSizing:
 
         def fits(pages: int) -> bool:
             plan = self.plan_at(streams, pages * self.block, kv_blocks)
-            return plan.total <= share * plan.available
+            return plan.total <= share * plan.available and plan.at_load <= plan.available
 
         return max(largest(fits, 1, limit // self.block), 0) * self.block
 

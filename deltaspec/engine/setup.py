@@ -5,6 +5,7 @@ passes."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,8 @@ from deltaspec.spec.speculator import DraftLength, Speculator, TreeSettings
 
 ROUTED_WEIGHT_ELEMENTS = 1 << 20  # weights of at least 1 M elements (2 MB in bf16) get a measured GEMM route
 
+log = logging.getLogger("deltaspec.engine")
+
 
 def engine_executor(config: EngineConfig, replica: Callable) -> Executor:
     """The ranks the engine runs on: its one device, or rank 0 of `config.parallel.world_size` ranks (pipeline stages
@@ -65,7 +68,11 @@ def engine_model(
     torch.set_num_threads(cfg.host.threads)
     model = _loaded_model(planned, ops, progress, tp, pipeline.layers(planned.model_config.num_hidden_layers))
     if cfg.host.repack and device.type == "cuda" and cfg.host.kernels != "reference":
-        model.repack_for_kernels()  # the Q4_K / Q6_K layouts the CUDA products read: same bytes, in place
+        # the Q4_K / Q6_K layouts the CUDA products read, in the same bytes; what a repack held goes back to the
+        # device before the caches are allocated (the planner counted it as `load_transient`)
+        if count := model.repack_for_kernels(progress):
+            torch.cuda.empty_cache()
+            log.info("repacked %d Q4_K / Q6_K matrices for the tensor cores in %.2f s", count, model.repack_seconds)
     return model
 
 

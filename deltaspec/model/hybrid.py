@@ -13,10 +13,12 @@ states into the same logits and drafts (`deltaspec.parallel.pipeline`).
 """
 
 import functools
+import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from deltaspec.cache.model_caches import ModelCaches
 from deltaspec.config.model import LINEAR_ATTENTION, ModelConfig
@@ -130,6 +132,7 @@ class HybridModel(nn.Module):
         held_kv = self.held_attention_layers
         self.mtp = MTPHead(config, num_mtp_layers, held_kv, ops, tp) if num_mtp_layers else None
         self.rotary = RotaryTable(config, dtype, device)
+        self.repack_seconds: float | None = None  # how long `repack_for_kernels` took; None: nothing repacked
         self.feature_layers: tuple[int, ...] = ()  # layers whose outputs `run` returns, for a block drafter
 
     @property
@@ -178,20 +181,30 @@ class HybridModel(nn.Module):
                 shapes[shape] = shapes.get(shape, 0) + 1
         return shapes
 
-    def repack_for_kernels(self) -> int:
+    def repack_for_kernels(self, progress: bool = False) -> int:
         """Repack the Q4_K and Q6_K matrices that the op table's `quantized_linear` multiplies into the layouts of
         the CUDA products (`QuantizedWeight.repack_for_kernels`); MoE layers' weights (the MoE kernels read blocks)
-        and an embedding table's stay. Returns how many segments were repacked."""
+        and an embedding table's stay. Returns how many segments were repacked; `repack_seconds` says how long
+        it took."""
         in_moe = {id(part) for layer in self.modules() if isinstance(layer, SparseMoE) for part in layer.modules()}
         tables = {id(module.weight) for module in self.modules() if isinstance(module, QuantizedEmbedding)}
-        return sum(
-            module.weight.repack_for_kernels()
+        weights = [
+            module.weight
             for module in self.modules()
             if isinstance(module, Linear)
             and id(module) not in in_moe
             and isinstance(module.weight, QuantizedWeight)
             and id(module.weight) not in tables
+        ]
+        start = time.perf_counter()
+        done = sum(
+            weight.repack_for_kernels() for weight in tqdm(weights, "Repacking", unit="matrix", disable=not progress)
         )
+        if done:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.repack_seconds = time.perf_counter() - start
+        return done
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight under its Hugging Face checkpoint name; fused projections come back as views."""

@@ -2,6 +2,7 @@
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,3 +286,32 @@ def test_the_vision_towers_workspace_takes_the_place_of_a_passes_when_larger():
 
     text = workspace(0)
     assert workspace(text // 2) == text and workspace(text * 3) == text * 3
+
+
+def test_repacking_at_load_is_counted_and_refused_when_it_cannot_fit(monkeypatch):
+    """With --repack on CUDA the plan counts what repacking holds while the model loads: the largest Q4_K / Q6_K
+    matrix outside the embedding table and MoE layers, as llama-quantize wrote the file, copied, and a pass's
+    temporaries; a budget that holds everything but that refuses the configuration, naming --repack."""
+    from deltaspec.model.gguf_raw import read_raw
+    from deltaspec.ops.quant import repacked
+
+    path = Path(__file__).parents[1] / "data" / "gguf_llama" / "qwen3next-q4_k_m.gguf"
+    raw = read_raw(path).tensors
+    largest = max(
+        repacked.transient_bytes(t.qtype, t.data.nbytes, t.data.shape[-1])
+        for name, t in raw.items()
+        if t.qtype in repacked.REPACKED and len(t.shape) == 2 and name != "token_embd.weight"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _fixed_memory(monkeypatch, 4 << 30)
+    config = EngineConfig.from_flat(model=str(path), device="cuda", max_num_seqs=1, max_model_len=64, repack=True)
+    plan = plan_for(config).plan
+    assert plan.load_transient == largest and plan.fits
+    assert plan_for(config.with_settings(repack=False)).plan.load_transient == 0
+    assert plan_for(config.with_settings(device="cpu")).plan.load_transient == 0
+    monkeypatch.setattr(repacked, "TEMPORARIES", {"Q4_K": 30000, "Q6_K": 30000})  # a load that outweighs the rest
+    heavy = plan_for(config).plan
+    _fixed_memory(monkeypatch, heavy.at_load - 1)
+    tight = plan_for(config).plan
+    assert tight.total <= tight.available < tight.at_load and not tight.fits
+    assert "drop --repack" in tight.advice()

@@ -44,7 +44,7 @@ def test_llama_quantize_s_blocks_round_trip_and_dequantize_as_gguf_py_does():
 def test_repacking_in_passes_of_rows_gives_the_same_planes(monkeypatch):
     blocks = random_weight("Q6_K", 40, 512, seed=3)
     whole = repacked.repack(blocks, "Q6_K")
-    monkeypatch.setattr(repacked, "ROWS_PER_PASS", 16)
+    monkeypatch.setattr(repacked, "PASS_BYTES", 8 * 420)  # passes of 8 rows of two Q6_K super-blocks
     assert torch.equal(repacked.repack(blocks, "Q6_K"), whole)
 
 
@@ -68,7 +68,7 @@ def test_a_model_repacked_in_place_generates_the_same_tokens():
     model = llm.engine.model
     repacked_count = model.repack_for_kernels()
     types = {q for module in model.modules() if isinstance(module, QuantizedWeight) for q in module.qtypes}
-    assert repacked_count > 0 and {"Q4_K_R", "Q6_K_R"} <= types
+    assert repacked_count > 0 and {"Q4_K_R", "Q6_K_R"} <= types and model.repack_seconds > 0
     after = llm.generate(["The planets of the solar system"], params)[0].outputs[0]
     assert after.token_ids == before.token_ids
     chosen = [[step[t].logprob for t in sorted(step)] for step in after.logprobs]
@@ -146,3 +146,19 @@ def test_with_repack_a_llama_quantize_file_runs_on_cuda_as_on_the_cpu():
         torch.testing.assert_close(torch.tensor(chosen), torch.tensor(expected), rtol=0, atol=1e-3)
     spec = LLM(str(LLAMA_MADE), device="cuda", repack=True, speculative="ngram", draft_tokens=3, **options)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == [o.outputs[0].token_ids for o in cpu]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_repacking_holds_no_more_than_its_transient_bound(qtype, monkeypatch):
+    """What CUDA's allocator holds at its peak while a matrix is repacked in several passes stays within
+    `repacked.transient_bytes`, the figure the memory planner counts for --repack."""
+    monkeypatch.setattr(repacked, "PASS_BYTES", 4 << 20)
+    blocks = random_weight(qtype, 3000, 5120, seed=5).cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = repacked.repack(blocks, qtype)
+    torch.cuda.synchronize()
+    held = torch.cuda.max_memory_allocated() - before
+    assert out.numel() < held <= repacked.transient_bytes(qtype, blocks.numel(), blocks.shape[1])

@@ -27,7 +27,10 @@ from deltaspec.ops.quant.formats import row_bytes
 
 REPACKED = {"Q4_K": "Q4_K_R", "Q6_K": "Q6_K_R"}  # block type -> its repacked layout
 BASE = {layout: qtype for qtype, layout in REPACKED.items()}
-ROWS_PER_PASS = 4096  # output rows repacked at a time, so that the int32 temporaries stay a few hundred MB
+PASS_BYTES = 32 << 20  # the input bytes repacked at a time (whole rows), so that a pass's temporaries stay small
+# a pass's torch temporaries live at once, per input byte, at most (counted from the steps of `_repack_q4_k`, 1.9,
+# and `_repack_q6_k`, 2.7, whose top bits stay bytes; tests/ops/test_kernels_repacked.py checks the bound on CUDA)
+TEMPORARIES = {"Q4_K": 2, "Q6_K": 3}
 
 
 def plane_shapes(layout: str, rows: int, columns: int) -> tuple[tuple[torch.dtype, tuple[int, int]], ...]:
@@ -60,11 +63,23 @@ def repack(data: torch.Tensor, qtype: str) -> torch.Tensor:
     out = torch.empty_like(data)
     targets = planes(out, REPACKED[qtype], columns)
     split = _repack_q4_k if qtype == "Q4_K" else _repack_q6_k
-    for first in range(0, rows, ROWS_PER_PASS):
-        last = min(first + ROWS_PER_PASS, rows)
+    per_pass = rows_per_pass(data.shape[1])
+    for first in range(0, rows, per_pass):
+        last = min(first + per_pass, rows)
         for target, part in zip(targets, split(data[first:last])):
             target[:, first:last] = part
     return out
+
+
+def rows_per_pass(row_bytes: int) -> int:
+    """Rows `repack` takes at a time: `PASS_BYTES` of them, at least one."""
+    return max(1, PASS_BYTES // row_bytes)
+
+
+def transient_bytes(qtype: str, nbytes: int, row_bytes: int) -> int:
+    """Memory `repack` holds beyond its input while it repacks a Q4_K or Q6_K matrix of `nbytes` (rows of
+    `row_bytes`), at most: the repacked copy, and one pass's temporaries."""
+    return nbytes + TEMPORARIES[qtype] * min(nbytes, rows_per_pass(row_bytes) * row_bytes)
 
 
 def unpack(data: torch.Tensor, layout: str, columns: int) -> torch.Tensor:
@@ -99,11 +114,11 @@ def _repack_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     rows = blocks.shape[0]
     supers = blocks.reshape(rows, -1, 210)
     lanes = supers[..., :128].reshape(rows, -1, 4, 32).transpose(2, 3).contiguous().view(torch.int32)  # [n, S, 32]
-    qh = supers[..., 128:192].reshape(rows, -1, 2, 1, 32).to(torch.int32)  # [n, S, half h, 1, lane]
-    r = torch.arange(2, device=blocks.device, dtype=torch.int32)[:, None]
+    qh = supers[..., 128:192].reshape(rows, -1, 2, 1, 32)  # [n, S, half h, 1, lane], bytes throughout
+    r = torch.arange(2, device=blocks.device, dtype=torch.uint8)[:, None]
     bits = ((qh >> (2 * r)) & 3) | (((qh >> (4 + 2 * r)) & 3) << 2)  # [n, S, h, r, lane]: quarters r and 2 + r
     bits = bits.reshape(rows, -1, 4, 2, 16)  # byte b = 2h + r; lanes l and l + 16
-    packed = (bits[..., 0, :] | (bits[..., 1, :] << 4)).to(torch.uint8).transpose(2, 3).contiguous()  # [n, S, 16, 4]
+    packed = (bits[..., 0, :] | (bits[..., 1, :] << 4)).transpose(2, 3).contiguous()  # [n, S, 16, 4]
     scales = supers[..., 192:208].reshape(rows, -1).t().view(torch.int8)
     d = supers[..., 208:].contiguous().view(torch.int16).reshape(rows, -1).t()
     return lanes.reshape(rows, -1).t(), packed.view(torch.int32).reshape(rows, -1).t(), scales, d
