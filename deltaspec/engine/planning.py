@@ -128,7 +128,9 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
     with_mtp = drafter is None and uses(resolved.speculation.speculative, "mtp")
     size, stages = resolved.parallel.tensor_parallel_size, resolved.parallel.pipeline_parallel_size
     experts_whole = resolved.parallel.enable_expert_parallel
-    matrices: list[tuple[str, str, int, int]] = []  # the quantized 2-D weights, as `repack_transient` reads them
+    device = torch.device(resolved.host.device)
+    repacks = resolved.host.repack and device.type == "cuda" and resolved.host.kernels != "reference"
+    matrices: list[tuple[str, str, int, int]] = []  # with --repack, the quantized 2-D weights `repack_transient` reads
     check_stages(model_config.num_hidden_layers, stages)
     layers = planned_stage(model_config, stages)
     rank_config = shard_config(model_config, size, experts_whole)  # one rank's; refuses sizes that do not divide
@@ -140,20 +142,18 @@ def plan_for(config: EngineConfig, drafter: Drafter | None = None) -> Planned:
         target, mtp = rank_weight_bytes(model_config, dtype, tp, with_mtp, layers)
     elif model_dir is None and resolved.load.quant:
         target, mtp = random_quantized_bytes(model_config, dtype, resolved.load.quant, with_mtp)
-        matrices = random_quantized_matrices(model_config, resolved.load.quant, with_mtp)
+        matrices = random_quantized_matrices(model_config, resolved.load.quant, with_mtp) if repacks else []
     elif model_dir is None:
         counts = parameter_counts(model_config)
         target, mtp = (counts["total"] - counts["mtp"]) * dtype.itemsize, counts["mtp"] * dtype.itemsize
     elif gguf is not None:
         shard = Shard(model_config, 0, size, experts_whole)
         target, mtp = gguf_weight_bytes(gguf, dtype, with_mtp, shard, layers)
-        matrices = gguf_matrices(gguf, with_mtp, shard, layers)
+        matrices = gguf_matrices(gguf, with_mtp, shard, layers) if repacks else []
     else:
         target = weight_bytes(files, dtype, skip=lambda name: target_name(name, with_mtp=False) is None)
         mtp = weight_bytes(files, dtype, skip=lambda name: not name.startswith("mtp.")) if with_mtp else 0
-    device = torch.device(resolved.host.device)
-    repacks = resolved.host.repack and device.type == "cuda" and resolved.host.kernels != "reference"
-    load_transient = repack_transient(matrices) if repacks else 0
+    load_transient = repack_transient(matrices)
     images, image_workspace, tower = 0, 0, 0
     if resolved.load.mmproj:
         images, tower, image_workspace = mmproj_plan(resolved, gguf, raw, dtype)
@@ -254,12 +254,7 @@ def _check_parallel(config: EngineConfig, drafter: Drafter | None) -> None:
 def random_quantized_bytes(config: ModelConfig, dtype: torch.dtype, quant: str, with_mtp: bool) -> tuple[int, int]:
     """Bytes of a random-weight model quantized under `quant` (as `random_model` builds it): the target's and
     (0 unless `with_mtp`) its MTP head's; the weights it keeps in float count in `dtype`."""
-    with torch.device("meta"):
-        model = HybridModel(quantized_config(config), REFERENCE, dtype, "meta", num_mtp_layers=config.num_mtp_layers)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    types = tensor_types(config, shapes, quant)
+    shapes, types = _random_quantized_weights(config, quant)
     sizes = {
         name: quantized_bytes(shape, types[name]) if name in types else shape.numel() * dtype.itemsize
         for name, shape in shapes.items()
@@ -271,17 +266,25 @@ def random_quantized_bytes(config: ModelConfig, dtype: torch.dtype, quant: str, 
 def random_quantized_matrices(config: ModelConfig, quant: str, with_mtp: bool) -> list[tuple[str, str, int, int]]:
     """(parameter, block type, bytes, row bytes) of the 2-D weights a random-weight model quantized under `quant`
     keeps as blocks."""
+    shapes, types = _random_quantized_weights(config, quant)
+    return [
+        (name, qtype, quantized_bytes(shapes[name], qtype), row_bytes(qtype, shapes[name][-1]))
+        for name, qtype in types.items()
+        if len(shapes[name]) == 2 and (with_mtp or not name.startswith("mtp."))
+    ]
+
+
+def _random_quantized_weights(config: ModelConfig, quant: str) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """The shapes of a random-weight model's parameters (a tied LM head is the embedding's) and the block type of
+    those `quant` keeps quantized."""
     with torch.device("meta"):
         model = HybridModel(
             quantized_config(config), REFERENCE, torch.bfloat16, "meta", num_mtp_layers=config.num_mtp_layers
         )
-    shapes = {name: p.shape for name, p in model.named_parameters() if with_mtp or not name.startswith("mtp.")}
-    types = tensor_types(config, shapes, quant)
-    return [
-        (name, qtype, quantized_bytes(shapes[name], qtype), row_bytes(qtype, shapes[name][-1]))
-        for name, qtype in types.items()
-        if len(shapes[name]) == 2
-    ]
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes, tensor_types(config, shapes, quant)
 
 
 def gguf_matrices(checkpoint, with_mtp: bool, shard: Shard, layers: range) -> list[tuple[str, str, int, int]]:

@@ -315,3 +315,17 @@ def test_repacking_at_load_is_counted_and_refused_when_it_cannot_fit(monkeypatch
     tight = plan_for(config).plan
     assert tight.total <= tight.available < tight.at_load and not tight.fits
     assert "drop --repack" in tight.advice()
+
+
+def test_repacking_a_random_q4_k_m_shape_counts_its_q6_k_lm_head(monkeypatch):
+    """llama-quantize's Q4_K_M gives the 27B shape's untied LM head [248320, 5120] Q6_K, its largest repacked matrix:
+    1.07 GiB held at load beside the weights."""
+    from deltaspec.ops.quant import repacked
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _fixed_memory(monkeypatch, 80 << 30)
+    flags = dict(random_weights=True, shape="qwen3.5-27b", quant="q4_k_m", device="cuda", max_model_len=1024)
+    plan = plan_for(EngineConfig.from_flat(**flags, max_num_seqs=2, repack=True)).plan
+    head_row = 5120 // 256 * 210
+    assert plan.load_transient == repacked.transient_bytes("Q6_K", 248320 * head_row, head_row) and plan.fits
+    assert re.search(r"repacking at load \(freed before the caches\) +1\.065 GiB", plan.table())
