@@ -1,5 +1,6 @@
-"""Compile the repacked Q4_K / Q6_K products (`deltaspec/ops/triton/quant_mma.py`) for an H100/H200 (sm_90) on any
-machine, no GPU needed, and count the SASS instructions of their loop over super-blocks per weight value, as
+"""Compile the tensor-core and CUDA-core products of `deltaspec/ops/triton/quant_mma.py` (repacked Q4_K / Q6_K) and
+`quant_mma_hf.py` (int4, FP8 blocks), and the block tiles routed today, for an H100/H200 (sm_90) on any machine,
+no GPU needed, and count the SASS instructions of their main loop per weight value, as
 `tools/kernel_sass.py` does for the block GEMVs (a proxy for issue slots; measure speed on the GPU).
 
     python tools/quant_mma_sass.py
@@ -25,6 +26,7 @@ TILE = {"w_ptr": "*u8", "order_ptr": "*i64", "row_bytes": "i32"}
 MMA = {"BLOCK_M": 16, "NUM_STAGES": 2, "PRMT": True, "IEEE": False}
 GEMV = {"M_BLOCK": 1, "NUM_STAGES": 2, "PRMT": True}
 I4_TILE = {"BLOCK_M": 16, "HAS_ORDER": False, "QTYPE": KERNEL_TYPES["I4_G128"], "IEEE": False}
+FP8_TILE = {**I4_TILE, "QTYPE": KERNEL_TYPES["FP8_B128"]}
 VARIANTS = [  # name, kernel, planes, constexprs, values per loop iteration and weight row, (BLOCK_N, warps) tiles
     (
         "q4_k mma",
@@ -39,6 +41,8 @@ VARIANTS = [  # name, kernel, planes, constexprs, values per loop iteration and 
     ("q6_k gemv", quant_mma.q6_k_gemv_kernel, Q6_K, GEMV, 256, ((64, 2), (128, 4), (256, 8))),
     ("i4_g128 mma", quant_mma_hf.i4_mma_kernel, I4, {**MMA, "VALUES": "bf16"}, 128, ((64, 4), (128, 4), (128, 8))),
     ("i4_g128 tile (routed)", quant_matmul._tile_kernel, TILE, I4_TILE, 256, ((32, 4), (64, 4))),
+    ("fp8_b128 mma", quant_mma_hf.fp8_mma_kernel, I4, {**MMA, "VALUES": "bf16"}, 128, ((64, 4), (128, 4), (128, 8))),
+    ("fp8_b128 tile (routed)", quant_matmul._tile_kernel, TILE, FP8_TILE, 256, ((32, 4), (64, 4))),
 ]
 
 

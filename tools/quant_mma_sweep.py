@@ -1,12 +1,12 @@
 """Sweep the tensor-core Q4_K and Q6_K products on the repacked layouts (`deltaspec/ops/triton/quant_mma.py`) and
-the int4 one on I4_G128 blocks (`quant_mma_hf.py`) on CUDA against the routed block products (`quant_matmul`) and
-bf16 `F.linear`, all graph-timed over copies of the weight that exceed twice the L2 (as
+the int4 and FP8 ones on I4_G128 and FP8_B128 blocks (`quant_mma_hf.py`) on CUDA against the routed block products
+(`quant_matmul`) and bf16 `F.linear`, all graph-timed over copies of the weight that exceed twice the L2 (as
 `tools/quant_kernel_sweep.py --table`).
 
-For Q4_K, Q6_K and I4_G128, stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages; split-K 4) at 16
-rows of the 27B shape's gate_up product; stage 2 times the best few at every row count and shape with split-K 1, 2,
-4 and 8, and at 1 and 2 rows the repacked layouts' CUDA-core product too. Each result is checked against the
-dequantizing reference. Writes one JSON line per timing to stderr and the whole report to the path given.
+For each type, stage 1 times every kernel variant (BLOCK_N, warps, pipeline stages; split-K 4) at 16 rows of the
+27B shape's gate_up product; stage 2 times the best few at every row count and shape with split-K 1, 2, 4 and 8,
+and at 1 and 2 rows the repacked layouts' CUDA-core product too. Each result is checked against the dequantizing
+reference. Writes one JSON line per timing to stderr and the whole report to the path given.
 
     python tools/quant_mma_sweep.py OUT.json [--rows=1,2,4,8,16] [--top=2] [--quick]
 """
@@ -21,9 +21,8 @@ import torch.nn.functional as F
 
 from deltaspec.ops.quant.repacked import REPACKED, planes, repack
 from deltaspec.ops.quant.weight import QuantizedWeight
-from deltaspec.ops.triton.quant_matmul import launch_for, quantized_linear
+from deltaspec.ops.triton.quant_matmul import MMA_HF, launch_for, quantized_linear
 from deltaspec.ops.triton.quant_mma import gemv, mma
-from deltaspec.ops.triton.quant_mma_hf import i4_mma
 from tests.ops.test_kernels_quant import random_weight
 from tools.quant_kernel_sweep import copies_past_l2, graph_timed
 
@@ -44,6 +43,7 @@ CONFIG_KEYS = {
     "Q4_K": ("block_n", "num_warps", "num_stages"),
     "Q6_K": ("block_n", "num_warps", "num_stages"),
     "I4_G128": ("block_n", "num_warps", "num_stages"),
+    "FP8_B128": ("block_n", "num_warps", "num_stages"),
 }
 
 
@@ -52,8 +52,8 @@ GEMVS = ((64, 2, 2), (128, 4, 2), (256, 8, 2))
 
 
 def mma_call(qtype: str, x: torch.Tensor, out: torch.Tensor, config: dict, packed) -> torch.Tensor:
-    if qtype == "I4_G128":  # the file's blocks, no planes
-        return i4_mma(x, packed, out, **config)
+    if qtype in MMA_HF:  # the blocks as loaded, no planes
+        return MMA_HF[qtype](x, packed, out, **config)
     if config.get("gemv"):
         return gemv(x, packed, out, REPACKED[qtype], **{key: value for key, value in config.items() if key != "gemv"})
     return mma(x, packed, out, REPACKED[qtype], **config)
@@ -94,7 +94,7 @@ def main() -> None:
     top = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--top=")), "2"))
     path = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
     fixtures = {}
-    for qtype in ("Q4_K", "Q6_K", "I4_G128"):
+    for qtype in ("Q4_K", "Q6_K", *MMA_HF):
         for shape, (n_out, n_in) in SHAPES.items():
             blocks = random_weight(qtype, n_out, n_in, 0).cuda()
             weights = copies(lambda q=qtype, b=blocks, k=n_in: QuantizedWeight([(q, b.clone())], k), blocks.numel())
@@ -113,9 +113,10 @@ def main() -> None:
     grid = itertools.product((64, 128) if quick else (32, 64, 128), (4, 8), stages, (4,))
     q6_k_variants = [dict(zip((*CONFIG_KEYS["Q6_K"], "split_k"), values)) for values in grid]
     grid = itertools.product((64, 128) if quick else (64, 128, 256), (4, 8), stages, (4,))
-    i4_variants = [dict(zip((*CONFIG_KEYS["I4_G128"], "split_k"), values)) for values in grid]
+    block_variants = [dict(zip((*CONFIG_KEYS["I4_G128"], "split_k"), values)) for values in grid]
     stage1, best, stage2 = [], {}, []
-    for qtype, variants in (("Q4_K", q4_k_variants), ("Q6_K", q6_k_variants), ("I4_G128", i4_variants)):
+    typed = [("Q4_K", q4_k_variants), ("Q6_K", q6_k_variants), *((qtype, block_variants) for qtype in MMA_HF)]
+    for qtype, variants in typed:
         timings = measure(qtype, "gate_up", 16, variants, fixtures)
         stage1 += timings
         ranked = sorted(

@@ -36,6 +36,7 @@ PRMT = not INTERPRETED  # the CUDA-core products' byte permutes as PTX (the inte
 HALF, BIASED = quant_bits.HALF_EXPONENT, quant_bits.BIASED_EXPONENT
 MAX_ROWS = 64
 I4_GROUPS = {"I4_G32": 32, "I4_G128": 128}  # int4 block type -> values per group
+MMA_HF = {"I4_G128": quant_mma_hf.i4_mma, "FP8_B128": quant_mma_hf.fp8_mma}  # the "mma" family of these types
 
 
 @triton.jit
@@ -161,7 +162,7 @@ def _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, 
 @dataclass(frozen=True)
 class Launch:
     """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores; "mma": the
-    repacked layouts' and I4_G128's products of `quant_mma` and `quant_mma_hf`, which take their values exact), weight
+    repacked layouts', I4_G128's and FP8_B128's products of `quant_mma` and `quant_mma_hf`, exact values), weight
     rows per program, how many shares the input dimension is split into, warps per program, for Q4_K tiles
     whether a chunk's two sub-blocks make one K = 64 product, and for GEMVs the rows of x per program (a power of
     two; more rows take several row blocks, which share the weight's reads through L2)."""
@@ -230,10 +231,10 @@ def _segment_matmul(
     x: torch.Tensor, order: torch.Tensor | None, qtype: str, data: torch.Tensor, out: torch.Tensor, launch: Launch
 ) -> None:
     """out [M, N] (a column slice of the product) = x [M, K] times one segment's rows [N, row_bytes]."""
-    if qtype == "I4_G128" and launch.family == "mma":  # the file's blocks on tensor cores (`quant_mma_hf`)
+    if qtype in MMA_HF and launch.family == "mma":  # the blocks as loaded, on tensor cores (`quant_mma_hf`)
         x = x if order is None else x.index_select(1, order)
         options = {"block_n": launch.block_n, "split_k": launch.split_k, "num_warps": launch.num_warps}
-        quant_mma_hf.i4_mma(x, data, out, num_stages=launch.num_stages, **options)
+        MMA_HF[qtype](x, data, out, num_stages=launch.num_stages, **options)
         return
     if qtype in repacked.BASE:
         x = x if order is None else x.index_select(1, order)  # the stored columns' order

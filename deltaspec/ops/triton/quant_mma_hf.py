@@ -1,5 +1,7 @@
-"""The int4 product of 2 to 64 rows on tensor cores, from the file's own `I4_G128` blocks (`deltaspec.ops.quant.int4`:
-a header word, then 16 nibble words whose byte b of word w holds values 8w + 2b and 8w + 2b + 1).
+"""The int4 and FP8 products of 2 to 64 rows on tensor cores, from the blocks as loaded: `I4_G128`
+(`deltaspec.ops.quant.int4`: a header word, then 16 nibble words whose byte b of word w holds values 8w + 2b and
+8w + 2b + 1) and `FP8_B128` (`deltaspec.ops.quant.fp8`: a float32 scale, then 32 words of e4m3 values, byte b of
+word w value 4w + b).
 
 A program owns BLOCK_N output rows and a share of the input's groups. Per 128-value group it reads the 16 nibble
 words of each row in one load; the nibbles q' go to the tensor cores as the exact 16-bit floats 0.5 + q' / 256
@@ -10,6 +12,13 @@ value in a 128-row tile against 5.7 the other way round and 14.0 in the block ti
 `tools/quant_mma_sass.py`); products with ones give the activations' sums X over the group's even and odd columns, and
 the group's value s * (q' - z') adds 256 s * P_even + 16 s * P_odd - s (128 + z') * X_even - s (8 + z') * X_odd
 (four multiply-adds per output per group; float32 activations take q' itself: s * P - s * z' * X).
+
+FP8: per 128-value block, each byte position's e4m3 values go to the tensor cores as 16-bit floats by moving their
+bits, exactly, subnormals included: as bfloat16 they are v * 2**-120 (the byte's sign to bit 15, its other seven
+bits to bits 4..10: one permute per two words, a shift, two masks; `_e4m3_values`), multiplied by the activations
+times 2**60 so that the products stay normal float32; as float16 (float16 activations) v * 2**-8. The four
+products of a block add up in the tensor cores, and the block's scale times the two powers of two multiplies the
+sum once: one multiply-add per output per 128 values.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import triton.language as tl
 
 from deltaspec.ops.triton import pdl, quant_bits
 from deltaspec.ops.triton.quant_bits import INTERPRETED
-from deltaspec.ops.triton.quant_gemv_hf import int4_scale
+from deltaspec.ops.triton.quant_gemv_hf import e4m3_scaled, int4_scale
 from deltaspec.ops.triton.quant_mma import VALUES_OF, dot_product, launch_shares, nibble_values, plus_dot_product
 
 
@@ -92,6 +101,104 @@ def i4_mma_kernel(
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, tl.trans(acc), m, cols, n_mask, M, N, stride_om)
 
 
+def _e4m3_asm(b: int, half: bool) -> tl.constexpr:
+    """`_e4m3_values`' PTX for byte b of two words: their bytes b into the low bytes of t's halves with their signs
+    copied into the high bytes, then each half's seven value bits moved to bfloat16's bits 4..10 (float16's 7..13)
+    and the sign kept at bit 15."""
+    select = f"prmt.b32 t, $1, $2, 0x{12 + b:X}{4 + b}{8 + b:X}{b};"
+    shift, mask = ("7", "0x3F803F80") if half else ("4", "0x07F007F0")
+    moved = f" shl.b32 a, t, {shift}; and.b32 a, a, {mask}; and.b32 t, t, 0x80008000; or.b32 $0, a, t;"
+    return tl.constexpr("{.reg .b32 t, a; " + select + moved + "}")
+
+
+_E4M3_BF16_0, _E4M3_BF16_1, _E4M3_BF16_2, _E4M3_BF16_3 = (_e4m3_asm(b, False) for b in range(4))
+_E4M3_HALF_0, _E4M3_HALF_1, _E4M3_HALF_2, _E4M3_HALF_3 = (_e4m3_asm(b, True) for b in range(4))
+
+
+@triton.jit
+def _e4m3_values(words, b: tl.constexpr, VALUES: tl.constexpr, PRMT: tl.constexpr):
+    """The e4m3 values v in byte b of each word, exactly: for float16 activations (VALUES "f16") v * 2**-8, else
+    v * 2**-120; as 16-bit floats of the activations' type on CUDA, as float32 (`e4m3_scaled`) for float32
+    activations or interpreted."""
+    if VALUES == "f32" or not PRMT:
+        values = e4m3_scaled(words, b)
+        if VALUES == "f16":
+            values = values * 5.192296858534828e33  # 2**112: v * 2**-8, as the float16 path has it
+    else:
+        if b == 0:
+            bf16_asm: tl.constexpr = _E4M3_BF16_0
+            f16_asm: tl.constexpr = _E4M3_HALF_0
+        elif b == 1:
+            bf16_asm: tl.constexpr = _E4M3_BF16_1
+            f16_asm: tl.constexpr = _E4M3_HALF_1
+        elif b == 2:
+            bf16_asm: tl.constexpr = _E4M3_BF16_2
+            f16_asm: tl.constexpr = _E4M3_HALF_2
+        else:
+            bf16_asm: tl.constexpr = _E4M3_BF16_3
+            f16_asm: tl.constexpr = _E4M3_HALF_3
+        if VALUES == "f16":
+            values = tl.inline_asm_elementwise(f16_asm, "=r,r,r", [words], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            values = tl.inline_asm_elementwise(bf16_asm, "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return values
+
+
+@triton.jit
+def fp8_mma_kernel(
+    x_ptr,
+    w32_ptr,
+    part_ptr,
+    arrivals_ptr,
+    out_ptr,
+    M,
+    N,
+    row_words,
+    stride_xm,
+    stride_om,
+    steps,
+    steps_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRMT: tl.constexpr,
+    IEEE: tl.constexpr,
+    VALUES: tl.constexpr,
+):
+    """out [M, N] = x [M, 256 * steps] times the FP8_B128 rows of w32 [N, row_words] on tensor cores."""
+    pdl.wait_for_previous()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    row_start = cols.to(tl.int64) * row_words
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    x_rows = x_ptr + m[:, None] * stride_xm  # [BLOCK_M, 1]
+    word = tl.arange(0, 32)
+    if VALUES == "f16":
+        x_scale: tl.constexpr = 1.0  # values v * 2**-8: products stay normal as they are
+        undo: tl.constexpr = 256.0
+    else:
+        x_scale: tl.constexpr = 1.152921504606847e18  # 2**60, against the values' 2**-120
+        undo: tl.constexpr = 1.152921504606847e18
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the output transposed
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
+    for block in tl.range(2 * first, 2 * last, num_stages=NUM_STAGES):
+        at = row_start + block * 33  # [BLOCK_N] words: 33 a block, the scale and 32 words of values
+        scale = tl.load(w32_ptr + at, mask=n_mask, other=0).to(tl.float32, bitcast=True)
+        words = tl.load(w32_ptr + at[None, :] + 1 + word[:, None], mask=n_mask[None, :], other=0)  # [32, BLOCK_N]
+        for b in tl.static_range(4):
+            values = _e4m3_values(words, b, VALUES, PRMT)  # values 4w + b
+            x = tl.load(x_rows + (block * 128 + 4 * word + b)[None, :], mask=m_mask[:, None], other=0)
+            x = (x.to(tl.float32) * x_scale).to(x.dtype)  # exact: a power of two
+            if b == 0:
+                sums = dot_product(tl.trans(values), tl.trans(x), IEEE)
+            else:
+                sums = plus_dot_product(sums, tl.trans(values), tl.trans(x), IEEE)
+        acc = tl.fma(sums, (scale * undo)[:, None], acc)
+    quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, tl.trans(acc), m, cols, n_mask, M, N, stride_om)
+
+
 def i4_mma(
     x: torch.Tensor,
     data: torch.Tensor,
@@ -105,6 +212,36 @@ def i4_mma(
     blocks `data` [N, row_bytes] on tensor cores."""
     grid, shared = launch_shares(x, out, block_n, split_k)
     i4_mma_kernel[grid](
+        x,
+        data.view(torch.int32),
+        *shared[:5],
+        data.shape[1] // 4,
+        *shared[5:],
+        BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
+        BLOCK_N=block_n,
+        NUM_STAGES=num_stages,
+        PRMT=not INTERPRETED,
+        IEEE=x.dtype == torch.float32 or INTERPRETED,
+        VALUES=VALUES_OF[x.dtype],
+        num_warps=num_warps,
+        **pdl.LAUNCH,
+    )
+    return out
+
+
+def fp8_mma(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    out: torch.Tensor,
+    block_n: int = 64,
+    split_k: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """out [M, N] (row stride free) = x [M, in] (contiguous rows, in the stored columns' order) times the FP8_B128
+    blocks `data` [N, row_bytes] on tensor cores."""
+    grid, shared = launch_shares(x, out, block_n, split_k)
+    fp8_mma_kernel[grid](
         x,
         data.view(torch.int32),
         *shared[:5],
