@@ -1,6 +1,6 @@
 """Compile the tensor-core and CUDA-core products of `deltaspec/ops/triton/quant_mma.py` (repacked Q4_K / Q6_K) and
-`quant_mma_hf.py` (int4, FP8 blocks), and the block tiles routed today, for an H100/H200 (sm_90) on any machine,
-no GPU needed, and count the SASS instructions of their main loop per weight value, as
+`quant_mma_hf.py` (int4, FP8 and Q8_0 blocks), and the block tiles routed today, for an H100/H200 (sm_90) on any
+machine, no GPU needed, and count the SASS instructions of their main loop per weight value, as
 `tools/kernel_sass.py` does for the block GEMVs (a proxy for issue slots; measure speed on the GPU).
 
     python tools/quant_mma_sass.py
@@ -27,6 +27,8 @@ MMA = {"BLOCK_M": 16, "NUM_STAGES": 2, "PRMT": True, "IEEE": False}
 GEMV = {"M_BLOCK": 1, "NUM_STAGES": 2, "PRMT": True}
 I4_TILE = {"BLOCK_M": 16, "HAS_ORDER": False, "QTYPE": KERNEL_TYPES["I4_G128"], "IEEE": False}
 FP8_TILE = {**I4_TILE, "QTYPE": KERNEL_TYPES["FP8_B128"]}
+Q8_0 = {"w16_ptr": "*i16", "row_halves": "i32"}
+Q8_0_MMA = {"BLOCK_M": 16, "NUM_STAGES": 2, "IEEE": False}
 VARIANTS = [  # name, kernel, planes, constexprs, values per loop iteration and weight row, (BLOCK_N, warps) tiles
     (
         "q4_k mma",
@@ -43,6 +45,15 @@ VARIANTS = [  # name, kernel, planes, constexprs, values per loop iteration and 
     ("i4_g128 tile (routed)", quant_matmul._tile_kernel, TILE, I4_TILE, 256, ((32, 4), (64, 4))),
     ("fp8_b128 mma", quant_mma_hf.fp8_mma_kernel, I4, {**MMA, "VALUES": "bf16"}, 128, ((64, 4), (128, 4), (128, 8))),
     ("fp8_b128 tile (routed)", quant_matmul._tile_kernel, TILE, FP8_TILE, 256, ((32, 4), (64, 4))),
+    ("q8_0 mma", quant_mma_hf.q8_0_mma_kernel, Q8_0, Q8_0_MMA, 32, ((64, 4), (128, 4), (128, 8))),
+    (
+        "q8_0 tile (routed)",
+        quant_matmul._tile_kernel,
+        TILE,
+        {**I4_TILE, "QTYPE": KERNEL_TYPES["Q8_0"]},
+        256,
+        ((32, 4),),
+    ),
 ]
 
 

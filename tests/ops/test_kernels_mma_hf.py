@@ -1,4 +1,4 @@
-"""The tensor-core products of int4 and FP8 blocks as loaded (`deltaspec.ops.triton.quant_mma_hf`) against the
+"""The tensor-core products of int4, FP8 and Q8_0 blocks as loaded (`deltaspec.ops.triton.quant_mma_hf`) against the
 dequantizing reference: int4 with random zero points and scales of both 16-bit types, FP8 with many subnormal
 values; 2 to 16 rows, one share of the input and several, float32 and 16-bit activations, a permuted input order and
 a partly empty tile, called directly and through `quantized_linear`'s "mma" launch."""
@@ -21,16 +21,14 @@ def fp8_blocks_with_subnormals(rows: int, columns: int, seed: int) -> torch.Tens
 
 @pytest.mark.gpu
 @pytest.mark.kernel
-@pytest.mark.parametrize("qtype", ["I4_G128", "FP8_B128"])
+@pytest.mark.parametrize("qtype", ["I4_G128", "FP8_B128", "Q8_0"])
 @pytest.mark.parametrize(("rows", "split_k", "ordered"), [(2, 1, False), (5, 3, True), (16, 2, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_each_tensor_core_product_matches_the_reference(kernel_device, qtype, rows, split_k, ordered, dtype):
     from deltaspec.ops.triton.quant_matmul import MMA_HF, Launch, quantized_linear
 
     order = torch.randperm(768, generator=torch.Generator().manual_seed(3)) if ordered else None
-    blocks = (
-        random_weight(qtype, 40, 768, seed=rows) if qtype == "I4_G128" else fp8_blocks_with_subnormals(40, 768, rows)
-    )
+    blocks = fp8_blocks_with_subnormals(40, 768, rows) if qtype == "FP8_B128" else random_weight(qtype, 40, 768, rows)
     weight = QuantizedWeight([(qtype, blocks)], 768, order).to(kernel_device)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(kernel_device, dtype)
     (_, data), *_ = weight.segments

@@ -36,7 +36,8 @@ PRMT = not INTERPRETED  # the CUDA-core products' byte permutes as PTX (the inte
 HALF, BIASED = quant_bits.HALF_EXPONENT, quant_bits.BIASED_EXPONENT
 MAX_ROWS = 64
 I4_GROUPS = {"I4_G32": 32, "I4_G128": 128}  # int4 block type -> values per group
-MMA_HF = {"I4_G128": quant_mma_hf.i4_mma, "FP8_B128": quant_mma_hf.fp8_mma}  # the "mma" family of these types
+# the "mma" family of these types: tensor-core products of the blocks as loaded
+MMA_HF = {"I4_G128": quant_mma_hf.i4_mma, "FP8_B128": quant_mma_hf.fp8_mma, "Q8_0": quant_mma_hf.q8_0_mma}
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def _store_tile(part_ptr, arrivals_ptr, out_ptr, acc, xm, rows, m_mask, n_mask, 
 @dataclass(frozen=True)
 class Launch:
     """How one segment's product runs: kernel family ("gemv" on CUDA cores, "tile" on tensor cores; "mma": the
-    repacked layouts', I4_G128's and FP8_B128's products of `quant_mma` and `quant_mma_hf`, exact values), weight
+    repacked layouts', I4_G128's, FP8_B128's and Q8_0's products of `quant_mma` and `quant_mma_hf`), weight
     rows per program, how many shares the input dimension is split into, warps per program, for Q4_K tiles
     whether a chunk's two sub-blocks make one K = 64 product, and for GEMVs the rows of x per program (a power of
     two; more rows take several row blocks, which share the weight's reads through L2)."""

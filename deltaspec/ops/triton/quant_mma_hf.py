@@ -1,7 +1,7 @@
-"""The int4 and FP8 products of 2 to 64 rows on tensor cores, from the blocks as loaded: `I4_G128`
+"""The int4, FP8 and Q8_0 products of 2 to 64 rows on tensor cores, from the blocks as loaded: `I4_G128`
 (`deltaspec.ops.quant.int4`: a header word, then 16 nibble words whose byte b of word w holds values 8w + 2b and
-8w + 2b + 1) and `FP8_B128` (`deltaspec.ops.quant.fp8`: a float32 scale, then 32 words of e4m3 values, byte b of
-word w value 4w + b).
+8w + 2b + 1), `FP8_B128` (`deltaspec.ops.quant.fp8`: a float32 scale, then 32 words of e4m3 values, byte b of
+word w value 4w + b) and GGUF's `Q8_0` (34 bytes: a float16 d, then 32 int8 values, read as 17 16-bit words).
 
 A program owns BLOCK_N output rows and a share of the input's groups. Per 128-value group it reads the 16 nibble
 words of each row in one load; the nibbles q' go to the tensor cores as the exact 16-bit floats 0.5 + q' / 256
@@ -19,6 +19,9 @@ bits to bits 4..10: one permute per two words, a shift, two masks; `_e4m3_values
 times 2**60 so that the products stay normal float32; as float16 (float16 activations) v * 2**-8. The four
 products of a block add up in the tensor cores, and the block's scale times the two powers of two multiplies the
 sum once: one multiply-add per output per 128 values.
+
+Q8_0: per 32-value block, the int8 values of each 16-bit word's low and high byte become floats of the
+activations' type (exact: |q| <= 128) for two products of 16 columns, and d multiplies their sum once.
 """
 
 from __future__ import annotations
@@ -199,6 +202,51 @@ def fp8_mma_kernel(
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, tl.trans(acc), m, cols, n_mask, M, N, stride_om)
 
 
+@triton.jit
+def q8_0_mma_kernel(
+    x_ptr,
+    w16_ptr,
+    part_ptr,
+    arrivals_ptr,
+    out_ptr,
+    M,
+    N,
+    row_halves,
+    stride_xm,
+    stride_om,
+    steps,
+    steps_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """out [M, N] = x [M, 256 * steps] times the Q8_0 rows of w16 [N, row_halves] on tensor cores."""
+    pdl.wait_for_previous()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    row_start = cols.to(tl.int64) * row_halves
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    x_rows = x_ptr + m[:, None] * stride_xm  # [BLOCK_M, 1]
+    half = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the output transposed
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
+    for block in tl.range(8 * first, 8 * last, num_stages=NUM_STAGES):
+        at = row_start + block * 17  # [BLOCK_N] 16-bit words: 17 a block, d and 16 words of two values each
+        d = tl.load(w16_ptr + at, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        pairs = tl.load(w16_ptr + at[None, :] + 1 + half[:, None], mask=n_mask[None, :], other=0).to(tl.int32)
+        x_even = tl.load(x_rows + (block * 32 + 2 * half)[None, :], mask=m_mask[:, None], other=0)  # [BLOCK_M, 16]
+        x_odd = tl.load(x_rows + (block * 32 + 2 * half + 1)[None, :], mask=m_mask[:, None], other=0)
+        low = ((pairs << 24) >> 24).to(tl.float32)  # value 2w, sign-extended: [16, BLOCK_N]
+        high = (pairs >> 8).to(tl.float32)  # value 2w + 1
+        sums = dot_product(tl.trans(low), tl.trans(x_even), IEEE)  # [BLOCK_N, BLOCK_M]
+        sums = plus_dot_product(sums, tl.trans(high), tl.trans(x_odd), IEEE)
+        acc = tl.fma(sums, d[:, None], acc)
+    quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, tl.trans(acc), m, cols, n_mask, M, N, stride_om)
+
+
 def i4_mma(
     x: torch.Tensor,
     data: torch.Tensor,
@@ -253,6 +301,34 @@ def fp8_mma(
         PRMT=not INTERPRETED,
         IEEE=x.dtype == torch.float32 or INTERPRETED,
         VALUES=VALUES_OF[x.dtype],
+        num_warps=num_warps,
+        **pdl.LAUNCH,
+    )
+    return out
+
+
+def q8_0_mma(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    out: torch.Tensor,
+    block_n: int = 64,
+    split_k: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """out [M, N] (row stride free) = x [M, in] (contiguous rows, in the stored columns' order) times the Q8_0
+    blocks `data` [N, row_bytes] on tensor cores."""
+    grid, shared = launch_shares(x, out, block_n, split_k)
+    q8_0_mma_kernel[grid](
+        x,
+        data.view(torch.int16),
+        *shared[:5],
+        data.shape[1] // 2,
+        *shared[5:],
+        BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
+        BLOCK_N=block_n,
+        NUM_STAGES=num_stages,
+        IEEE=x.dtype == torch.float32 or INTERPRETED,
         num_warps=num_warps,
         **pdl.LAUNCH,
     )
