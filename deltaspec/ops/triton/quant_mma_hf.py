@@ -247,89 +247,50 @@ def q8_0_mma_kernel(
     quant_bits.store_rows(part_ptr, arrivals_ptr, out_ptr, tl.trans(acc), m, cols, n_mask, M, N, stride_om)
 
 
-def i4_mma(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    out: torch.Tensor,
-    block_n: int = 64,
-    split_k: int = 4,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> torch.Tensor:
+def i4_mma(x: torch.Tensor, data: torch.Tensor, out: torch.Tensor, **launch) -> torch.Tensor:
     """out [M, N] (row stride free) = x [M, in] (contiguous rows, in the stored columns' order) times the I4_G128
-    blocks `data` [N, row_bytes] on tensor cores."""
-    grid, shared = launch_shares(x, out, block_n, split_k)
-    i4_mma_kernel[grid](
-        x,
-        data.view(torch.int32),
-        *shared[:5],
-        data.shape[1] // 4,
-        *shared[5:],
-        BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
-        BLOCK_N=block_n,
-        NUM_STAGES=num_stages,
-        PRMT=not INTERPRETED,
-        IEEE=x.dtype == torch.float32 or INTERPRETED,
-        VALUES=VALUES_OF[x.dtype],
-        num_warps=num_warps,
-        **pdl.LAUNCH,
-    )
-    return out
+    blocks `data` [N, row_bytes] on tensor cores (`launch`: `_blocks_product`'s tile arguments)."""
+    words = data.view(torch.int32)
+    return _blocks_product(i4_mma_kernel, x, words, out, PRMT=not INTERPRETED, VALUES=VALUES_OF[x.dtype], **launch)
 
 
-def fp8_mma(
+def fp8_mma(x: torch.Tensor, data: torch.Tensor, out: torch.Tensor, **launch) -> torch.Tensor:
+    """The same for FP8_B128 blocks."""
+    words = data.view(torch.int32)
+    return _blocks_product(fp8_mma_kernel, x, words, out, PRMT=not INTERPRETED, VALUES=VALUES_OF[x.dtype], **launch)
+
+
+def q8_0_mma(x: torch.Tensor, data: torch.Tensor, out: torch.Tensor, **launch) -> torch.Tensor:
+    """The same for Q8_0 blocks."""
+    return _blocks_product(q8_0_mma_kernel, x, data.view(torch.int16), out, **launch)
+
+
+def _blocks_product(
+    kernel,
     x: torch.Tensor,
-    data: torch.Tensor,
+    words: torch.Tensor,
     out: torch.Tensor,
     block_n: int = 64,
     split_k: int = 4,
     num_warps: int = 4,
     num_stages: int = 2,
+    **constants,
 ) -> torch.Tensor:
-    """out [M, N] (row stride free) = x [M, in] (contiguous rows, in the stored columns' order) times the FP8_B128
-    blocks `data` [N, row_bytes] on tensor cores."""
+    """Launch `kernel` over the blocks' rows `words` [N, words per row]: BLOCK_N rows a program, the input split
+    in `split_k` shares (`quant_mma.launch_shares`)."""
     grid, shared = launch_shares(x, out, block_n, split_k)
-    fp8_mma_kernel[grid](
+    kernel[grid](
         x,
-        data.view(torch.int32),
+        words,
         *shared[:5],
-        data.shape[1] // 4,
-        *shared[5:],
-        BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
-        BLOCK_N=block_n,
-        NUM_STAGES=num_stages,
-        PRMT=not INTERPRETED,
-        IEEE=x.dtype == torch.float32 or INTERPRETED,
-        VALUES=VALUES_OF[x.dtype],
-        num_warps=num_warps,
-        **pdl.LAUNCH,
-    )
-    return out
-
-
-def q8_0_mma(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    out: torch.Tensor,
-    block_n: int = 64,
-    split_k: int = 4,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> torch.Tensor:
-    """out [M, N] (row stride free) = x [M, in] (contiguous rows, in the stored columns' order) times the Q8_0
-    blocks `data` [N, row_bytes] on tensor cores."""
-    grid, shared = launch_shares(x, out, block_n, split_k)
-    q8_0_mma_kernel[grid](
-        x,
-        data.view(torch.int16),
-        *shared[:5],
-        data.shape[1] // 2,
+        words.shape[1],
         *shared[5:],
         BLOCK_M=max(16, triton.next_power_of_2(out.shape[0])),
         BLOCK_N=block_n,
         NUM_STAGES=num_stages,
         IEEE=x.dtype == torch.float32 or INTERPRETED,
         num_warps=num_warps,
+        **constants,
         **pdl.LAUNCH,
     )
     return out
