@@ -37,6 +37,19 @@ from deltaspec.ops.triton.quant_mma import VALUES_OF, dot_product, launch_shares
 
 
 @triton.jit
+def _program(x_ptr, M, N, row_units, stride_xm, steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's weight rows `cols` [BLOCK_N] (`n_mask`: those that exist; `row_start`: where each starts, in
+    units of the kernel's words), activation rows m [BLOCK_M] (`m_mask`, `x_rows` their pointers [BLOCK_M, 1]) and
+    its share of the 256-value steps [first, last), after the previous kernel (`pdl`)."""
+    pdl.wait_for_previous()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
+    return cols, cols < N, cols.to(tl.int64) * row_units, m, m < M, x_ptr + m[:, None] * stride_xm, first, last
+
+
+@triton.jit
 def i4_mma_kernel(
     x_ptr,
     w32_ptr,
@@ -58,19 +71,13 @@ def i4_mma_kernel(
     VALUES: tl.constexpr,
 ):
     """out [M, N] = x [M, 256 * steps] times the I4_G128 rows of w32 [N, row_words] on tensor cores."""
-    pdl.wait_for_previous()
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < N
-    row_start = cols.to(tl.int64) * row_words
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    x_rows = x_ptr + m[:, None] * stride_xm  # [BLOCK_M, 1]
+    cols, n_mask, row_start, m, m_mask, x_rows, first, last = _program(
+        x_ptr, M, N, row_words, stride_xm, steps, steps_per_split, BLOCK_M, BLOCK_N
+    )
     word = tl.arange(0, 16)
     pair = tl.arange(0, 64)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the output transposed
     ones = tl.full((64, BLOCK_N), 1.0, tl.float32)
-    first = tl.program_id(1) * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
     for group in tl.range(2 * first, 2 * last, num_stages=NUM_STAGES):
         block = row_start + group * 17  # [BLOCK_N] words: 17 a block, the header and 16 nibble words
         header = tl.load(w32_ptr + block, mask=n_mask, other=0)
@@ -169,13 +176,9 @@ def fp8_mma_kernel(
     VALUES: tl.constexpr,
 ):
     """out [M, N] = x [M, 256 * steps] times the FP8_B128 rows of w32 [N, row_words] on tensor cores."""
-    pdl.wait_for_previous()
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < N
-    row_start = cols.to(tl.int64) * row_words
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    x_rows = x_ptr + m[:, None] * stride_xm  # [BLOCK_M, 1]
+    cols, n_mask, row_start, m, m_mask, x_rows, first, last = _program(
+        x_ptr, M, N, row_words, stride_xm, steps, steps_per_split, BLOCK_M, BLOCK_N
+    )
     word = tl.arange(0, 32)
     if VALUES == "f16":
         x_scale: tl.constexpr = 1.0  # values v * 2**-8: products stay normal as they are
@@ -184,8 +187,6 @@ def fp8_mma_kernel(
         x_scale: tl.constexpr = 1.152921504606847e18  # 2**60, against the values' 2**-120
         undo: tl.constexpr = 1.152921504606847e18
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the output transposed
-    first = tl.program_id(1) * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
     for block in tl.range(2 * first, 2 * last, num_stages=NUM_STAGES):
         at = row_start + block * 33  # [BLOCK_N] words: 33 a block, the scale and 32 words of values
         scale = tl.load(w32_ptr + at, mask=n_mask, other=0).to(tl.float32, bitcast=True)
@@ -222,17 +223,11 @@ def q8_0_mma_kernel(
     IEEE: tl.constexpr,
 ):
     """out [M, N] = x [M, 256 * steps] times the Q8_0 rows of w16 [N, row_halves] on tensor cores."""
-    pdl.wait_for_previous()
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < N
-    row_start = cols.to(tl.int64) * row_halves
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    x_rows = x_ptr + m[:, None] * stride_xm  # [BLOCK_M, 1]
+    cols, n_mask, row_start, m, m_mask, x_rows, first, last = _program(
+        x_ptr, M, N, row_halves, stride_xm, steps, steps_per_split, BLOCK_M, BLOCK_N
+    )
     half = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the output transposed
-    first = tl.program_id(1) * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
     for block in tl.range(8 * first, 8 * last, num_stages=NUM_STAGES):
         at = row_start + block * 17  # [BLOCK_N] 16-bit words: 17 a block, d and 16 words of two values each
         d = tl.load(w16_ptr + at, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
