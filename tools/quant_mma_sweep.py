@@ -39,12 +39,7 @@ def timed(operands: list, call) -> float:
     return graph_timed(operands, call) * 1e3
 
 
-CONFIG_KEYS = {
-    "Q4_K": ("block_n", "num_warps", "num_stages"),
-    "Q6_K": ("block_n", "num_warps", "num_stages"),
-    "I4_G128": ("block_n", "num_warps", "num_stages"),
-    "FP8_B128": ("block_n", "num_warps", "num_stages"),
-}
+CONFIG_KEYS = ("block_n", "num_warps", "num_stages")  # a variant, split-K apart
 
 
 # CUDA-core launches on the repacked layouts for 1 and 2 rows: (block_n, num_warps, num_stages)
@@ -109,11 +104,11 @@ def main() -> None:
     quick = "--quick" in sys.argv  # a few variants, two shapes, split-K 4 and 8: what fits beside a test run
     stages = (2,) if quick else (1, 2, 3)
     grid = itertools.product((128, 256) if quick else (64, 128, 256), (4, 8), stages, (4,))
-    q4_k_variants = [dict(zip((*CONFIG_KEYS["Q4_K"], "split_k"), values)) for values in grid]
+    q4_k_variants = [dict(zip((*CONFIG_KEYS, "split_k"), values)) for values in grid]
     grid = itertools.product((64, 128) if quick else (32, 64, 128), (4, 8), stages, (4,))
-    q6_k_variants = [dict(zip((*CONFIG_KEYS["Q6_K"], "split_k"), values)) for values in grid]
+    q6_k_variants = [dict(zip((*CONFIG_KEYS, "split_k"), values)) for values in grid]
     grid = itertools.product((64, 128) if quick else (64, 128, 256), (4, 8), stages, (4,))
-    block_variants = [dict(zip((*CONFIG_KEYS["I4_G128"], "split_k"), values)) for values in grid]
+    block_variants = [dict(zip((*CONFIG_KEYS, "split_k"), values)) for values in grid]
     stage1, best, stage2 = [], {}, []
     typed = [("Q4_K", q4_k_variants), ("Q6_K", q6_k_variants), *((qtype, block_variants) for qtype in MMA_HF)]
     for qtype, variants in typed:
@@ -125,7 +120,7 @@ def main() -> None:
         )
         best[qtype] = []
         for record in ranked:
-            config = {key: record[key] for key in CONFIG_KEYS[qtype]}
+            config = {key: record[key] for key in CONFIG_KEYS}
             if config not in best[qtype]:
                 best[qtype].append(config)
             if len(best[qtype]) == top:
